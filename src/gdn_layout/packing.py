@@ -1,0 +1,237 @@
+"""Views into a packed gradient buffer, and packing gradients into one."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+from .layout import GdnBackwardLayout, Segment
+
+__all__ = ["GdnGrads", "empty", "pack", "unpack", "zeros"]
+
+Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
+_CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
+
+
+class GdnGrads(NamedTuple):
+    """The gradients of ``GatedDeltaNetBackward``, in packing order.
+
+    ``dq, dk, dv`` are ``[B, S, H, N]``; ``dg`` is ``[B, S, H]`` or ``[B, S, H, N]``;
+    ``dbeta`` is ``[B, S, H]``; ``dstate`` is ``[B, H, N, N]``, or None when the state is not
+    carried.
+    """
+
+    dq: NDArray[Any]
+    dk: NDArray[Any]
+    dv: NDArray[Any]
+    dg: NDArray[Any]
+    dbeta: NDArray[Any]
+    dstate: NDArray[Any] | None = None
+
+
+def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
+    """Split a packed gradient buffer into shaped views. Never copies.
+
+    Every field of the result is a view of ``flat``: writing to it writes to ``flat``, a
+    read-only ``flat`` gives read-only views, and a memory-mapped one gives file-backed views.
+    Any dtype and any strides work. Leading axes are kept: a ``(..., total_elems)`` input gives
+    fields of shape ``(..., *shape)``.
+
+    >>> import numpy as np
+    >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2, carry_state=True)
+    >>> flat = np.arange(layout.total_elems, dtype=np.float32)
+    >>> grads = unpack(flat, layout)
+    >>> grads.dk
+    array([[[[4., 5.]],
+    <BLANKLINE>
+            [[6., 7.]]]], dtype=float32)
+    >>> grads.dstate.shape, np.shares_memory(grads.dstate, flat)
+    ((1, 1, 2, 2), True)
+    """
+    if not isinstance(flat, np.ndarray):
+        raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
+    if not isinstance(layout, GdnBackwardLayout):
+        raise TypeError(
+            f"unpack: layout must be a GdnBackwardLayout, got {type(layout).__name__}"
+        )
+    shape = flat.shape
+    if not shape or shape[-1] != layout.total_elems:
+        received = "a 0-d array" if not shape else f"shape {shape}"
+        raise ValueError(
+            f"unpack: flat must have layout.total_elems = {layout.total_elems} elements "
+            f"along its last axis, got {received}, for {layout!r}"
+        )
+    # Splitting one axis into several is always expressible with strides, so each reshape
+    # below returns a view of the slice; it never copies.
+    if len(shape) == 1:
+        views = [flat[s.offset : s.offset + s.length].reshape(s.shape) for s in layout.segments()]
+    else:
+        lead = shape[:-1]
+        views = [
+            flat[..., s.offset : s.offset + s.length].reshape(lead + s.shape)
+            for s in layout.segments()
+        ]
+    return GdnGrads(*views)
+
+
+def pack(
+    dq: ArrayLike,
+    dk: ArrayLike,
+    dv: ArrayLike,
+    dg: ArrayLike,
+    dbeta: ArrayLike,
+    dstate: ArrayLike | None = None,
+    *,
+    layout: GdnBackwardLayout | None = None,
+    out: NDArray[Any] | None = None,
+    dtype: DTypeLike | None = None,
+    casting: Casting = "same_kind",
+) -> NDArray[Any]:
+    """Pack gradients into one 1-D buffer in rlx-ir's order; the inverse of :func:`unpack`.
+
+    The layout is inferred from the arrays unless given; every shape is checked against it.
+    With ``out``, the result is written there and ``out`` is returned; otherwise a new array
+    is allocated. Its dtype is ``dtype``, else ``out.dtype``, else ``np.result_type`` of the
+    gradients, and each gradient is cast as ``np.copyto(..., casting=casting)`` would cast it.
+    Inputs may overlap ``out``, as views from ``unpack(out, ...)`` do: each is read before
+    its memory is written. Nothing is written unless every check passes.
+
+    >>> import numpy as np
+    >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)
+    >>> buf = np.arange(layout.total_elems, dtype=np.float64)
+    >>> bool((pack(*unpack(buf, layout)) == buf).all())
+    True
+    >>> pack(*unpack(buf, layout), dtype=np.float32).dtype
+    dtype('float32')
+    """
+    grads = (dq, dk, dv, dg, dbeta, dstate)
+    arrays = [np.asarray(g) for g in grads[:5]]
+    if dstate is not None:
+        arrays.append(np.asarray(dstate))
+    if layout is None:
+        layout = GdnBackwardLayout.from_grads(*arrays)
+    elif not isinstance(layout, GdnBackwardLayout):
+        raise TypeError(f"pack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+    elif (dstate is None) == layout.carry_state:
+        wrong = "missing" if layout.carry_state else "given"
+        raise ValueError(
+            f"pack: dstate is {wrong}, but the layout has carry_state={layout.carry_state}: "
+            f"{layout!r}"
+        )
+    segments = layout.segments()
+    for seg, array in zip(segments, arrays, strict=True):
+        if array.shape != seg.shape:
+            raise ValueError(
+                f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
+            )
+    if casting not in _CASTINGS:
+        raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
+
+    if out is None:
+        target = np.dtype(dtype) if dtype is not None else np.result_type(*arrays)
+        _check_casts(segments, arrays, target, casting)
+        out = np.empty(layout.total_elems, dtype=target)
+    else:
+        _check_out(out, layout, dtype)
+        _check_casts(segments, arrays, out.dtype, casting)
+        arrays = _detach_overlaps(segments, arrays, out)
+
+    for seg, array in zip(segments, arrays, strict=True):
+        if array is not None:
+            np.copyto(out[seg.offset : seg.offset + seg.length].reshape(seg.shape), array,
+                      casting=casting)
+    return out
+
+
+def empty(
+    layout: GdnBackwardLayout, dtype: DTypeLike = np.float32
+) -> tuple[NDArray[Any], GdnGrads]:
+    """An uninitialised packed buffer and its views, for a backward to write in place.
+
+    >>> import numpy as np
+    >>> flat, grads = empty(GdnBackwardLayout(1, 4, 2, 8), dtype=np.float64)
+    >>> grads.dq[...] = 1.0  # writes into flat
+    >>> flat.shape, bool(flat[:64].sum() == 64)
+    ((136,), True)
+    """
+    flat = np.empty(_total(layout), dtype=dtype)
+    return flat, unpack(flat, layout)
+
+
+def zeros(
+    layout: GdnBackwardLayout, dtype: DTypeLike = np.float32
+) -> tuple[NDArray[Any], GdnGrads]:
+    """A zeroed packed buffer and its views, for a backward that accumulates in place.
+
+    >>> flat, grads = zeros(GdnBackwardLayout(1, 4, 2, 8, carry_state=True))
+    >>> grads.dstate.shape, float(flat.sum())
+    ((1, 2, 8, 8), 0.0)
+    """
+    flat = np.zeros(_total(layout), dtype=dtype)
+    return flat, unpack(flat, layout)
+
+
+def _total(layout: GdnBackwardLayout) -> int:
+    if not isinstance(layout, GdnBackwardLayout):
+        raise TypeError(f"layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+    return layout.total_elems
+
+
+def _check_out(out: Any, layout: GdnBackwardLayout, dtype: DTypeLike | None) -> None:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"pack: out must be a NumPy array, got {type(out).__name__}")
+    if out.shape != (layout.total_elems,):
+        raise ValueError(
+            f"pack: out must have shape ({layout.total_elems},) for {layout!r}, "
+            f"got {out.shape}"
+        )
+    if not out.flags.writeable:
+        raise ValueError("pack: out is read-only")
+    if dtype is not None and np.dtype(dtype) != out.dtype:
+        raise TypeError(
+            f"pack: dtype={np.dtype(dtype)} conflicts with out.dtype={out.dtype}; give one"
+        )
+
+
+def _check_casts(
+    segments: tuple[Segment, ...], arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
+) -> None:
+    for seg, array in zip(segments, arrays, strict=True):
+        if not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
+            raise TypeError(
+                f"pack: cannot cast {seg.name} from {array.dtype} to {target} "
+                f"with casting={casting!r}"
+            )
+
+
+def _detach_overlaps(
+    segments: tuple[Segment, ...], arrays: list[NDArray[Any]], out: NDArray[Any]
+) -> list[NDArray[Any] | None]:
+    """Make every input safe to read while ``out`` is being written.
+
+    An input that already is its own destination (the views of ``unpack(out, layout)``) needs
+    no write at all: it is dropped. Any other input that may overlap ``out`` is copied first,
+    so that no write can clobber memory that a later copy still has to read.
+    """
+    detached: list[NDArray[Any] | None] = []
+    for seg, array in zip(segments, arrays, strict=True):
+        if not np.may_share_memory(array, out):
+            detached.append(array)
+            continue
+        dest = out[seg.offset : seg.offset + seg.length].reshape(seg.shape)
+        if _same_memory(array, dest):
+            detached.append(None)
+        else:
+            detached.append(array.copy())
+    return detached
+
+
+def _same_memory(a: NDArray[Any], b: NDArray[Any]) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
