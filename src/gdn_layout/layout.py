@@ -76,7 +76,7 @@ def _usize_sum(*terms: int) -> int:
     return total
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class GdnBackwardLayout:
     """The packed-gradient layout of ``GatedDeltaNetBackward``, equal to rlx-ir's.
 
@@ -100,6 +100,7 @@ class GdnBackwardLayout:
     carry_state: bool = False
     # Derived once, so that unpack and pack on a hot path do no arithmetic.
     _segments: tuple[Segment, ...] = field(init=False, repr=False, compare=False)
+    _cuts: tuple[tuple[slice, tuple[int, ...]], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in _DIMS:
@@ -114,6 +115,8 @@ class GdnBackwardLayout:
                 "overflow, and rlx-ir's arithmetic would panic"
             ) from None
         object.__setattr__(self, "_segments", segments)
+        cuts = tuple((slice(seg.offset, seg.offset + seg.length), seg.shape) for seg in segments)
+        object.__setattr__(self, "_cuts", cuts)
 
     def _compute_segments(self) -> tuple[Segment, ...]:
         b, s, h, n = self.batch, self.seq, self.heads, self.state_size
@@ -253,8 +256,9 @@ class GdnBackwardLayout:
         ``q`` gives ``[B, S, H, N]``; ``g``'s rank gives the gate mode; a ``state`` that is
         not None means it is carried. Arrays or plain shapes are accepted.
 
-        >>> GdnBackwardLayout.from_inputs(q=(1, 16, 2, 4), g=(1, 16, 2, 4), state=(1, 2, 4, 4))
-        GdnBackwardLayout(batch=1, seq=16, heads=2, state_size=4, gate_per_channel=True, carry_state=True)
+        >>> layout = GdnBackwardLayout.from_inputs(q=(1, 16, 2, 4), g=(1, 16, 2), state=None)
+        >>> layout.gate_per_channel, layout.carry_state, layout.total_elems
+        (False, False, 448)
         """
         return cls._infer(("q", q), ("g", g), ("state", state))
 
@@ -282,8 +286,9 @@ class GdnBackwardLayout:
             raise ValueError(
                 f"{gate[0]} must have shape [B, S, H] or [B, S, H, N], got {gate_shape}"
             )
-        layout = cls(*first_shape, gate_per_channel=len(gate_shape) == 4,
-                     carry_state=state[1] is not None)
+        layout = cls(
+            *first_shape, gate_per_channel=len(gate_shape) == 4, carry_state=state[1] is not None
+        )
         _check_shape(gate[0], gate_shape, layout.shape("dg"), layout)
         if state[1] is not None:
             _check_shape(state[0], _shape_of(*state), layout.shape("dstate"), layout)
@@ -295,15 +300,11 @@ def _shape_of(name: str, value: Any) -> tuple[int, ...]:
     try:
         return tuple(operator.index(d) for d in shape)
     except TypeError:
-        raise TypeError(
-            f"{name} must be an array or a shape, got {type(value).__name__}"
-        ) from None
+        raise TypeError(f"{name} must be an array or a shape, got {type(value).__name__}") from None
 
 
 def _check_shape(
     name: str, received: tuple[int, ...], expected: tuple[int, ...], layout: GdnBackwardLayout
 ) -> None:
     if received != expected:
-        raise ValueError(
-            f"{name} has shape {received}, expected {expected} for {layout!r}"
-        )
+        raise ValueError(f"{name} has shape {received}, expected {expected} for {layout!r}")

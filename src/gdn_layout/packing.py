@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -53,9 +55,7 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     if not isinstance(flat, np.ndarray):
         raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(
-            f"unpack: layout must be a GdnBackwardLayout, got {type(layout).__name__}"
-        )
+        raise TypeError(f"unpack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
     shape = flat.shape
     if not shape or shape[-1] != layout.total_elems:
         received = "a 0-d array" if not shape else f"shape {shape}"
@@ -65,15 +65,11 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
         )
     # Splitting one axis into several is always expressible with strides, so each reshape
     # below returns a view of the slice; it never copies.
+    cuts = layout._cuts
     if len(shape) == 1:
-        views = [flat[s.offset : s.offset + s.length].reshape(s.shape) for s in layout.segments()]
-    else:
-        lead = shape[:-1]
-        views = [
-            flat[..., s.offset : s.offset + s.length].reshape(lead + s.shape)
-            for s in layout.segments()
-        ]
-    return GdnGrads(*views)
+        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in cuts])
+    lead = shape[:-1]
+    return GdnGrads(*[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in cuts])
 
 
 def pack(
@@ -106,12 +102,11 @@ def pack(
     >>> pack(*unpack(buf, layout), dtype=np.float32).dtype
     dtype('float32')
     """
-    grads = (dq, dk, dv, dg, dbeta, dstate)
-    arrays = [np.asarray(g) for g in grads[:5]]
+    arrays = [np.asarray(g) for g in (dq, dk, dv, dg, dbeta)]
     if dstate is not None:
         arrays.append(np.asarray(dstate))
     if layout is None:
-        layout = GdnBackwardLayout.from_grads(*arrays)
+        layout = _infer_layout(arrays)
     elif not isinstance(layout, GdnBackwardLayout):
         raise TypeError(f"pack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
     elif (dstate is None) == layout.carry_state:
@@ -121,27 +116,61 @@ def pack(
             f"{layout!r}"
         )
     segments = layout.segments()
+    contiguous = True
     for seg, array in zip(segments, arrays, strict=True):
         if array.shape != seg.shape:
             raise ValueError(
                 f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
             )
+        contiguous = contiguous and array.flags.c_contiguous
     if casting not in _CASTINGS:
         raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
 
     if out is None:
         target = np.dtype(dtype) if dtype is not None else np.result_type(*arrays)
         _check_casts(segments, arrays, target, casting)
-        out = np.empty(layout.total_elems, dtype=target)
-    else:
-        _check_out(out, layout, dtype)
-        _check_casts(segments, arrays, out.dtype, casting)
-        arrays = _detach_overlaps(segments, arrays, out)
+        if contiguous:
+            # One C-level pass over all inputs: ravel of a C-contiguous array is a view.
+            return np.concatenate([a.ravel() for a in arrays], dtype=target, casting=casting)
+        return _copy_into(np.empty(layout.total_elems, dtype=target), segments, arrays, casting)
+    _check_out(out, layout, dtype)
+    _check_casts(segments, arrays, out.dtype, casting)
+    if contiguous and not _may_overlap(arrays, out):
+        np.concatenate([a.ravel() for a in arrays], out=out, casting=casting)
+        return out
+    return _copy_into(out, segments, _detach_overlaps(segments, arrays, out), casting)
 
-    for seg, array in zip(segments, arrays, strict=True):
+
+def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
+    return any(np.may_share_memory(array, out) for array in arrays)
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_layout(
+    shape: tuple[int, ...], gate_per_channel: bool, carry_state: bool
+) -> GdnBackwardLayout:
+    return GdnBackwardLayout(*shape, gate_per_channel=gate_per_channel, carry_state=carry_state)
+
+
+def _infer_layout(arrays: list[NDArray[Any]]) -> GdnBackwardLayout:
+    dq, dg = arrays[0], arrays[3]
+    if dq.ndim == 4 and dg.ndim in (3, 4):
+        # pack checks every shape against the layout next; only the common case is cached.
+        return _cached_layout(dq.shape, dg.ndim == 4, len(arrays) == 6)
+    return GdnBackwardLayout.from_grads(*arrays)
+
+
+def _copy_into(
+    out: NDArray[Any],
+    segments: tuple[Segment, ...],
+    sources: Sequence[NDArray[Any] | None],
+    casting: Casting,
+) -> NDArray[Any]:
+    for seg, array in zip(segments, sources, strict=True):
         if array is not None:
-            np.copyto(out[seg.offset : seg.offset + seg.length].reshape(seg.shape), array,
-                      casting=casting)
+            np.copyto(
+                out[seg.offset : seg.offset + seg.length].reshape(seg.shape), array, casting=casting
+            )
     return out
 
 
@@ -154,7 +183,7 @@ def empty(
     >>> flat, grads = empty(GdnBackwardLayout(1, 4, 2, 8), dtype=np.float64)
     >>> grads.dq[...] = 1.0  # writes into flat
     >>> flat.shape, bool(flat[:64].sum() == 64)
-    ((136,), True)
+    ((208,), True)
     """
     flat = np.empty(_total(layout), dtype=dtype)
     return flat, unpack(flat, layout)
@@ -184,8 +213,7 @@ def _check_out(out: Any, layout: GdnBackwardLayout, dtype: DTypeLike | None) -> 
         raise TypeError(f"pack: out must be a NumPy array, got {type(out).__name__}")
     if out.shape != (layout.total_elems,):
         raise ValueError(
-            f"pack: out must have shape ({layout.total_elems},) for {layout!r}, "
-            f"got {out.shape}"
+            f"pack: out must have shape ({layout.total_elems},) for {layout!r}, got {out.shape}"
         )
     if not out.flags.writeable:
         raise ValueError("pack: out is read-only")
@@ -199,7 +227,7 @@ def _check_casts(
     segments: tuple[Segment, ...], arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
 ) -> None:
     for seg, array in zip(segments, arrays, strict=True):
-        if not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
+        if array.dtype != target and not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
             raise TypeError(
                 f"pack: cannot cast {seg.name} from {array.dtype} to {target} "
                 f"with casting={casting!r}"
