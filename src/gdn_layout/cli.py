@@ -1,0 +1,453 @@
+"""The ``gdn-layout`` command line.
+
+User errors (bad values, missing files) print one line and exit with status 2; the commands
+that judge something exit 1 when the judgement fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from . import _render
+from .fixtures import REGIMES
+from .layout import GdnBackwardLayout
+from .packing import GdnGrads, unpack
+
+__all__ = ["main"]
+
+_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        result: int = args.run(args)
+    except (UsageError, ValueError, TypeError, OSError, ImportError) as error:
+        print(f"gdn-layout {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return result
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, like every other user error here."""
+
+    def error(self, message: str) -> Any:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="gdn-layout",
+        description="The packed-gradient layout of RLX's GatedDeltaNetBackward.",
+    )
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
+
+    describe = commands.add_parser(
+        "describe",
+        help="print where each gradient sits in the packed buffer",
+        description="Print the layout table: name, shape, offset, length and bytes of each "
+        "gradient in the packed buffer.",
+    )
+    _add_layout_arguments(describe, batch=1, seq=2048, heads=16, state_size=128)
+    describe.add_argument("--dtype", default="float32", type=_dtype_name, help="%(default)s")
+    describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    describe.set_defaults(run=_describe)
+
+    fixture = commands.add_parser(
+        "fixture",
+        help="run the reference and write a fixture file (or a suite of them)",
+        description="Draw inputs as the op expects them, run the float64 reference forward and "
+        "backward, and write inputs, dy, y and the packed gradient to a safetensors file.",
+    )
+    _add_layout_arguments(fixture, batch=2, seq=64, heads=3, state_size=16)
+    fixture.add_argument("--dtype", default="float32", type=_dtype_name, help="%(default)s")
+    fixture.add_argument("--seed", type=_dimension, default=0, help="%(default)s")
+    fixture.add_argument(
+        "--gate-regime",
+        choices=REGIMES,
+        default="mixed",
+        help="zero: no decay, where state-path bugs show most; mild: exp(g) near 1; "
+        "strong: exp(g) near 0; mixed: all three (default)",
+    )
+    target = fixture.add_mutually_exclusive_group(required=True)
+    target.add_argument("-o", "--output", metavar="PATH", help="the fixture file to write")
+    target.add_argument(
+        "--suite",
+        metavar="DIR",
+        help="write the standard coverage set and its manifest.json into DIR instead",
+    )
+    fixture.add_argument("--force", action="store_true", help="replace existing files")
+    fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    fixture.set_defaults(run=_fixture)
+
+    inspect = commands.add_parser(
+        "inspect",
+        help="per-gradient statistics of a packed buffer",
+        description="Per-gradient shape, dtype, min, max, mean, RMS, NaN and Inf counts of a "
+        "fixture, a .npy file or a raw binary file (raw needs --dtype and the layout flags).",
+    )
+    inspect.add_argument("path", metavar="PATH")
+    _add_file_arguments(inspect)
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    inspect.set_defaults(run=_inspect)
+
+    compare = commands.add_parser(
+        "compare",
+        help="compare an actual packed buffer with an expected one",
+        description="Compare ACTUAL with EXPECTED gradient by gradient. Exit status: 0 within "
+        "tolerance, 1 not, 2 for usage or file errors. Each file is a fixture, a .npy or a raw "
+        "binary file; a fixture supplies the layout.",
+    )
+    compare.add_argument("actual", metavar="ACTUAL")
+    compare.add_argument("expected", metavar="EXPECTED")
+    _add_file_arguments(compare)
+    for flag, what in (
+        ("--rtol", "relative tolerance"),
+        ("--atol", "absolute tolerance"),
+        ("--max-rms-ratio", "judge by rms(actual - expected) / rms(expected) instead"),
+    ):
+        compare.add_argument(
+            flag,
+            type=_tolerance,
+            metavar="X|NAME=X,...",
+            help=f"{what}: one number, or per gradient, e.g. dq=1e-3,dg=2e-3",
+        )
+    compare.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    compare.add_argument("--plot", metavar="PNG", help="write error heatmaps (needs [plot])")
+    compare.set_defaults(run=_compare)
+
+    demo = commands.add_parser(
+        "demo",
+        help="the whole round trip on a small case, with defaults",
+        description="Make a fixture with the float64 reference in a temporary folder, reload it "
+        "memory-mapped, unpack it, and compare a float32 recomputation against it.",
+    )
+    _add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16)
+    demo.add_argument("--seed", type=_dimension, default=0, help="%(default)s")
+    demo.set_defaults(run=_demo, per_channel=True, carry_state=True)
+    return parser
+
+
+def _add_file_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "raw and .npy files", "a fixture carries its own layout and dtype; other files need these"
+    )
+    group.add_argument("--dtype", type=_dtype_name, help="the dtype of a raw binary file")
+    group.add_argument("--batch", "-B", type=_dimension)
+    group.add_argument("--seq", "-S", type=_dimension)
+    group.add_argument("--heads", "-H", type=_dimension)
+    group.add_argument("--state-size", "-N", type=_dimension)
+    group.add_argument("--per-channel", action="store_true", default=None)
+    group.add_argument("--carry-state", action="store_true", default=None)
+
+
+def _add_layout_arguments(
+    parser: argparse.ArgumentParser, *, batch: int, seq: int, heads: int, state_size: int
+) -> None:
+    group = parser.add_argument_group("layout")
+    group.add_argument("--batch", "-B", type=_dimension, default=batch, help="%(default)s")
+    group.add_argument("--seq", "-S", type=_dimension, default=seq, help="%(default)s")
+    group.add_argument("--heads", "-H", type=_dimension, default=heads, help="%(default)s")
+    group.add_argument(
+        "--state-size", "-N", type=_dimension, default=state_size, help="%(default)s"
+    )
+    group.add_argument(
+        "--per-channel", action="store_true", help="gate per key channel: g is [B, S, H, N]"
+    )
+    group.add_argument(
+        "--carry-state", action="store_true", help="an initial state is given: dstate is packed"
+    )
+
+
+def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
+    return GdnBackwardLayout(
+        args.batch,
+        args.seq,
+        args.heads,
+        args.state_size,
+        gate_per_channel=args.per_channel,
+        carry_state=args.carry_state,
+    )
+
+
+def _describe(args: argparse.Namespace) -> int:
+    layout = _layout_from(args)
+    dtype = resolve_dtype(args.dtype)
+    if args.json:
+        rows = _render.layout_table(layout, dtype)
+        document: dict[str, Any] = {
+            "layout": layout.to_dict(),
+            "dtype": args.dtype,
+            "total_elems": layout.total_elems,
+            "nbytes": layout.nbytes(dtype),
+            "gradients": [
+                {
+                    "name": row.name,
+                    "shape": list(row.shape),
+                    "offset": row.offset,
+                    "length": row.length,
+                    "nbytes": row.nbytes,
+                }
+                for row in rows
+            ],
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(_render.layout_text(layout, dtype))
+    return 0
+
+
+def _fixture(args: argparse.Namespace) -> int:
+    from .fixtures import make_fixture, save_fixture, write_suite
+
+    layout = _layout_from(args)
+    dtype = resolve_dtype(args.dtype)
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    if args.suite is not None:
+        paths = write_suite(args.suite, dtype=dtype, seed=args.seed, overwrite=args.force)
+        progress.done()
+        total = sum(path.stat().st_size for path in paths)
+        print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({_human(total)})")
+        return 0
+    progress.say(f"reference backward for {layout!r}")
+    fixture = make_fixture(layout, dtype=dtype, regime=args.gate_regime, seed=args.seed)
+    path = save_fixture(args.output, fixture, overwrite=args.force)
+    progress.done()
+    print(
+        f"wrote {path} ({_human(path.stat().st_size)}): {layout!r}, {args.dtype}, "
+        f"gate regime {args.gate_regime}, seed {args.seed}"
+    )
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    source = _open_packed(args.path, args)
+    layout = _resolve_layout([source], args)
+    grads = _unpack(source, layout)
+    if args.json:
+        rows = [row._asdict() for row in _render.grad_stats(grads)]
+        document = {
+            "path": args.path,
+            "kind": source.kind,
+            "dtype": str(source.packed.dtype),
+            "layout": layout.to_dict(),
+            "gradients": [{**row, "shape": list(row["shape"])} for row in rows],
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        print(
+            f"{args.path}: {source.kind}, {source.packed.dtype}, {_render.layout_caption(layout)}"
+        )
+        print(_render.grads_text(grads))
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+
+    actual = _open_packed(args.actual, args)
+    expected = _open_packed(args.expected, args)
+    layout = _resolve_layout([actual, expected], args)
+    for source in (actual, expected):
+        _unpack(source, layout)  # a length that does not fit the layout is a usage error
+    result = compare(
+        actual.packed,
+        expected.packed,
+        layout,
+        rtol=args.rtol,
+        atol=args.atol,
+        max_rms_ratio=args.max_rms_ratio,
+    )
+    if args.plot is not None:
+        from .plot import plot_errors
+
+        plot_errors(result, path=args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result)
+    return 0 if result.passed else 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import reference
+    from .compare import compare
+    from .fixtures import load_fixture, make_fixture, save_fixture
+
+    layout = _layout_from(args)
+    with tempfile.TemporaryDirectory(prefix="gdn-layout-demo-") as folder:
+        path = Path(folder) / "demo.safetensors"
+        print(f"1. the layout of the backward, {_render.layout_caption(layout)}:")
+        print(_render.layout_text(layout, np.float64))
+        fixture = make_fixture(layout, dtype=np.float64, regime="mixed", seed=args.seed)
+        save_fixture(path, fixture)
+        print(f"\n2. a float64 reference fixture: {_human(path.stat().st_size)} of safetensors")
+        loaded = load_fixture(path)
+        mapped = all(isinstance(a, np.memmap) for a in loaded.tensors().values())
+        print(f"   reloaded memory-mapped: {mapped}; its gradients, unpacked without a copy:")
+        print(_render.grads_text(loaded.grads))
+        recomputed = reference.backward(*loaded.inputs, dtype=np.float32)
+        result = compare(recomputed, loaded.packed, layout, rtol=1e-4, atol=1e-5)
+        print("\n3. a float32 recomputation against it (rtol=1e-4, atol=1e-5):")
+        print(result)
+    return 0 if result.passed else 1
+
+
+class _Packed(NamedTuple):
+    path: str
+    kind: str
+    packed: NDArray[Any]
+    layout: GdnBackwardLayout | None
+
+
+def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
+    """Read a packed buffer lazily (memory-mapped) from a fixture, a .npy or a raw file."""
+    from .fixtures import load_fixture
+
+    if not Path(path).is_file():
+        raise UsageError(f"{path}: no such file")
+    if path.endswith(".safetensors"):
+        fixture = load_fixture(path)
+        _check_dtype_flag(args, fixture.packed.dtype, path)
+        return _Packed(path, "fixture", fixture.packed, fixture.layout)
+    if path.endswith(".npy"):
+        packed = np.load(path, mmap_mode="r", allow_pickle=False)
+        _check_dtype_flag(args, packed.dtype, path)
+        return _Packed(path, ".npy", packed, None)
+    if args.dtype is None:
+        raise UsageError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
+    dtype = resolve_dtype(args.dtype)
+    size = Path(path).stat().st_size
+    if size % dtype.itemsize:
+        raise UsageError(f"{path}: {size} bytes is not a whole number of {args.dtype} elements")
+    packed = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
+    return _Packed(path, "raw", packed, None)
+
+
+def _check_dtype_flag(args: argparse.Namespace, dtype: np.dtype[Any], path: str) -> None:
+    if args.dtype is not None and resolve_dtype(args.dtype) != dtype:
+        raise UsageError(f"{path}: holds {dtype}, but --dtype says {args.dtype}")
+
+
+def _resolve_layout(sources: list[_Packed], args: argparse.Namespace) -> GdnBackwardLayout:
+    """The layout the files state, checked against the flags; else the one the flags give."""
+    dims = (args.batch, args.seq, args.heads, args.state_size)
+    flagged = None
+    if any(d is not None for d in dims) or args.per_channel or args.carry_state:
+        if any(d is None for d in dims):
+            raise UsageError("give all of --batch, --seq, --heads and --state-size, or none")
+        flagged = GdnBackwardLayout(
+            *dims, gate_per_channel=bool(args.per_channel), carry_state=bool(args.carry_state)
+        )
+    layout = flagged
+    for source in sources:
+        if source.layout is None:
+            continue
+        if layout is not None and source.layout != layout:
+            told = "the flags give" if layout is flagged else "the other file has"
+            raise UsageError(f"{source.path}: has {source.layout!r}, but {told} {layout!r}")
+        layout = source.layout
+    if layout is None:
+        raise UsageError(
+            "no fixture gives the layout: pass --batch, --seq, --heads, --state-size "
+            "(and --per-channel, --carry-state as they apply)"
+        )
+    return layout
+
+
+def _unpack(source: _Packed, layout: GdnBackwardLayout) -> GdnGrads:
+    if source.packed.ndim != 1:
+        raise UsageError(
+            f"{source.path}: expected a 1-D packed buffer, got shape {source.packed.shape}"
+        )
+    if source.packed.shape[0] != layout.total_elems:
+        raise UsageError(
+            f"{source.path}: {source.packed.shape[0]} elements, but {layout!r} packs "
+            f"{layout.total_elems}"
+        )
+    return unpack(source.packed, layout)
+
+
+class _Progress:
+    """One status line on stderr, rewritten in place; silent when not enabled."""
+
+    def __init__(self, *, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def say(self, text: str) -> None:
+        if self.enabled:
+            sys.stderr.write(f"\r\x1b[K{text} ...")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _tolerance(text: str) -> float | dict[str, float]:
+    try:
+        if "=" not in text:
+            return float(text)
+        pairs = (item.split("=", 1) for item in text.split(","))
+        return {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or NAME=NUMBER pairs like dq=1e-3,dg=2e-3, got {text!r}"
+        ) from None
+
+
+def resolve_dtype(name: str) -> np.dtype[Any]:
+    """The NumPy dtype called ``name``; bfloat16 comes from the ``bfloat16`` extra."""
+    if name == "bfloat16":
+        try:
+            import ml_dtypes
+        except ImportError:
+            raise UsageError(
+                "bfloat16 needs ml_dtypes: pip install 'gdn-layout[bfloat16]'"
+            ) from None
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
+    return np.dtype(name)
+
+
+def _dtype_name(text: str) -> str:
+    if text not in _DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_DTYPE_NAMES)}, got {text!r}")
+    return text
+
+
+def _dimension(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value

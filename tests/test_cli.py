@@ -1,0 +1,206 @@
+"""The command line, run as a user runs it: in a subprocess, judged by output and exit status."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gdn_layout import GdnBackwardLayout, unpack
+from gdn_layout.fixtures import load_fixture
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gdn_layout", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+        check=False,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:
+    """Exit 2, one line on stderr that says what is wrong, and no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr
+
+
+@pytest.fixture(scope="module")
+def fixture_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fx") / "case.safetensors"
+    result = run(
+        "fixture", "-B", "2", "-S", "9", "-H", "3", "-N", "4", "--carry-state",
+        "--gate-regime", "zero", "--seed", "7", "-o", path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert str(path) in result.stdout
+    return path
+
+
+def test_describe_prints_the_table_the_readme_shows() -> None:
+    result = run("describe", "--batch", "2", "--seq", "5", "--heads", "3", "--state-size", "8",
+                 "--carry-state")  # fmt: skip
+    assert result.returncode == 0
+    readme = README.read_text()
+    block = readme.split("--state-size 8 --carry-state\n", 1)[1].split("```", 1)[0]
+    assert result.stdout == block
+
+
+def test_describe_json_has_the_layout_numbers() -> None:
+    result = run("describe", "-B", "2", "-S", "3", "-H", "4", "-N", "8", "--per-channel",
+                 "--dtype", "float16", "--json")  # fmt: skip
+    assert result.returncode == 0
+    doc = json.loads(result.stdout)
+    layout = GdnBackwardLayout(2, 3, 4, 8, gate_per_channel=True)
+    assert GdnBackwardLayout.from_dict(doc["layout"]) == layout
+    assert doc["nbytes"] == 2 * doc["total_elems"] == 2 * (4 * 192 + 24)
+    assert [g["name"] for g in doc["gradients"]] == ["dq", "dk", "dv", "dg", "dbeta"]
+    assert [(g["offset"], g["length"]) for g in doc["gradients"]] == layout.slices()
+    assert doc["gradients"][3]["shape"] == [2, 3, 4, 8]
+
+
+def test_describe_defaults_work() -> None:
+    result = run("describe")
+    assert result.returncode == 0
+    assert "dbeta" in result.stdout
+    assert "total" in result.stdout
+
+
+def test_fixture_writes_a_loadable_file(fixture_path: Path) -> None:
+    fx = load_fixture(fixture_path)
+    assert fx.layout == GdnBackwardLayout(2, 9, 3, 4, carry_state=True)
+    assert fx.regime == "zero"
+    assert fx.seed == 7
+    assert fx.dtype == np.float32
+    assert not np.asarray(fx.g).any()
+
+
+def test_fixture_refuses_to_replace_a_file_unless_forced(fixture_path: Path) -> None:
+    before = fixture_path.read_bytes()
+    result = run("fixture", "-o", fixture_path)
+    assert_user_error(result, str(fixture_path))
+    assert fixture_path.read_bytes() == before
+    forced = run("fixture", "-B", "1", "-S", "2", "-H", "1", "-N", "2", "-o", fixture_path,
+                 "--force", "--dtype", "float64")  # fmt: skip
+    assert forced.returncode == 0, forced.stderr
+    assert load_fixture(fixture_path).dtype == np.float64
+    fixture_path.write_bytes(before)
+
+
+def test_fixture_suite_writes_a_manifest(tmp_path: Path) -> None:
+    result = run("fixture", "--suite", tmp_path / "suite", "--quiet")
+    assert result.returncode == 0, result.stderr
+    manifest = json.loads((tmp_path / "suite" / "manifest.json").read_text())
+    files = sorted((tmp_path / "suite").glob("*.safetensors"))
+    assert len(files) >= 32
+    assert sum(f.stat().st_size for f in files) < 20 * 2**20
+    assert "manifest" in result.stdout or "fixtures" in result.stdout
+    assert manifest
+
+
+def test_inspect_a_fixture(fixture_path: Path) -> None:
+    result = run("inspect", fixture_path)
+    assert result.returncode == 0, result.stderr
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dstate"):
+        assert re.search(rf"^{name}\s", result.stdout, re.MULTILINE), name
+    doc = json.loads(run("inspect", fixture_path, "--json").stdout)
+    fx = load_fixture(fixture_path)
+    dk = next(g for g in doc["gradients"] if g["name"] == "dk")
+    assert dk["max"] == pytest.approx(float(np.max(fx.grads.dk)))
+    assert dk["nan"] == 0
+
+
+def test_inspect_npy_and_raw_need_and_check_the_layout(tmp_path: Path) -> None:
+    layout = GdnBackwardLayout(1, 3, 2, 4)
+    flat = np.arange(layout.total_elems, dtype=np.float32)
+    flat[layout.dbeta_offset + 1] = np.nan
+    np.save(tmp_path / "g.npy", flat)
+    flat.tofile(tmp_path / "g.bin")
+    dims = ["-B", "1", "-S", "3", "-H", "2", "-N", "4"]
+    for path, extra in ((tmp_path / "g.npy", []), (tmp_path / "g.bin", ["--dtype", "float32"])):
+        result = run("inspect", path, *dims, *extra, "--json")
+        assert result.returncode == 0, result.stderr
+        rows = {g["name"]: g for g in json.loads(result.stdout)["gradients"]}
+        assert rows["dbeta"]["nan"] == 1
+        assert rows["dq"]["max"] == float(unpack(flat, layout).dq.max())
+    assert_user_error(run("inspect", tmp_path / "g.npy"), "no fixture gives the layout")
+    assert_user_error(run("inspect", tmp_path / "g.bin", *dims), "needs --dtype")
+    assert_user_error(
+        run("inspect", tmp_path / "g.npy", "-B", "1", "-S", "4", "-H", "2", "-N", "4"),
+        "g.npy: 84 elements, but GdnBackwardLayout(batch=1, seq=4",
+    )
+
+
+def test_compare_exit_status_follows_the_verdict(fixture_path: Path, tmp_path: Path) -> None:
+    fx = load_fixture(fixture_path)
+    good = np.array(fx.packed)
+    np.save(tmp_path / "good.npy", good)
+    assert run("compare", tmp_path / "good.npy", fixture_path).returncode == 0
+
+    bad = good.copy()
+    unpack(bad, fx.layout).dk[1, 4, 2, 3] += 1.0
+    np.save(tmp_path / "bad.npy", bad)
+    result = run("compare", tmp_path / "bad.npy", fixture_path)
+    assert result.returncode == 1
+    assert "dk" in result.stdout
+    assert "[1, 4, 2, 3]" in result.stdout
+
+    doc = json.loads(run("compare", tmp_path / "bad.npy", fixture_path, "--json").stdout)
+    assert doc["passed"] is False
+    failing = [g for g in doc["grads"] if not g["passed"]]
+    assert [g["name"] for g in failing] == ["dk"]
+
+
+def test_compare_rms_ratio_and_plot(fixture_path: Path, tmp_path: Path) -> None:
+    fx = load_fixture(fixture_path)
+    noisy = np.array(fx.packed) * np.float32(1.001)
+    np.save(tmp_path / "noisy.npy", noisy)
+    assert run("compare", tmp_path / "noisy.npy", fixture_path).returncode == 1
+    png = tmp_path / "errors.png"
+    result = run("compare", tmp_path / "noisy.npy", fixture_path, "--max-rms-ratio", "0.01",
+                 "--plot", png)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
+    assert_user_error(run("compare", tmp_path / "nope.npy", fixture_path), "nope.npy: no such file")
+    np.save(tmp_path / "short.npy", np.zeros(10, np.float32))
+    assert_user_error(
+        run("compare", tmp_path / "short.npy", fixture_path), "short.npy: 10 elements"
+    )
+    assert_user_error(
+        run("compare", fixture_path, fixture_path, "-B", "1", "-S", "9", "-H", "3", "-N", "4"),
+        "but the flags give",
+    )
+    assert_user_error(run("compare", fixture_path, fixture_path, "--rtol", "tight"), "--rtol")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00")
+    assert_user_error(
+        run("compare", tmp_path / "junk.safetensors", fixture_path), "junk.safetensors"
+    )
+
+
+def test_bad_flag_values_are_one_line_errors() -> None:
+    assert_user_error(run("describe", "--seq", "-3"), "expected a non-negative integer, got -3")
+    assert_user_error(run("describe", "--dtype", "int8"), "expected one of float16, bfloat16")
+    assert_user_error(run("fixture", "--gate-regime", "wild", "-o", "x"), "invalid choice: 'wild'")
+    assert_user_error(run("frobnicate"), "invalid choice")
+
+
+def test_demo_runs_the_main_job(tmp_path: Path) -> None:
+    result = run("demo", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "reloaded memory-mapped: True" in result.stdout
+    assert "compare passed" in result.stdout
+    assert list(tmp_path.iterdir()) == [], "the demo cleans up after itself"
