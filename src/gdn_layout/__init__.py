@@ -1,5 +1,12 @@
 """The packed-gradient layout of RLX's ``GatedDeltaNetBackward``, in NumPy.
 
+The layout and its views (:class:`GdnBackwardLayout`, :func:`unpack`, :func:`pack`,
+:func:`empty`, :func:`zeros`), the comparison of a kernel's packed gradient with a reference
+(:func:`compare`, :func:`assert_close`) and fixture files (:func:`load_fixture`,
+:func:`save_fixture`) are here; the float64 reference forward and backward are in
+:mod:`gdn_layout.reference`, fixture generation in :mod:`gdn_layout.fixtures`, pictures in
+:mod:`gdn_layout.plot`.
+
 >>> import numpy as np
 >>> import gdn_layout as gl
 >>> layout = gl.GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=8)
@@ -10,21 +17,31 @@
 
 from importlib.metadata import PackageNotFoundError, version
 
-from .layout import GdnBackwardLayout, Segment
-from .packing import GdnGrads, empty, pack, unpack, zeros
-
 try:
     __version__ = version("gdn-layout")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
+from .compare import Comparison, GradComparison, assert_close, compare
+from .fixtures import Fixture, FixtureError, load_fixture, save_fixture
+from .layout import GdnBackwardLayout, Segment
+from .packing import GdnGrads, empty, pack, unpack, zeros
+
 __all__ = [
+    "Comparison",
+    "Fixture",
+    "FixtureError",
     "GdnBackwardLayout",
     "GdnGrads",
+    "GradComparison",
     "Segment",
     "__version__",
+    "assert_close",
+    "compare",
     "empty",
+    "load_fixture",
     "pack",
+    "save_fixture",
     "unpack",
     "zeros",
 ]

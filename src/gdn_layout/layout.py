@@ -101,6 +101,7 @@ class GdnBackwardLayout:
     # Derived once, so that unpack and pack on a hot path do no arithmetic.
     _segments: tuple[Segment, ...] = field(init=False, repr=False, compare=False)
     _cuts: tuple[tuple[slice, tuple[int, ...]], ...] = field(init=False, repr=False, compare=False)
+    _total: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in _DIMS:
@@ -117,6 +118,7 @@ class GdnBackwardLayout:
         object.__setattr__(self, "_segments", segments)
         cuts = tuple((slice(seg.offset, seg.offset + seg.length), seg.shape) for seg in segments)
         object.__setattr__(self, "_cuts", cuts)
+        object.__setattr__(self, "_total", segments[-1].offset + segments[-1].length)
 
     def _compute_segments(self) -> tuple[Segment, ...]:
         b, s, h, n = self.batch, self.seq, self.heads, self.state_size
@@ -189,7 +191,7 @@ class GdnBackwardLayout:
     @property
     def total_elems(self) -> int:
         """Length of the packed buffer."""
-        return self.dstate_offset + self.state_elems
+        return self._total
 
     def slices(self) -> list[tuple[int, int]]:
         """``(offset, length)`` for each gradient in packing order, as rlx-ir's ``slices()``."""
@@ -224,6 +226,20 @@ class GdnBackwardLayout:
         2496
         """
         return self.total_elems * np.dtype(dtype).itemsize
+
+    def __str__(self) -> str:
+        """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
+        from ._render import layout_text  # deferred: _render builds on this module
+
+        return layout_text(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        from ._render import layout_html
+
+        return layout_html(self)
 
     def to_dict(self) -> dict[str, int | bool]:
         """The six fields as a JSON-safe dict; :meth:`from_dict` reads it back."""

@@ -32,6 +32,20 @@ class GdnGrads(NamedTuple):
     dbeta: NDArray[Any]
     dstate: NDArray[Any] | None = None
 
+    def __str__(self) -> str:
+        """Per-gradient statistics: shape, dtype, min, max, mean, RMS, NaN and Inf counts."""
+        from ._render import grads_text  # deferred: _render builds on this module
+
+        return grads_text(self)
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        from ._render import grads_html
+
+        return grads_html(self)
+
 
 def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     """Split a packed gradient buffer into shaped views. Never copies.
@@ -54,10 +68,11 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     """
     if not isinstance(flat, np.ndarray):
         raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
-    if not isinstance(layout, GdnBackwardLayout):
+    if type(layout) is not GdnBackwardLayout and not isinstance(layout, GdnBackwardLayout):
         raise TypeError(f"unpack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
     shape = flat.shape
-    if not shape or shape[-1] != layout.total_elems:
+    # The layout's private fields, not its properties: unpack is on every hot path.
+    if not shape or shape[-1] != layout._total:
         received = "a 0-d array" if not shape else f"shape {shape}"
         raise ValueError(
             f"unpack: flat must have layout.total_elems = {layout.total_elems} elements "
@@ -65,11 +80,12 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
         )
     # Splitting one axis into several is always expressible with strides, so each reshape
     # below returns a view of the slice; it never copies.
-    cuts = layout._cuts
     if len(shape) == 1:
-        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in cuts])
+        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in layout._cuts])
     lead = shape[:-1]
-    return GdnGrads(*[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in cuts])
+    return GdnGrads(
+        *[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout._cuts]
+    )
 
 
 def pack(
@@ -149,7 +165,8 @@ def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
 def _cached_layout(
     shape: tuple[int, ...], gate_per_channel: bool, carry_state: bool
 ) -> GdnBackwardLayout:
-    return GdnBackwardLayout(*shape, gate_per_channel=gate_per_channel, carry_state=carry_state)
+    batch, seq, heads, state_size = shape
+    return GdnBackwardLayout(batch, seq, heads, state_size, gate_per_channel, carry_state)
 
 
 def _infer_layout(arrays: list[NDArray[Any]]) -> GdnBackwardLayout:

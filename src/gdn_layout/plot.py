@@ -1,0 +1,257 @@
+"""Pictures of a packed layout and of a comparison's errors; needs ``gdn-layout[plot]``.
+
+matplotlib is imported inside the functions, so importing this module never needs it. Only the
+object-oriented API is used (:class:`matplotlib.figure.Figure`, never pyplot), so nothing
+depends on a GUI backend and nothing is ever shown: save the figure, or let a notebook
+display the returned object.
+
+>>> import numpy as np
+>>> from gdn_layout import GdnBackwardLayout, unpack
+>>> from gdn_layout.compare import compare
+>>> layout = GdnBackwardLayout(batch=1, seq=16, heads=4, state_size=8)
+>>> expected = np.ones(layout.total_elems)
+>>> actual = expected.copy()
+>>> unpack(actual, layout).dk[0, 8:, 2, :] += 1e-3  # a head-indexing bug after a chunk boundary
+>>> fig = plot_errors(compare(actual, expected, layout))
+>>> image = fig.axes[1].images[0].get_array()  # dk, heads down, sequence across
+>>> image.shape, bool(image[2, 8:].min() > image[:2].max())
+((4, 16), True)
+>>> plot_layout(layout).get_title()
+'B=1 S=16 H=4 N=8, per-head gate, no state; float32'
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from numpy.typing import DTypeLike, NDArray
+
+from ._render import fmt_float, layout_caption
+from .compare import Comparison, Tolerance, compare
+from .layout import GdnBackwardLayout
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_errors", "plot_layout"]
+
+_INSTALL_HINT = "pip install gdn-layout[plot]"
+#: Colour of a non-finite mismatch in an error map.
+_BAD_COLOUR = "magenta"
+#: Spans narrower than this fraction of the buffer get their label above the bar.
+_NARROW = 0.07
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib
+        import matplotlib.figure  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"gdn_layout.plot needs matplotlib, which is not installed: {_INSTALL_HINT}"
+        ) from err
+
+
+def plot_layout(
+    layout: GdnBackwardLayout,
+    ax: Axes | None = None,
+    *,
+    dtype: DTypeLike = np.float32,
+    path: str | os.PathLike[str] | None = None,
+) -> Axes:
+    """Draw the packed buffer as one bar with a span per gradient, proportional to its length.
+
+    Draws on ``ax`` when given, else on a new 8x1.8-inch, 100-dpi Figure (800x180 pixels as
+    a PNG). Saves the figure to ``path`` as PNG when given. Returns the Axes; its figure is
+    ``ax.figure``.
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise TypeError(
+            f"plot_layout: layout must be a GdnBackwardLayout, got {type(layout).__name__}"
+        )
+    _require_matplotlib()
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    if ax is None:
+        ax = Figure(figsize=(8, 1.8), dpi=100, layout="constrained").add_subplot()
+    total = layout.total_elems
+    colours = colormaps["tab10"]
+    ax.set_title(f"{layout_caption(layout)}; {np.dtype(dtype).name}")
+    ax.set_yticks([])
+    ax.set_ylim(-0.6, 1.3)
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    if total == 0:
+        ax.set_xlim(0, 1)
+        ax.text(0.5, 0.0, "empty buffer: every gradient has length 0", ha="center", va="center")
+        return _saved(ax, path)
+    ax.set_xlim(0, total)
+    ax.set_xlabel(f"element offset (total {total}, {layout.nbytes(dtype)} bytes)")
+    narrow = 0
+    for i, seg in enumerate(layout.segments()):
+        colour = colours(i % 10)
+        ax.barh(0, seg.length, left=seg.offset, height=0.8, color=colour, edgecolor="white")
+        middle = seg.offset + seg.length / 2
+        if seg.length >= _NARROW * total:
+            ax.text(
+                middle,
+                0,
+                f"{seg.name}\n{seg.length}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white",
+            )
+        else:
+            # Stagger small labels above the bar so that neighbours do not overlap.
+            height = 0.62 + 0.3 * (narrow % 2)
+            narrow += 1
+            ax.annotate(
+                f"{seg.name} {seg.length}",
+                xy=(middle, 0.4),
+                xytext=(middle, height),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                color=colour,
+                arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.8},
+            )
+    return _saved(ax, path)
+
+
+def plot_errors(
+    comparison: Comparison | NDArray[Any],
+    expected: NDArray[Any] | None = None,
+    layout: GdnBackwardLayout | None = None,
+    *,
+    names: tuple[str, ...] | list[str] | None = None,
+    log: bool = True,
+    path: str | os.PathLike[str] | None = None,
+    rtol: Tolerance | None = None,
+    atol: Tolerance | None = None,
+    max_rms_ratio: Tolerance | None = None,
+    equal_nan: bool = False,
+) -> Figure:
+    """A heatmap per gradient of the largest ``|a - e|`` over (sequence position, head).
+
+    Takes a :class:`~gdn_layout.compare.Comparison`, or ``actual, expected, layout`` (and
+    :func:`~gdn_layout.compare.compare`'s keywords) to compare first. Each panel shows its
+    gradient's error map transposed: heads down, sequence position across (key row ``i``
+    across for ``dstate``), so a chunk-boundary bug shows as a vertical edge and a
+    head-indexing bug as a stripe. ``log`` colours on a log scale (zero error gets the lowest
+    colour); a non-finite mismatch is magenta. ``names`` picks the panels (default all).
+    Three panels a row, 4.2x3 inches each at 100 dpi. Saves to ``path`` as PNG when given.
+    """
+    if isinstance(comparison, Comparison):
+        if expected is not None or layout is not None:
+            raise TypeError(
+                "plot_errors: give a Comparison alone, or actual, expected and layout; "
+                "got a Comparison and more arrays"
+            )
+        result = comparison
+    elif expected is None or layout is None:
+        raise TypeError(
+            "plot_errors: give a Comparison, or actual, expected and layout; got "
+            f"{type(comparison).__name__} without " + ("expected" if expected is None else "layout")
+        )
+    else:
+        result = compare(
+            comparison,
+            expected,
+            layout,
+            rtol=rtol,
+            atol=atol,
+            max_rms_ratio=max_rms_ratio,
+            equal_nan=equal_nan,
+        )
+    chosen = list(result.names if names is None else names)
+    unknown = [n for n in chosen if n not in result.names]
+    if unknown or not chosen:
+        raise ValueError(
+            f"plot_errors: names must be a non-empty selection of {', '.join(result.names)}; "
+            f"got {chosen}"
+        )
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    ncols = min(3, len(chosen))
+    nrows = math.ceil(len(chosen) / ncols)
+    width, height = 4.2 * ncols, 3.0 * nrows
+    fig = Figure(figsize=(width, height), dpi=100)
+    verdict = "passed" if result.passed else f"FAILED ({', '.join(result.failed)})"
+    fig.suptitle(f"compare {verdict}\n{layout_caption(result.layout)}", fontsize=9)
+    # Fixed margins in inches rather than a layout engine: measuring every tick label to
+    # lay out six panels with colour bars costs seconds.
+    fig.subplots_adjust(
+        left=0.6 / width,
+        right=1 - 0.45 / width,
+        bottom=0.5 / height,
+        top=1 - 0.75 / height,
+        wspace=0.5,
+        hspace=0.6,
+    )
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, name in zip(axes, chosen, strict=False):
+        _heatmap(fig, ax, result, name, log)
+    for ax in axes[len(chosen) :]:
+        fig.delaxes(ax)
+    if path is not None:
+        fig.savefig(path, format="png")
+    return fig
+
+
+def _heatmap(fig: Figure, ax: Axes, result: Comparison, name: str, log: bool) -> None:
+    from matplotlib import colormaps
+    from matplotlib.colors import LogNorm, Normalize
+    from matplotlib.ticker import NullFormatter
+
+    grad = result[name]
+    data = grad.error_map.T  # heads down, sequence (or key row) across
+    verdict = "ok" if grad.passed else "FAIL"
+    title = f"{name} {verdict}: max |a-e| {fmt_float(grad.max_abs_error)}"
+    if grad.nonfinite_mismatches:
+        title += f", {grad.nonfinite_mismatches} non-finite ({_BAD_COLOUR})"
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("key row i" if name == "dstate" else "sequence position s")
+    ax.set_ylabel("head h")
+    if data.size == 0:
+        ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
+        return
+    finite = np.isfinite(data)
+    positive = data[finite & (data > 0)]
+    norm: Normalize
+    if log and positive.size:
+        high = float(positive.max())
+        low = float(positive.min())
+        # Two decades at least, so that the colour bar has labelled major ticks.
+        low = min(low, high / 100)
+        shown = np.where(finite, np.maximum(data, low), np.nan)
+        norm = LogNorm(vmin=low, vmax=high)
+    else:
+        high = float(data[finite].max()) if finite.any() else 0.0
+        shown = np.where(finite, data, np.nan)
+        norm = Normalize(vmin=0.0, vmax=high if high > 0 else 1.0)
+    cmap = colormaps["viridis"].with_extremes(bad=_BAD_COLOUR)
+    image = ax.imshow(
+        np.ma.masked_invalid(shown),
+        aspect="auto",
+        interpolation="nearest",
+        cmap=cmap,
+        norm=norm,
+    )
+    bar = fig.colorbar(image, ax=ax, label="max |a-e|")
+    bar.ax.yaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks crowd and are slow
+
+
+def _saved(ax: Axes, path: str | os.PathLike[str] | None) -> Axes:
+    if path is not None:
+        figure: Any = ax.figure
+        while getattr(figure, "figure", figure) is not figure:  # a SubFigure's root
+            figure = figure.figure
+        figure.savefig(path, format="png")
+    return ax
