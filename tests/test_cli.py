@@ -57,6 +57,30 @@ def test_describe_prints_the_table_the_readme_shows() -> None:
     assert result.stdout == block
 
 
+def test_readme_console_sessions_print_what_the_readme_shows(tmp_path: Path) -> None:
+    blocks = re.findall(r"```console\n(.*?)```", README.read_text(), re.DOTALL)
+    sessions = [re.split(r"^\$ ", block, flags=re.MULTILINE)[1:] for block in blocks]
+    commands = [entry for session in sessions for entry in session]
+    assert len(commands) >= 5
+    for entry in commands:
+        command, _, shown = entry.partition("\n")
+        argv = command.split()
+        assert argv[0] == "gdn-layout"
+        if argv[1] == "compare":
+            _make_kernel_npy(tmp_path)
+        result = run(*argv[1:], cwd=tmp_path)
+        assert result.returncode in (0, 1), result.stderr
+        assert result.stdout == shown, command
+
+
+def _make_kernel_npy(folder: Path) -> None:
+    """What README.md says kernel.npy is: case.safetensors with one dk element off by 0.25."""
+    fx = load_fixture(folder / "case.safetensors")
+    packed = np.array(fx.packed)
+    unpack(packed, fx.layout).dk[0, 2, 1, 3] += np.float32(0.25)
+    np.save(folder / "kernel.npy", packed)
+
+
 def test_describe_json_has_the_layout_numbers() -> None:
     result = run("describe", "-B", "2", "-S", "3", "-H", "4", "-N", "8", "--per-channel",
                  "--dtype", "float16", "--json")  # fmt: skip
@@ -204,3 +228,55 @@ def test_demo_runs_the_main_job(tmp_path: Path) -> None:
     assert "reloaded memory-mapped: True" in result.stdout
     assert "compare passed" in result.stdout
     assert list(tmp_path.iterdir()) == [], "the demo cleans up after itself"
+
+
+def _stderr_on_a_terminal(*args: str | Path) -> tuple[int, str]:
+    """Run with stderr on a pseudo-terminal, as in an interactive shell."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "gdn_layout", *map(str, args)],
+        stdout=subprocess.DEVNULL,
+        stderr=follower,
+    ) as process:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        code = process.wait(timeout=300)
+    os.close(leader)
+    return code, b"".join(chunks).decode()
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
+    flags = ["-B", "1", "-S", "40", "-H", "2", "-N", "4"]
+    code, shown = _stderr_on_a_terminal("fixture", *flags, "-o", tmp_path / "a.safetensors")
+    assert code == 0
+    assert "reference backward [" in shown
+    assert "100%" in shown
+    code, shown = _stderr_on_a_terminal("fixture", *flags, "-o", tmp_path / "b.safetensors", "-q")
+    assert code == 0
+    assert shown == ""
+    piped = run("fixture", *flags, "-o", tmp_path / "c.safetensors")
+    assert piped.returncode == 0
+    assert piped.stderr == ""
+
+
+def test_bfloat16_without_its_extra_names_the_extra() -> None:
+    code = (
+        "import sys; sys.modules['ml_dtypes'] = None\n"
+        "from gdn_layout.cli import main\n"
+        "sys.exit(main(['describe', '--dtype', 'bfloat16']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert_user_error(result, "pip install 'gdn-layout[bfloat16]'")

@@ -18,6 +18,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import _render
+from ._dtypes import bfloat16
 from .fixtures import REGIMES
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
@@ -189,7 +190,7 @@ def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
 
 def _describe(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
-    dtype = resolve_dtype(args.dtype)
+    dtype = _resolve_dtype(args.dtype)
     if args.json:
         rows = _render.layout_table(layout, dtype)
         document: dict[str, Any] = {
@@ -218,7 +219,7 @@ def _fixture(args: argparse.Namespace) -> int:
     from .fixtures import make_fixture, save_fixture, write_suite
 
     layout = _layout_from(args)
-    dtype = resolve_dtype(args.dtype)
+    dtype = _resolve_dtype(args.dtype)
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     if args.suite is not None:
         paths = write_suite(args.suite, dtype=dtype, seed=args.seed, overwrite=args.force)
@@ -226,8 +227,9 @@ def _fixture(args: argparse.Namespace) -> int:
         total = sum(path.stat().st_size for path in paths)
         print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({_human(total)})")
         return 0
-    progress.say(f"reference backward for {layout!r}")
-    fixture = make_fixture(layout, dtype=dtype, regime=args.gate_regime, seed=args.seed)
+    fixture = make_fixture(
+        layout, dtype=dtype, regime=args.gate_regime, seed=args.seed, progress=progress.update
+    )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()
     print(
@@ -333,7 +335,7 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
         return _Packed(path, ".npy", packed, None)
     if args.dtype is None:
         raise UsageError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
-    dtype = resolve_dtype(args.dtype)
+    dtype = _resolve_dtype(args.dtype)
     size = Path(path).stat().st_size
     if size % dtype.itemsize:
         raise UsageError(f"{path}: {size} bytes is not a whole number of {args.dtype} elements")
@@ -342,7 +344,7 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
 
 
 def _check_dtype_flag(args: argparse.Namespace, dtype: np.dtype[Any], path: str) -> None:
-    if args.dtype is not None and resolve_dtype(args.dtype) != dtype:
+    if args.dtype is not None and _resolve_dtype(args.dtype) != dtype:
         raise UsageError(f"{path}: holds {dtype}, but --dtype says {args.dtype}")
 
 
@@ -386,14 +388,17 @@ def _unpack(source: _Packed, layout: GdnBackwardLayout) -> GdnGrads:
 
 
 class _Progress:
-    """One status line on stderr, rewritten in place; silent when not enabled."""
+    """A progress bar on stderr, redrawn in place; silent when not enabled."""
 
-    def __init__(self, *, enabled: bool) -> None:
+    def __init__(self, *, enabled: bool, label: str = "reference backward") -> None:
         self.enabled = enabled
+        self.label = label
 
-    def say(self, text: str) -> None:
+    def update(self, fraction: float) -> None:
         if self.enabled:
-            sys.stderr.write(f"\r\x1b[K{text} ...")
+            filled = round(30 * fraction)
+            bar = "#" * filled + "." * (30 - filled)
+            sys.stderr.write(f"\r{self.label} [{bar}] {100 * fraction:3.0f}%")
             sys.stderr.flush()
 
     def done(self) -> None:
@@ -423,18 +428,8 @@ def _tolerance(text: str) -> float | dict[str, float]:
         ) from None
 
 
-def resolve_dtype(name: str) -> np.dtype[Any]:
-    """The NumPy dtype called ``name``; bfloat16 comes from the ``bfloat16`` extra."""
-    if name == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise UsageError(
-                "bfloat16 needs ml_dtypes: pip install 'gdn-layout[bfloat16]'"
-            ) from None
-        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-        return bf16
-    return np.dtype(name)
+def _resolve_dtype(name: str) -> np.dtype[Any]:
+    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def _dtype_name(text: str) -> str:

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from ._dtypes import is_floating
 from ._render import fmt_float, html_table, layout_caption, text_table
 from .layout import GdnBackwardLayout
 
@@ -452,17 +453,12 @@ def error_map(
 # -- validation ----------------------------------------------------------------------------
 
 
-def _is_float_dtype(dtype: np.dtype[Any]) -> bool:
-    # bfloat16 comes from ml_dtypes as a kind-"V" dtype, so it is recognised by name.
-    return dtype.kind == "f" or dtype.name == "bfloat16"
-
-
 def _check_buffer(
     which: str, buffer: object, layout: GdnBackwardLayout, func: str = "compare"
 ) -> None:
     if not isinstance(buffer, np.ndarray):
         raise TypeError(f"{func}: {which} must be a NumPy array, got {type(buffer).__name__}")
-    if not _is_float_dtype(buffer.dtype):
+    if not is_floating(buffer.dtype):
         raise TypeError(
             f"{func}: {which} must have a float dtype (float16, bfloat16, float32, float64), "
             f"got {buffer.dtype}"

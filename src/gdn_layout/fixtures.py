@@ -55,6 +55,7 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from . import __version__
+from ._dtypes import BF16_HINT, bfloat16
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
 
@@ -105,7 +106,6 @@ _OTHER_CODES: Final = frozenset(
         "F4",
     )
 )
-_BF16_HINT: Final = "bfloat16 needs ml_dtypes: pip install 'gdn-layout[bfloat16]'"
 
 
 class FixtureError(ValueError):
@@ -240,19 +240,10 @@ class Fixture:
 # -- dtypes -------------------------------------------------------------------------------------
 
 
-def _bfloat16() -> np.dtype[Any]:
-    try:
-        import ml_dtypes
-    except ImportError:
-        raise ImportError(_BF16_HINT) from None
-    bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-    return bf16
-
-
 def _resolve_dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:
     """``dtype`` as a NumPy dtype a fixture can hold; ``"bfloat16"`` works as a string."""
     if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
-        return _bfloat16()
+        return bfloat16()
     try:
         resolved = np.dtype(dtype)
     except TypeError:
@@ -266,7 +257,7 @@ def _resolve_dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:
 def _dtype_code(dtype: np.dtype[Any], where: str) -> str:
     code = _CODES.get(dtype.name)
     # The name alone could come from any extension dtype; bfloat16 must be ml_dtypes' own.
-    if code is None or (code == "BF16" and dtype != _bfloat16()):
+    if code is None or (code == "BF16" and dtype != bfloat16()):
         raise TypeError(
             f"{where}: dtype must be float64, float32, float16 or bfloat16, got {dtype}"
         )
@@ -278,9 +269,9 @@ def _dtype_code(dtype: np.dtype[Any], where: str) -> str:
 def _dtype_of_code(code: str, name: str, path: Path) -> np.dtype[Any]:
     if code == "BF16":
         try:
-            return _bfloat16()
+            return bfloat16()
         except ImportError:
-            raise ImportError(f"{path}: tensor {name!r} is BF16; {_BF16_HINT}") from None
+            raise ImportError(f"{path}: tensor {name!r} is BF16; {BF16_HINT}") from None
     for dtype_name, known in _CODES.items():
         if known == code:
             little: np.dtype[Any] = np.dtype(dtype_name).newbyteorder("<")
@@ -731,12 +722,13 @@ def make_fixture(
     dtype: DTypeLike = np.float32,
     regime: str = "mixed",
     seed: int = 0,
+    progress: Callable[[float], object] | None = None,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
     The reference runs in float64 on the inputs as stored (already cast to ``dtype``), and its
     results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
-    inputs, up to that final rounding.
+    inputs, up to that final rounding. ``progress`` is passed to the reference backward.
 
     >>> import gdn_layout as gl
     >>> fx = make_fixture(gl.GdnBackwardLayout(1, 4, 2, 8, carry_state=True), regime="zero")
@@ -752,7 +744,7 @@ def make_fixture(
     y = reference.forward(*wide[:5], state=wide.state, dtype=np.float64)
     if isinstance(y, tuple):  # (y, final_state) when the state is carried
         y = y[0]
-    packed = reference.backward(*wide, dtype=np.float64)
+    packed = reference.backward(*wide, dtype=np.float64, progress=progress)
     target = x.q.dtype
     return Fixture(
         *x,

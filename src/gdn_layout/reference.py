@@ -1,0 +1,670 @@
+"""Reference forward and backward of the gated delta-net, in NumPy.
+
+The math is that of RLX's ``Op::GatedDeltaNet`` and ``Op::GatedDeltaNetBackward``. For every
+batch element and head, with ``c = 1 / sqrt(N)`` and ``S_prev`` the ``N x N`` state entering
+step ``t`` (row ``i`` a key channel, column ``j`` a value channel)::
+
+    A    = exp(g[t])            a scalar, or with a per-channel gate one factor per key row
+    P    = A * S_prev           per channel: row i of S_prev scaled by A[i]
+    m    = k[t] @ P
+    u    = (v[t] - m) * beta[t]
+    S_t  = P + outer(k[t], u)
+    y[t] = c * q[t] @ S_t
+
+The backward returns the gradients of ``sum(y * dy)`` with respect to ``q, k, v, g, beta`` and,
+when the initial state is given, that state, packed into one 1-D buffer in rlx-ir's order (see
+:class:`~gdn_layout.GdnBackwardLayout`). The gradient of the initial state comes from ``dy``
+alone: the final state has no cotangent.
+
+Two formulations compute the same function and are tested against each other:
+
+``method="recurrent"``
+    The recurrence above, one step at a time, vectorised over batch and heads; the backward is
+    the spec's step-by-step backward.
+``method="chunked"`` (the default)
+    The same recurrence rewritten per chunk of up to ``C`` steps: the delta rule inside a chunk
+    is a unit lower-triangular system (the WY/UT form used by chunked delta-rule kernels), so a
+    chunk costs a few matrix products instead of ``C`` sequential state updates. Inside a chunk
+    the decays are formed as ``exp(H_t) * exp(-H_s)``, with ``H`` the cumulative log-gate since
+    the chunk's first step; a chunk is cut short wherever ``|H|`` would exceed 20 on any batch
+    element, head or channel, so no factor can overflow, and a one-step chunk needs no such
+    factor at all. Gates that decay that fast only make the chunks shorter (and the method
+    slower), never less accurate.
+
+Memory of the backward: the state is checkpointed every ``C = checkpoint_every`` steps
+(default ``ceil(sqrt(S))``) in a forward sweep, and each checkpoint interval is recomputed from
+its checkpoint in the backward sweep. Beyond the inputs' converted copies and the packed output
+(both ``O(B*S*H*N)``), the working memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements: the
+checkpoints, plus at most ``C + 1`` states for the interval being recomputed. The recurrent
+method keeps every state of the interval; the chunked method keeps only the entry state of each
+drift-limited chunk in it (one chunk per interval unless the gates decay very fast) and
+``O(B*H*C*(C + N))`` elements for the chunk's matrices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple, overload
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+from ._dtypes import is_floating
+from .layout import GdnBackwardLayout
+from .packing import GdnGrads, unpack
+
+__all__ = ["Method", "backward", "default_checkpoint_every", "forward"]
+
+Method = Literal["chunked", "recurrent"]
+_METHODS = ("chunked", "recurrent")
+
+#: Largest ``|cumulative log-gate|`` allowed inside one chunk of the chunked method. Decays are
+#: formed as ``exp(H_t) * exp(-H_s)``, so each factor stays within ``exp(+-20)`` (about
+#: ``5e8``), far from overflow in float32 and float64, while the product keeps full relative
+#: precision.
+_MAX_LOG_DRIFT = 20.0
+
+#: Chunk length of the chunked forward when no checkpointing is involved.
+_FORWARD_CHUNK = 64
+
+_Array = NDArray[Any]
+
+
+class _Inputs(NamedTuple):
+    """Validated inputs in the internal layout: time on axis 2, computation dtype, C order."""
+
+    q: _Array  # [B, H, S, N]
+    k: _Array  # [B, H, S, N]
+    v: _Array  # [B, H, S, N]
+    g: _Array  # [B, H, S, Ng], Ng = N with a per-channel gate, else 1
+    beta: _Array  # [B, H, S]
+    state: _Array | None  # [B, H, N, N]
+    dy: _Array | None  # [B, H, S, N]
+    layout: GdnBackwardLayout
+    scale: float
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+@overload
+def forward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: None = None,
+    *,
+    dtype: DTypeLike = np.float64,
+    method: Method = "chunked",
+) -> _Array: ...
+
+
+@overload
+def forward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: ArrayLike,
+    *,
+    dtype: DTypeLike = np.float64,
+    method: Method = "chunked",
+) -> tuple[_Array, _Array]: ...
+
+
+def forward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    dtype: DTypeLike = np.float64,
+    method: Method = "chunked",
+) -> _Array | tuple[_Array, _Array]:
+    """Run the gated delta-net forward.
+
+    ``q, k, v`` are ``[B, S, H, N]``; ``g`` is ``[B, S, H]`` (one gate per head) or
+    ``[B, S, H, N]`` (a per-channel gate, decaying key rows); ``beta`` is ``[B, S, H]``;
+    ``state``, when given, is the initial state ``[B, H, N, N]`` (otherwise it is zero). Inputs
+    may have any floating dtype (float16 and ml_dtypes' bfloat16 included); the computation
+    runs in ``dtype``, float64 or float32, and the results are in ``dtype``.
+
+    Returns ``y`` ``[B, S, H, N]`` when ``state`` is None, and the pair ``(y, final_state)``
+    (``final_state`` ``[B, H, N, N]``) when a state is given. ``method`` selects the
+    formulation (see the module docstring); both compute the same function.
+
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 6, 2, 4)) for _ in range(3))
+    >>> g, beta = -rng.random((1, 6, 2)), rng.random((1, 6, 2))
+    >>> y = forward(q, k, v, g, beta)
+    >>> y.shape, y.dtype
+    ((1, 6, 2, 4), dtype('float64'))
+    >>> y2, final = forward(q, k, v, g, beta, np.zeros((1, 2, 4, 4)), method="recurrent")
+    >>> final.shape, bool(np.allclose(y, y2))
+    ((1, 2, 4, 4), True)
+    """
+    carried = state is not None
+    inputs = _validate(q, k, v, g, beta, state, None, dtype)
+    _check_method(method)
+    b, h, s, n = inputs.q.shape
+    y = np.empty((b, s, h, n), dtype=inputs.q.dtype)
+    final = (
+        np.zeros((b, h, n, n), dtype=inputs.q.dtype)
+        if inputs.state is None
+        else (inputs.state.copy())
+    )
+    if method == "recurrent":
+        _recurrent_forward(inputs, final, 0, s, y=y)
+    else:
+        for t0, t1 in _chunks(inputs.g, 0, s, _FORWARD_CHUNK):
+            _chunk_forward(inputs, final, t0, t1, y=y)
+    return (y, final) if carried else y
+
+
+def backward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    dtype: DTypeLike = np.float64,
+    out: _Array | None = None,
+    checkpoint_every: int | None = None,
+    method: Method = "chunked",
+    progress: Callable[[float], object] | None = None,
+) -> _Array:
+    """The packed gradient of ``sum(forward(q, k, v, g, beta, state) * dy)``.
+
+    Returns a 1-D buffer of ``dtype`` holding ``dq, dk, dv, dg, dbeta`` and, when ``state`` is
+    given, ``dstate``, each flattened in C order and concatenated in that order, exactly as
+    rlx-ir's ``GatedDeltaNetBackward``. The gradients are written straight into the views of
+    that buffer. Get the shaped views with
+    ``unpack(flat, GdnBackwardLayout.from_inputs(q, g, state))``.
+
+    ``out``, when given, must be a writable 1-D array of ``dtype`` with
+    ``layout.total_elems`` elements; it is filled and returned. ``checkpoint_every`` is the
+    checkpoint interval ``C`` (default :func:`default_checkpoint_every`, about ``sqrt(S)``):
+    the extra memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements, see the module docstring.
+    Shapes, dtypes and finiteness are checked as in :func:`forward`, ``dy`` being
+    ``[B, S, H, N]``. ``progress``, when given, is called with the fraction of the work done
+    (rising to 1.0) after each checkpoint interval of the forward and the backward sweep: a
+    long run can draw a progress bar with it.
+
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout, unpack
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dy = (rng.standard_normal((1, 6, 2, 4)) for _ in range(4))
+    >>> g, beta = -rng.random((1, 6, 2)), rng.random((1, 6, 2))
+    >>> state = rng.standard_normal((1, 2, 4, 4))
+    >>> flat = backward(q, k, v, g, beta, dy, state)
+    >>> grads = unpack(flat, GdnBackwardLayout.from_inputs(q, g, state))
+    >>> flat.shape, grads.dg.shape, grads.dstate.shape
+    ((200,), (1, 6, 2), (1, 2, 4, 4))
+    >>> slow = backward(q, k, v, g, beta, dy, state, method="recurrent", checkpoint_every=1)
+    >>> bool(np.allclose(flat, slow, rtol=1e-12, atol=1e-12))
+    True
+    """
+    inputs = _validate(q, k, v, g, beta, state, dy, dtype)
+    _check_method(method)
+    layout = inputs.layout
+    every = _checkpoint_interval(checkpoint_every, layout.seq)
+    if out is None:
+        flat = np.empty(layout.total_elems, dtype=inputs.q.dtype)
+    else:
+        _check_out(out, layout, inputs.q.dtype)
+        flat = out
+    grads = unpack(flat, layout)
+    sweep = _recurrent_backward if method == "recurrent" else _chunked_backward
+    sweep(inputs, grads, every, _ticker(progress, 2 * math.ceil(layout.seq / every)))
+    return flat
+
+
+def default_checkpoint_every(seq: int) -> int:
+    """The default checkpoint interval for a sequence of ``seq`` steps: ``ceil(sqrt(seq))``.
+
+    >>> default_checkpoint_every(512), default_checkpoint_every(4096), default_checkpoint_every(0)
+    (23, 64, 1)
+    """
+    return max(1, math.isqrt(max(seq, 1) - 1) + 1)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _computation_dtype(dtype: DTypeLike) -> np.dtype[Any]:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if resolved not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {resolved}")
+    return resolved
+
+
+def _as_floating(name: str, value: ArrayLike) -> _Array:
+    array = np.asarray(value)
+    if not is_floating(array.dtype):
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32, float64, ...), "
+            f"got {array.dtype}"
+        )
+    return array
+
+
+def _expect_shape(name: str, array: _Array, expected: tuple[int, ...], what: str) -> None:
+    if array.shape != expected:
+        raise ValueError(f"{name} must have shape {what} = {expected}, got {array.shape}")
+
+
+def _converted(name: str, array: _Array, dtype: np.dtype[Any], axes: tuple[int, ...]) -> _Array:
+    """A C-ordered copy of ``array`` in ``dtype`` with its axes permuted, checked finite."""
+    with np.errstate(over="ignore"):  # an overflow is reported below as a non-finite value
+        converted = np.array(array.transpose(axes), dtype=dtype, order="C", copy=True)
+    finite = np.isfinite(converted)
+    if not finite.all():
+        bad = np.argwhere(~finite.transpose(np.argsort(axes)))[0]
+        index = tuple(int(i) for i in bad)
+        original = array[index]
+        raise ValueError(f"{name} must be finite in {dtype}, got {original} at index {index}")
+    return converted
+
+
+def _validate(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: ArrayLike | None,
+    dy: ArrayLike | None,
+    dtype: DTypeLike,
+) -> _Inputs:
+    compute = _computation_dtype(dtype)
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
+    if state is not None:
+        named.append(("state", state))
+    if dy is not None:
+        named.append(("dy", dy))
+    arrays = {name: _as_floating(name, value) for name, value in named}
+
+    qa = arrays["q"]
+    if qa.ndim != 4:
+        raise ValueError(f"q must have shape [B, S, H, N] (4 dimensions), got {qa.shape}")
+    b, s, h, n = qa.shape
+    for name in ("k", "v", "dy"):
+        if name in arrays:
+            _expect_shape(name, arrays[name], qa.shape, "[B, S, H, N] of q")
+    ga = arrays["g"]
+    if ga.shape not in ((b, s, h), (b, s, h, n)):
+        raise ValueError(
+            f"g must have shape [B, S, H] = {(b, s, h)} or [B, S, H, N] = {(b, s, h, n)}, "
+            f"got {ga.shape}"
+        )
+    _expect_shape("beta", arrays["beta"], (b, s, h), "[B, S, H]")
+    if "state" in arrays:
+        _expect_shape("state", arrays["state"], (b, h, n, n), "[B, H, N, N]")
+
+    seq_axes = (0, 2, 1, 3)
+    gate = _converted("g", ga, compute, seq_axes if ga.ndim == 4 else (0, 2, 1))
+    if ga.ndim == 3:
+        gate = gate[..., None]
+    return _Inputs(
+        q=_converted("q", qa, compute, seq_axes),
+        k=_converted("k", arrays["k"], compute, seq_axes),
+        v=_converted("v", arrays["v"], compute, seq_axes),
+        g=gate,
+        beta=_converted("beta", arrays["beta"], compute, (0, 2, 1)),
+        state=(
+            _converted("state", arrays["state"], compute, (0, 1, 2, 3))
+            if "state" in arrays
+            else None
+        ),
+        dy=_converted("dy", arrays["dy"], compute, seq_axes) if "dy" in arrays else None,
+        layout=GdnBackwardLayout(
+            b, s, h, n, gate_per_channel=ga.ndim == 4, carry_state="state" in arrays
+        ),
+        scale=1.0 / math.sqrt(n) if n else 1.0,
+    )
+
+
+def _check_method(method: object) -> None:
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+
+
+def _checkpoint_interval(value: object, seq: int) -> int:
+    if value is None:
+        return default_checkpoint_every(seq)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"checkpoint_every must be a positive integer or None, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if value < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer or None, got {value}")
+    return int(value)
+
+
+def _check_out(out: object, layout: GdnBackwardLayout, dtype: np.dtype[Any]) -> None:
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
+    if out.shape != (layout.total_elems,):
+        raise ValueError(
+            f"out must have shape ({layout.total_elems},) for {layout!r}, got {out.shape}"
+        )
+    if out.dtype != dtype:
+        raise TypeError(f"out must have dtype {dtype} (the computation dtype), got {out.dtype}")
+    if not out.flags.writeable:
+        raise ValueError("out must be writable, got a read-only array")
+
+
+# --------------------------------------------------------------------------------------------
+# The recurrence, one step at a time
+# --------------------------------------------------------------------------------------------
+
+
+def _row_scale(a: _Array) -> _Array:
+    """``[B, H, Ng]`` decay factors shaped to scale the rows of ``[B, H, N, N]`` states."""
+    return a[..., :, None]
+
+
+def _recurrent_forward(
+    x: _Inputs,
+    state: _Array,
+    t0: int,
+    t1: int,
+    *,
+    y: _Array | None = None,
+    states: _Array | None = None,
+) -> None:
+    """Advance ``state`` in place through steps ``t0 .. t1-1``.
+
+    Writes ``y[:, t]`` when ``y`` is given and ``states[t - t0 + 1]`` (the state after step
+    ``t``) when ``states`` is given.
+    """
+    for t in range(t0, t1):
+        kt, vt = x.k[:, :, t], x.v[:, :, t]
+        state *= _row_scale(np.exp(x.g[:, :, t]))  # P
+        m = np.matmul(kt[..., None, :], state)[..., 0, :]
+        u = (vt - m) * x.beta[:, :, t, None]
+        state += kt[..., :, None] * u[..., None, :]  # S_t
+        if y is not None:
+            y[:, t] = x.scale * np.matmul(x.q[:, :, t, None, :], state)[..., 0, :]
+        if states is not None:
+            states[t - t0 + 1] = state
+
+
+def _recurrent_backward(x: _Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
+    """The spec's backward, step by step, from checkpoints taken every ``every`` steps."""
+    assert x.dy is not None
+    b, h, s, n = x.q.shape
+    c = x.scale
+    per_channel = x.layout.gate_per_channel
+    state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
+    starts = list(range(0, s, every))
+    checkpoints = np.empty((len(starts), b, h, n, n), x.q.dtype)
+    for index, t0 in enumerate(starts):
+        checkpoints[index] = state
+        _recurrent_forward(x, state, t0, min(t0 + every, s))
+        tick()
+    del state
+
+    d_state = np.zeros((b, h, n, n), x.q.dtype)  # dS: gradient reaching S_t from later steps
+    states = np.empty((every + 1, b, h, n, n), x.q.dtype)
+    for index in reversed(range(len(starts))):
+        t0 = starts[index]
+        t1 = min(t0 + every, s)
+        states[0] = checkpoints[index]
+        _recurrent_forward(x, states[0].copy(), t0, t1, states=states)
+        for t in reversed(range(t0, t1)):
+            s_prev, s_t = states[t - t0], states[t - t0 + 1]
+            qt, kt, vt, dyt = x.q[:, :, t], x.k[:, :, t], x.v[:, :, t], x.dy[:, :, t]
+            bt = x.beta[:, :, t, None]
+            a = _row_scale(np.exp(x.g[:, :, t]))
+            p = a * s_prev
+            m = np.matmul(kt[..., None, :], p)[..., 0, :]
+            u = (vt - m) * bt
+
+            grads.dq[:, t] = c * np.matmul(s_t, dyt[..., None])[..., 0]
+            d_state += c * qt[..., :, None] * dyt[..., None, :]
+            dk = np.matmul(d_state, u[..., None])[..., 0]
+            du = np.matmul(kt[..., None, :], d_state)[..., 0, :]
+            grads.dv[:, t] = bt * du
+            grads.dbeta[:, t] = np.sum((vt - m) * du, axis=-1)
+            dm = -bt * du
+            dk += np.matmul(p, dm[..., None])[..., 0]
+            grads.dk[:, t] = dk
+            d_state += kt[..., :, None] * dm[..., None, :]  # now dP
+            dg = a[..., 0] * np.sum(s_prev * d_state, axis=-1)
+            grads.dg[:, t] = dg if per_channel else np.sum(dg, axis=-1)
+            d_state *= a
+        tick()
+    if grads.dstate is not None:
+        grads.dstate[...] = d_state
+
+
+# --------------------------------------------------------------------------------------------
+# The recurrence, chunk by chunk
+# --------------------------------------------------------------------------------------------
+
+
+def _chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
+    """Split ``[t0, t1)`` into chunks of at most ``length`` steps whose log-gate drift is bounded.
+
+    Inside a chunk starting at ``a``, ``H_t = sum(g[a+1 .. t])`` must stay within
+    ``+-_MAX_LOG_DRIFT`` for every batch element, head and channel.
+    """
+    bounds = []
+    start = t0
+    while start < t1:
+        stop = min(start + length, t1)
+        if stop - start > 1:
+            drift = np.cumsum(g[:, :, start + 1 : stop], axis=2)
+            worst = np.abs(drift).max(axis=(0, 1, 3)) if drift.size else np.zeros(0)
+            over = np.flatnonzero(~(worst <= _MAX_LOG_DRIFT))
+            if over.size:
+                stop = start + 1 + int(over[0])
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _reduce_gate(x: _Array, ng: int) -> _Array:
+    """Sum ``[..., N]`` gate contributions down to ``[..., Ng]``."""
+    return x if x.shape[-1] == ng else np.sum(x, axis=-1, keepdims=True)
+
+
+class _Chunk(NamedTuple):
+    """The quantities of one chunk's forward that its backward reuses."""
+
+    e: _Array  # exp(G): decay from the chunk's entry state to step t, [B, H, C, Ng]
+    f: _Array  # exp(H), H = G - G[0], [B, H, C, Ng]
+    fi: _Array  # exp(-H)
+    ke: _Array  # e * k
+    kf: _Array  # f * k
+    kb: _Array  # fi * k
+    qe: _Array  # e * q
+    qf: _Array  # f * q
+    lk: _Array  # strict lower triangle of kf @ kb^T, [B, H, C, C]
+    lq: _Array  # lower triangle (with diagonal) of qf @ kb^T
+    r: _Array  # v - ke @ S0
+    am: _Array  # I + beta * lk
+    u: _Array  # solve(am, beta * r)
+
+
+def _transposed(x: _Array) -> _Array:
+    return np.swapaxes(x, -1, -2)
+
+
+def _chunk_forward(
+    x: _Inputs,
+    state: _Array,
+    t0: int,
+    t1: int,
+    *,
+    y: _Array | None = None,
+    advance: bool = True,
+) -> _Chunk:
+    """One chunk's forward from ``state``, the state entering step ``t0``.
+
+    Writes ``y[:, t0:t1]`` when ``y`` is given, and advances ``state`` in place to the state
+    after step ``t1 - 1`` unless ``advance`` is false.
+    """
+    span = slice(t0, t1)
+    q, k, v = x.q[:, :, span], x.k[:, :, span], x.v[:, :, span]
+    beta = x.beta[:, :, span, None]
+    big_g = np.cumsum(x.g[:, :, span], axis=2)
+    big_h = big_g - big_g[:, :, :1]
+    e, f, fi = np.exp(big_g), np.exp(big_h), np.exp(-big_h)
+    ke, kf, kb, qe, qf = e * k, f * k, fi * k, e * q, f * q
+    size = t1 - t0
+    lk = np.tril(np.matmul(kf, _transposed(kb)), -1)
+    lq = np.tril(np.matmul(qf, _transposed(kb)))
+    r = v - np.matmul(ke, state)
+    am = beta * lk + np.eye(size, dtype=q.dtype)
+    u = np.linalg.solve(am, beta * r)
+    if y is not None:
+        out = np.matmul(qe, state)
+        out += np.matmul(lq, u)
+        out *= x.scale
+        y[:, span] = np.swapaxes(out, 1, 2)
+    if advance:  # S_end = e_end * S0 + f_end * (kb^T @ u), rows scaled
+        grown = np.matmul(_transposed(kb), u)
+        grown *= _row_scale(f[:, :, -1])
+        state *= _row_scale(e[:, :, -1])
+        state += grown
+    return _Chunk(e, f, fi, ke, kf, kb, qe, qf, lk, lq, r, am, u)
+
+
+def _chunk_backward(
+    x: _Inputs, grads: GdnGrads, state: _Array, d_state: _Array, t0: int, t1: int
+) -> None:
+    """Backward of one chunk entered with ``state``; ``d_state`` goes from end to entry."""
+    assert x.dy is not None
+    span = slice(t0, t1)
+    ch = _chunk_forward(x, state, t0, t1, advance=False)
+    q, k = x.q[:, :, span], x.k[:, :, span]
+    beta = x.beta[:, :, span, None]
+    dy = x.dy[:, :, span]
+    c = x.scale
+    ng = x.g.shape[-1]
+
+    # S_end = e_end * S0 + f_end * X, X = kb^T @ u, rows scaled. With ud = u @ dS_end^T,
+    # dkb = ud * f_end (columns are key channels) and df_end = sum(kb * ud) over time.
+    f_end = ch.f[:, :, -1]
+    d_x = _row_scale(f_end) * d_state
+    ud = np.matmul(ch.u, _transposed(d_state))
+    d_f_end = _reduce_gate(np.sum(ch.kb * ud, axis=2), ng)
+    d_e_end = _reduce_gate(np.sum(state * d_state, axis=-1), ng)
+    d_s0 = _row_scale(ch.e[:, :, -1]) * d_state
+    d_kb = ud * f_end[:, :, None, :]
+    d_u = np.matmul(ch.kb, d_x)
+
+    # y = c * (qe @ S0 + lq @ u)
+    d_qe = c * np.matmul(dy, _transposed(state))
+    d_s0 += c * np.matmul(_transposed(ch.qe), dy)
+    d_lq = np.tril(c * np.matmul(dy, _transposed(ch.u)))
+    d_u += c * np.matmul(_transposed(ch.lq), dy)
+
+    # u = solve(am, w), w = beta * r, am = I + beta * lk
+    d_w = np.linalg.solve(_transposed(ch.am), d_u)
+    d_am = -np.matmul(d_w, _transposed(ch.u))
+    d_lk = np.tril(beta * d_am, -1)
+    d_beta = np.sum(d_am * ch.lk, axis=-1)
+    d_r = beta * d_w
+    d_beta += np.sum(d_w * ch.r, axis=-1)
+
+    # r = v - ke @ S0
+    d_ke = -np.matmul(d_r, _transposed(state))
+    d_s0 -= np.matmul(_transposed(ch.ke), d_r)
+
+    # lq = tril(qf @ kb^T), lk = tril(kf @ kb^T, -1)
+    d_qf = np.matmul(d_lq, ch.kb)
+    d_kb += np.matmul(_transposed(d_lq), ch.qf)
+    d_kf = np.matmul(d_lk, ch.kb)
+    d_kb += np.matmul(_transposed(d_lk), ch.kf)
+
+    # the decayed copies of q and k
+    d_k = ch.e * d_ke + ch.f * d_kf + ch.fi * d_kb
+    d_q = ch.e * d_qe + ch.f * d_qf
+    d_e = _reduce_gate(d_ke * k + d_qe * q, ng)
+    d_e[:, :, -1] += d_e_end
+    d_f = _reduce_gate(d_kf * k + d_qf * q, ng)
+    d_f[:, :, -1] += d_f_end
+    d_fi = _reduce_gate(d_kb * k, ng)
+
+    # e = exp(G), f = exp(H), fi = exp(-H), H = G - G[0], G = cumsum(g)
+    d_h = ch.f * d_f - ch.fi * d_fi
+    d_big_g = ch.e * d_e + d_h
+    d_big_g[:, :, 0] -= np.sum(d_h, axis=2)
+    d_g = np.flip(np.cumsum(np.flip(d_big_g, axis=2), axis=2), axis=2)
+
+    grads.dq[:, span] = np.swapaxes(d_q, 1, 2)
+    grads.dk[:, span] = np.swapaxes(d_k, 1, 2)
+    grads.dv[:, span] = np.swapaxes(d_r, 1, 2)
+    grads.dbeta[:, span] = np.swapaxes(d_beta, 1, 2)
+    if x.layout.gate_per_channel:
+        grads.dg[:, span] = np.swapaxes(d_g, 1, 2)
+    else:
+        grads.dg[:, span] = np.swapaxes(d_g[..., 0], 1, 2)
+    d_state[...] = d_s0
+
+
+def _chunked_backward(x: _Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
+    """Backward by chunks, from checkpoints taken every ``every`` steps."""
+    b, h, s, n = x.q.shape
+    state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
+    intervals = [(t0, min(t0 + every, s)) for t0 in range(0, s, every)]
+    checkpoints = np.empty((len(intervals), b, h, n, n), x.q.dtype)
+    for index, (t0, t1) in enumerate(intervals):
+        checkpoints[index] = state
+        for c0, c1 in _chunks(x.g, t0, t1, every):
+            _chunk_forward(x, state, c0, c1)
+        tick()
+    del state
+
+    d_state = np.zeros((b, h, n, n), x.q.dtype)
+    for index in reversed(range(len(intervals))):
+        t0, t1 = intervals[index]
+        chunks = _chunks(x.g, t0, t1, every)
+        # The entry state of every chunk of the interval; usually there is just one chunk.
+        entries = [checkpoints[index]]
+        for c0, c1 in chunks[:-1]:
+            nxt = entries[-1].copy()
+            _chunk_forward(x, nxt, c0, c1)
+            entries.append(nxt)
+        for (c0, c1), entry in zip(reversed(chunks), reversed(entries), strict=True):
+            _chunk_backward(x, grads, entry, d_state, c0, c1)
+        tick()
+    if grads.dstate is not None:
+        grads.dstate[...] = d_state
+
+
+def _ticker(progress: Callable[[float], object] | None, total: int) -> Callable[[], None]:
+    """A callback for each unit of work, reporting the fraction done to ``progress``."""
+    if progress is None:
+        return lambda: None
+    if not callable(progress):
+        raise TypeError(f"progress must be callable or None, got {type(progress).__name__}")
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        progress(done / total)
+
+    return tick

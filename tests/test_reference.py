@@ -1,0 +1,486 @@
+"""Tests of the reference forward and backward of the gated delta-net."""
+
+from __future__ import annotations
+
+import doctest
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.typing import NDArray
+
+from gdn_layout import GdnBackwardLayout, reference, unpack
+from gdn_layout.reference import Method, backward, default_checkpoint_every, forward
+
+Array = NDArray[Any]
+Inputs = dict[str, Array]
+
+METHODS: tuple[Method, ...] = ("chunked", "recurrent")
+MODES = [
+    pytest.param(False, False, id="per_head-no_state"),
+    pytest.param(False, True, id="per_head-carry_state"),
+    pytest.param(True, False, id="per_channel-no_state"),
+    pytest.param(True, True, id="per_channel-carry_state"),
+]
+# (B, S, H, N): S=1, N=1, B>1 and H>1 all appear.
+FD_SHAPES = [(1, 1, 1, 1), (1, 1, 2, 3), (2, 4, 1, 1), (2, 3, 2, 3), (1, 6, 3, 2)]
+
+
+def make_inputs(
+    shape: tuple[int, int, int, int],
+    *,
+    per_channel: bool,
+    carry: bool,
+    seed: int = 0,
+    gate_low: float = -1.0,
+    gate_high: float = 0.2,
+) -> Inputs:
+    """Random inputs of moderate size; keys are L2-normalised as the op's callers do."""
+    rng = np.random.default_rng(seed)
+    b, s, h, n = shape
+    k = rng.standard_normal(shape)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    inputs = {
+        "q": rng.standard_normal(shape),
+        "k": k,
+        "v": rng.standard_normal(shape),
+        "g": rng.uniform(gate_low, gate_high, shape if per_channel else (b, s, h)),
+        "beta": rng.uniform(0.1, 1.0, (b, s, h)),
+        "dy": rng.standard_normal(shape),
+    }
+    if carry:
+        inputs["state"] = rng.standard_normal((b, h, n, n))
+    return inputs
+
+
+def loss(inputs: Inputs) -> float:
+    """``sum(y * dy)`` through the step-by-step forward."""
+    q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
+    state = inputs.get("state")
+    if state is None:
+        y = forward(q, k, v, g, beta, method="recurrent")
+    else:
+        y = forward(q, k, v, g, beta, state, method="recurrent")[0]
+    return float(np.sum(y * inputs["dy"]))
+
+
+def run_backward(inputs: Inputs, **kwargs: Any) -> Array:
+    return backward(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        inputs["dy"],
+        inputs.get("state"),
+        **kwargs,
+    )
+
+
+def grads_of(inputs: Inputs, **kwargs: Any) -> dict[str, Array]:
+    flat = run_backward(inputs, **kwargs)
+    layout = GdnBackwardLayout.from_inputs(inputs["q"], inputs["g"], inputs.get("state"))
+    views = unpack(flat, layout)
+    return {
+        name: np.asarray(getattr(views, "d" + name))
+        for name in ("q", "k", "v", "g", "beta", "state")
+        if getattr(views, "d" + name) is not None
+    }
+
+
+def finite_difference(inputs: Inputs, name: str, step: float = 1e-5) -> Array:
+    """Central differences of :func:`loss` with respect to every element of ``inputs[name]``."""
+    base = inputs[name]
+    estimate = np.empty_like(base)
+    for index in np.ndindex(base.shape):
+        saved = base[index]
+        base[index] = saved + step
+        up = loss(inputs)
+        base[index] = saved - step
+        down = loss(inputs)
+        base[index] = saved
+        estimate[index] = (up - down) / (2 * step)
+    return estimate
+
+
+def assert_close_to(actual: Array, expected: Array, rel: float, what: str) -> None:
+    """Every element within ``rel`` times the largest magnitude of ``expected``."""
+    scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-300)
+    error = float(np.max(np.abs(actual - expected), initial=0.0))
+    assert error <= rel * scale, f"{what}: max error {error:.3g} vs scale {scale:.3g}"
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients against finite differences
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+@pytest.mark.parametrize("shape", FD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_every_gradient_matches_finite_differences(
+    shape: tuple[int, int, int, int], per_channel: bool, carry: bool, method: str
+) -> None:
+    inputs = make_inputs(shape, per_channel=per_channel, carry=carry, seed=sum(shape))
+    grads = grads_of(inputs, method=method)
+    expected_names = {"q", "k", "v", "g", "beta"} | ({"state"} if carry else set())
+    assert set(grads) == expected_names
+    for name, grad in grads.items():
+        assert grad.shape == inputs[name].shape
+        assert_close_to(grad, finite_difference(inputs, name), 1e-6, f"d{name}")
+
+
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+@pytest.mark.parametrize("shape", [(2, 9, 2, 3), (1, 17, 3, 4)], ids=["2x9x2x3", "1x17x3x4"])
+def test_directional_derivative(
+    shape: tuple[int, int, int, int], per_channel: bool, carry: bool
+) -> None:
+    inputs = make_inputs(shape, per_channel=per_channel, carry=carry, seed=7)
+    grads = grads_of(inputs, checkpoint_every=4)
+    rng = np.random.default_rng(11)
+    step = 1e-5
+    for _ in range(3):
+        direction = {name: rng.standard_normal(grads[name].shape) for name in grads}
+        predicted = sum(float(np.sum(grads[name] * direction[name])) for name in grads)
+        plus = {**inputs, **{name: inputs[name] + step * direction[name] for name in grads}}
+        minus = {**inputs, **{name: inputs[name] - step * direction[name] for name in grads}}
+        estimate = (loss(plus) - loss(minus)) / (2 * step)
+        assert predicted == pytest.approx(estimate, rel=1e-6, abs=1e-9)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointing and the two formulations
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+def test_checkpointing_does_not_change_the_result(per_channel: bool, carry: bool) -> None:
+    seq = 11
+    inputs = make_inputs((2, seq, 2, 3), per_channel=per_channel, carry=carry, seed=3)
+    # Every state kept: one interval covering the whole sequence.
+    full = run_backward(inputs, method="recurrent", checkpoint_every=seq)
+    for every in (1, 2, 3, 5, default_checkpoint_every(seq), seq, seq + 4):
+        for method in METHODS:
+            result = run_backward(inputs, method=method, checkpoint_every=every)
+            assert_close_to(result, full, 1e-12, f"{method}, checkpoint_every={every}")
+            if method == "recurrent":
+                # Same operations in the same order: bit for bit.
+                np.testing.assert_array_equal(result, full)
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [(-16.0, -9.0), (5.0, 9.0), (-12.0, 12.0), (-800.0, -700.0)],
+    ids=["strong-decay", "growth", "mixed", "underflow"],
+)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_chunked_matches_recurrent_when_chunks_must_be_cut(
+    low: float, high: float, per_channel: bool
+) -> None:
+    """Large gates force drift-limited chunks; exp(-800) underflows to zero without harm."""
+    inputs = make_inputs(
+        (1, 12, 2, 3), per_channel=per_channel, carry=True, seed=5, gate_low=low, gate_high=high
+    )
+    if high > 0:  # keep growth bounded so that the values stay representable
+        inputs["g"] /= 4.0
+    expected = run_backward(inputs, method="recurrent")
+    for every in (1, 5, 12):
+        result = run_backward(inputs, method="chunked", checkpoint_every=every)
+        assert np.all(np.isfinite(result))
+        assert_close_to(result, expected, 1e-11, f"checkpoint_every={every}")
+    y_rec, final_rec = forward(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        inputs["state"],
+        method="recurrent",
+    )
+    y_chk, final_chk = forward(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs["state"]
+    )
+    assert_close_to(y_chk, y_rec, 1e-11, "y")
+    assert_close_to(final_chk, final_rec, 1e-11, "final state")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    s=st.integers(1, 20),
+    h=st.integers(1, 2),
+    n=st.integers(1, 5),
+    every=st.integers(1, 24),
+    per_channel=st.booleans(),
+    carry=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_matches_recurrent(
+    b: int, s: int, h: int, n: int, every: int, per_channel: bool, carry: bool, seed: int
+) -> None:
+    inputs = make_inputs((b, s, h, n), per_channel=per_channel, carry=carry, seed=seed)
+    expected = run_backward(inputs, method="recurrent", checkpoint_every=every)
+    result = run_backward(inputs, method="chunked", checkpoint_every=every)
+    assert_close_to(result, expected, 1e-11, "packed gradient")
+
+
+def test_forward_matches_the_spec_written_out() -> None:
+    """One head, written with explicit loops over the spec's formulas."""
+    inputs = make_inputs((1, 5, 1, 3), per_channel=True, carry=True, seed=9)
+    q, k, v, g, beta = (inputs[name][0, :, 0] for name in ("q", "k", "v", "g", "beta"))
+    state = inputs["state"][0, 0].copy()
+    c = 1 / np.sqrt(3)
+    expected = np.zeros((5, 3))
+    for t in range(5):
+        p = np.exp(g[t])[:, None] * state
+        m = np.array([sum(k[t, i] * p[i, j] for i in range(3)) for j in range(3)])
+        u = (v[t] - m) * beta[t]
+        state = p + np.outer(k[t], u)
+        expected[t] = c * np.array([sum(q[t, i] * state[i, j] for i in range(3)) for j in range(3)])
+    for method in METHODS:
+        y, final = forward(
+            inputs["q"],
+            inputs["k"],
+            inputs["v"],
+            inputs["g"],
+            inputs["beta"],
+            inputs["state"],
+            method=method,
+        )
+        np.testing.assert_allclose(y[0, :, 0], expected, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(final[0, 0], state, rtol=1e-12, atol=1e-12)
+
+
+def test_forward_without_state_returns_y_only() -> None:
+    inputs = make_inputs((2, 4, 2, 3), per_channel=False, carry=False)
+    y = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
+    assert isinstance(y, np.ndarray)
+    assert y.shape == (2, 4, 2, 3)
+    zero = np.zeros((2, 2, 3, 3))
+    y0, final = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], zero)
+    np.testing.assert_array_equal(y, y0)
+    assert final.shape == (2, 2, 3, 3)
+
+
+# --------------------------------------------------------------------------------------------
+# Dtypes and the packed buffer
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+def test_float32_agrees_with_float64(per_channel: bool, carry: bool, method: str) -> None:
+    inputs = make_inputs((2, 24, 2, 8), per_channel=per_channel, carry=carry, seed=4)
+    exact = run_backward(inputs, method=method)
+    single = run_backward(inputs, method=method, dtype=np.float32)
+    assert single.dtype == np.float32
+    assert_close_to(single.astype(np.float64), exact, 2e-6, "float32 gradient")
+    y64 = forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"])
+    y32 = forward(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], dtype="float32"
+    )
+    assert y32.dtype == np.float32
+    assert_close_to(y32.astype(np.float64), y64, 2e-6, "float32 output")
+
+
+@pytest.mark.parametrize("low", [np.float16, ml_dtypes.bfloat16, np.float32])
+def test_low_precision_inputs_are_upcast(low: Any) -> None:
+    inputs = make_inputs((1, 5, 2, 4), per_channel=True, carry=True, seed=2)
+    narrowed = {name: value.astype(low) for name, value in inputs.items()}
+    widened = {name: value.astype(np.float64) for name, value in narrowed.items()}
+    np.testing.assert_array_equal(run_backward(narrowed), run_backward(widened))
+
+
+def test_backward_writes_into_out_and_returns_it() -> None:
+    inputs = make_inputs((2, 5, 2, 3), per_channel=True, carry=True)
+    layout = GdnBackwardLayout.from_inputs(inputs["q"], inputs["g"], inputs["state"])
+    out = np.full(layout.total_elems, np.nan, dtype=np.float32)
+    result = run_backward(inputs, out=out, dtype=np.float32)
+    assert result is out
+    np.testing.assert_array_equal(out, run_backward(inputs, dtype=np.float32))
+    flat = run_backward(inputs)
+    assert flat.shape == (layout.total_elems,)
+    assert flat.dtype == np.float64
+    views = unpack(flat, layout)
+    assert views.dg.shape == (2, 5, 2, 3)
+    assert views.dstate is not None
+    assert np.shares_memory(views.dstate, flat)
+
+
+def test_per_head_gate_layout() -> None:
+    inputs = make_inputs((2, 3, 4, 2), per_channel=False, carry=False)
+    flat = run_backward(inputs)
+    layout = GdnBackwardLayout(2, 3, 4, 2)
+    assert flat.shape == (layout.total_elems,)
+    assert unpack(flat, layout).dstate is None
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 2, 3), (0, 4, 2, 3), (1, 3, 2, 0)])
+def test_empty_dimensions(shape: tuple[int, int, int, int]) -> None:
+    inputs = make_inputs(shape, per_channel=False, carry=True)
+    for method in METHODS:
+        flat = run_backward(inputs, method=method)
+        assert flat.shape == (GdnBackwardLayout(*shape, carry_state=True).total_elems,)
+        np.testing.assert_array_equal(flat, 0.0)
+
+
+def test_docstring_examples() -> None:
+    result = doctest.testmod(reference, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _call(inputs: Inputs, **kwargs: Any) -> Array:
+    merged = {**inputs, **kwargs}
+    state = merged.pop("state", None)
+    dy = merged.pop("dy")
+    return backward(
+        merged.pop("q"),
+        merged.pop("k"),
+        merged.pop("v"),
+        merged.pop("g"),
+        merged.pop("beta"),
+        dy,
+        state,
+        **merged,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "pattern"),
+    [
+        ("q", np.zeros((2, 3, 4)), r"q must have shape \[B, S, H, N\].*got \(2, 3, 4\)"),
+        ("k", np.zeros((2, 3, 4, 4)), r"k must have shape .*\(2, 3, 4, 5\), got \(2, 3, 4, 4\)"),
+        ("v", np.zeros((2, 3, 4, 6)), r"v must have shape .*\(2, 3, 4, 5\), got \(2, 3, 4, 6\)"),
+        ("dy", np.zeros((1, 3, 4, 5)), r"dy must have shape .*\(2, 3, 4, 5\), got \(1, 3, 4, 5\)"),
+        (
+            "g",
+            np.zeros((2, 3, 5)),
+            r"g must have shape \[B, S, H\] = \(2, 3, 4\) or .*got \(2, 3, 5",
+        ),
+        (
+            "g",
+            np.zeros((2, 3, 4, 4)),
+            r"g must .*\[B, S, H, N\] = \(2, 3, 4, 5\), got \(2, 3, 4, 4",
+        ),
+        ("beta", np.zeros((2, 3, 4, 5)), r"beta must have shape \[B, S, H\] = \(2, 3, 4\), got"),
+        ("state", np.zeros((2, 4, 5, 4)), r"state must have shape \[B, H, N, N\] = \(2, 4, 5, 5\)"),
+    ],
+)
+def test_bad_shapes(name: str, value: Array, pattern: str) -> None:
+    inputs = make_inputs((2, 3, 4, 5), per_channel=False, carry=True)
+    with pytest.raises(ValueError, match=pattern):
+        _call(inputs, **{name: value})
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "state", "dy"])
+@pytest.mark.parametrize(
+    ("dtype", "label"),
+    [(np.int32, "int32"), (np.complex128, "complex128"), (np.bool_, "bool"), (object, "object")],
+)
+def test_bad_dtypes(name: str, dtype: Any, label: str) -> None:
+    inputs = make_inputs((1, 2, 1, 3), per_channel=False, carry=True)
+    bad = inputs[name].astype(dtype)
+    with pytest.raises(TypeError, match=rf"^{name} must have a floating dtype .*got {label}$"):
+        _call(inputs, **{name: bad})
+
+
+@pytest.mark.parametrize("name", ["q", "k", "v", "g", "beta", "state", "dy"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_values(name: str, bad: float) -> None:
+    inputs = make_inputs((2, 3, 2, 3), per_channel=True, carry=True)
+    index = (1, 1, 1) + (0,) * (inputs[name].ndim - 3)
+    inputs[name][index] = bad
+    inputs[name].reshape(-1)[-1] = bad  # a later one, not reported
+    with pytest.raises(ValueError, match=rf"^{name} must be finite .*{bad} at index ") as info:
+        _call(inputs)
+    assert str(info.value).endswith(f"at index {index}")
+
+
+def test_value_that_overflows_the_computation_dtype() -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    inputs["v"][0, 1, 0, 1] = 1e300
+    _call(inputs)  # finite in float64
+    message = r"v must be finite in float32, got 1e\+300 at index \(0, 1, 0, 1\)"
+    with pytest.raises(ValueError, match=message):
+        _call(inputs, dtype=np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.int64, "complex64"])
+def test_bad_computation_dtype(dtype: Any) -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    with pytest.raises(TypeError, match=r"^dtype must be float32 or float64, got "):
+        _call(inputs, dtype=dtype)
+
+
+def test_bad_out() -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    total = GdnBackwardLayout(1, 2, 1, 2).total_elems
+    with pytest.raises(ValueError, match=rf"out must have shape \({total},\) .*got \(3,\)"):
+        _call(inputs, out=np.zeros(3))
+    with pytest.raises(TypeError, match=r"out must have dtype float64 .*got float32"):
+        _call(inputs, out=np.zeros(total, np.float32))
+    with pytest.raises(TypeError, match=r"out must be a NumPy array, got list"):
+        _call(inputs, out=[0.0] * total)
+    frozen = np.zeros(total)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writable"):
+        _call(inputs, out=frozen)
+
+
+@pytest.mark.parametrize(
+    ("every", "error", "pattern"),
+    [
+        (0, ValueError, r"checkpoint_every must be a positive integer or None, got 0"),
+        (-3, ValueError, r"got -3"),
+        (True, TypeError, r"got bool True"),
+        (2.0, TypeError, r"got float 2.0"),
+    ],
+)
+def test_bad_checkpoint_every(every: Any, error: type[Exception], pattern: str) -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    with pytest.raises(error, match=pattern):
+        _call(inputs, checkpoint_every=every)
+
+
+def test_bad_method() -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    message = r"method must be one of \('chunked', 'recurrent'\), got 'fast'"
+    with pytest.raises(ValueError, match=message):
+        _call(inputs, method="fast")
+    with pytest.raises(ValueError, match="method must be one of"):
+        forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], method="x")  # type: ignore[call-overload]
+
+
+def test_forward_validates_too() -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    with pytest.raises(TypeError, match="beta must have a floating dtype"):
+        forward(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"].astype(int))
+    with pytest.raises(ValueError, match=r"state must have shape"):
+        forward(
+            inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], np.zeros((1, 1, 2))
+        )
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_progress_reports_rising_fractions_up_to_one(method: Method) -> None:
+    inputs = make_inputs((1, 10, 2, 3), per_channel=False, carry=True)
+    seen: list[float] = []
+    with_progress = run_backward(inputs, method=method, checkpoint_every=3, progress=seen.append)
+    # Four checkpoint intervals, each visited once by the forward and once by the backward sweep.
+    assert seen == [i / 8 for i in range(1, 9)]
+    assert np.array_equal(with_progress, run_backward(inputs, method=method, checkpoint_every=3))
+
+
+def test_progress_must_be_callable() -> None:
+    inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    with pytest.raises(TypeError, match="progress must be callable or None, got int"):
+        run_backward(inputs, progress=1)
