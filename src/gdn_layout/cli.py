@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -38,6 +39,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         result: int = args.run(args)
+    except BrokenPipeError:
+        # The reader went away (`gdn-layout describe | head`): stop quietly, as Unix tools do.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (UsageError, ValueError, TypeError, OSError, ImportError) as error:
         print(f"gdn-layout {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -67,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
         "gradient in the packed buffer.",
     )
     _add_layout_arguments(describe, batch=1, seq=2048, heads=16, state_size=128)
-    describe.add_argument("--dtype", default="float32", type=_dtype_name, help="%(default)s")
+    describe.add_argument(
+        "--dtype", default="float32", type=_dtype_name, help="for the bytes column (%(default)s)"
+    )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(run=_describe)
 
@@ -78,8 +85,12 @@ def _parser() -> argparse.ArgumentParser:
         "backward, and write inputs, dy, y and the packed gradient to a safetensors file.",
     )
     _add_layout_arguments(fixture, batch=2, seq=64, heads=3, state_size=16)
-    fixture.add_argument("--dtype", default="float32", type=_dtype_name, help="%(default)s")
-    fixture.add_argument("--seed", type=_dimension, default=0, help="%(default)s")
+    fixture.add_argument(
+        "--dtype", default="float32", type=_dtype_name, help="of the stored tensors (%(default)s)"
+    )
+    fixture.add_argument(
+        "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
+    )
     fixture.add_argument(
         "--gate-regime",
         choices=REGIMES,
@@ -140,9 +151,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Make a fixture with the float64 reference in a temporary folder, reload it "
         "memory-mapped, unpack it, and compare a float32 recomputation against it.",
     )
-    _add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16)
-    demo.add_argument("--seed", type=_dimension, default=0, help="%(default)s")
-    demo.set_defaults(run=_demo, per_channel=True, carry_state=True)
+    _add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16, flags=True)
+    demo.add_argument(
+        "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
+    )
+    demo.set_defaults(run=_demo)
     return parser
 
 
@@ -160,20 +173,37 @@ def _add_file_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_layout_arguments(
-    parser: argparse.ArgumentParser, *, batch: int, seq: int, heads: int, state_size: int
+    parser: argparse.ArgumentParser,
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    state_size: int,
+    flags: bool = False,
 ) -> None:
     group = parser.add_argument_group("layout")
-    group.add_argument("--batch", "-B", type=_dimension, default=batch, help="%(default)s")
-    group.add_argument("--seq", "-S", type=_dimension, default=seq, help="%(default)s")
-    group.add_argument("--heads", "-H", type=_dimension, default=heads, help="%(default)s")
+    for flag, short, default, what in (
+        ("--batch", "-B", batch, "batch size B"),
+        ("--seq", "-S", seq, "sequence length S"),
+        ("--heads", "-H", heads, "heads H"),
+        ("--state-size", "-N", state_size, "state (head) size N"),
+    ):
+        group.add_argument(
+            flag, short, type=_dimension, default=default, help=f"{what} (default: %(default)s)"
+        )
+    # With flags on by default, --no-per-channel and --no-carry-state turn them off.
+    action = argparse.BooleanOptionalAction if flags else "store_true"
     group.add_argument(
-        "--state-size", "-N", type=_dimension, default=state_size, help="%(default)s"
+        "--per-channel",
+        action=action,
+        default=flags,
+        help="gate per key channel: g is [B, S, H, N]",
     )
     group.add_argument(
-        "--per-channel", action="store_true", help="gate per key channel: g is [B, S, H, N]"
-    )
-    group.add_argument(
-        "--carry-state", action="store_true", help="an initial state is given: dstate is packed"
+        "--carry-state",
+        action=action,
+        default=flags,
+        help="an initial state is given: dstate is packed",
     )
 
 
