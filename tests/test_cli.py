@@ -222,6 +222,28 @@ def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
     )
 
 
+def test_fixture_user_errors(tmp_path: Path) -> None:
+    assert_user_error(
+        run("fixture", "--suite", tmp_path / "s", "-S", "3", "--gate-regime", "zero"),
+        "--suite writes its own layouts and regimes; drop --seq, --gate-regime",
+    )
+    assert not (tmp_path / "s").exists()
+    missing = tmp_path / "nowhere" / "x.safetensors"
+    assert_user_error(run("fixture", "-o", missing), f"{missing}: the folder")
+    huge = ["-B", "100000", "-S", "100000", "-H", "64", "-N", "128"]
+    assert_user_error(run("fixture", *huge, "-o", tmp_path / "x"), "out of memory: ")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_user_errors(tmp_path: Path) -> None:
+    dims = ["-B", "1", "-S", "1", "-H", "1", "-N", "1"]
+    assert_user_error(run("inspect", tmp_path, *dims), f"{tmp_path}: not a file")
+    np.save(tmp_path / "objects.npy", np.array([{}], dtype=object), allow_pickle=True)
+    assert_user_error(
+        run("inspect", tmp_path / "objects.npy", *dims), "objects.npy: cannot be read as a packed"
+    )
+
+
 def test_bad_flag_values_are_one_line_errors() -> None:
     assert_user_error(run("describe", "--seq", "-3"), "expected a non-negative integer, got -3")
     assert_user_error(run("describe", "--dtype", "int8"), "expected one of float16, bfloat16")
@@ -230,6 +252,11 @@ def test_bad_flag_values_are_one_line_errors() -> None:
 
 
 def test_demo_runs_the_main_job(tmp_path: Path) -> None:
+    code, shown = _stderr_on_a_terminal("demo", "-S", "4")
+    assert code == 0
+    assert "float64 reference [" in shown
+    assert "float32 recomputation [" in shown
+    assert _stderr_on_a_terminal("demo", "-S", "4", "--quiet") == (0, "")
     result = run("demo", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert "reloaded memory-mapped: True" in result.stdout

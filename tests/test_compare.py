@@ -171,6 +171,29 @@ def test_rms_ratio_definition() -> None:
     assert not compare(actual, expected, layout, max_rms_ratio=0.09)["dq"].passed
 
 
+@pytest.mark.parametrize("magnitude", [1.5e154, 1e300, 1e-160, 1e-300])
+def test_rms_ratio_neither_overflows_nor_underflows(magnitude: float) -> None:
+    # Squares of these values leave float64's range; the ratio must not.
+    layout = GdnBackwardLayout(1, 3, 2, 2)
+    expected = np.full(layout.total_elems, magnitude)
+    actual = expected * 1.2  # every element 20% off
+    grad = compare(actual, expected, layout, max_rms_ratio=1e-3)["dq"]
+    assert grad.rms_ratio == pytest.approx(0.2)
+    assert not grad.passed
+
+
+def test_rms_ratio_across_chunks_of_different_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    compare_module = importlib.import_module("gdn_layout.compare")
+    monkeypatch.setattr(compare_module, "_CHUNK", 4)  # one row of dq per chunk
+    layout = GdnBackwardLayout(1, 3, 1, 4)
+    expected = np.ones(layout.total_elems)
+    expected[:12] = np.repeat([1e-200, 1.0, 1e200], 4)
+    actual = expected.copy()
+    actual[:12] += np.repeat([1e-201, 0.0, 3e199], 4)
+    # sqrt((4e-402 + 4 * 9e398) / (4e-400 + 4 + 4e400)), where only the 1e200 row counts.
+    assert compare(actual, expected, layout)["dq"].rms_ratio == pytest.approx(0.3)
+
+
 def test_zero_reference_rms_ratio() -> None:
     layout = GdnBackwardLayout(1, 2, 1, 2)
     zeros = np.zeros(layout.total_elems)
@@ -549,3 +572,16 @@ def test_html_is_escaped() -> None:
     page = grads_html({"<dq>": np.zeros(2)})
     assert "&lt;dq&gt;" in page
     assert "<dq>" not in page
+
+
+def test_an_exact_gradient_has_no_worst_element_in_the_table() -> None:
+    layout = GdnBackwardLayout(1, 2, 1, 2)
+    expected = np.arange(1.0, layout.total_elems + 1)
+    actual = expected.copy()
+    unpack(actual, layout).dv[0, 1, 0, 1] += 1.0
+    report = compare(actual, expected, layout)
+    assert report["dq"].exact
+    assert not report["dv"].exact
+    rows = {line.split()[0]: line for line in str(report).splitlines()[3:]}
+    assert "[" not in rows["dq"].split(")", 1)[1]
+    assert "[0, 1, 0, 1]" in rows["dv"]

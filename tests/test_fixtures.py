@@ -259,6 +259,13 @@ def test_same_bytes_as_the_official_writer(tmp_path: Path, dtype: np.dtype[Any])
 # -- atomic saving -------------------------------------------------------------------------------
 
 
+def test_save_into_a_missing_folder_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere" / "x.safetensors"
+    with pytest.raises(FileNotFoundError, match=f"{re.escape(str(path))}: the folder .* does not"):
+        save_fixture(path, _fixture())
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_save_refuses_an_existing_file(saved: Path) -> None:
     before = saved.read_bytes()
     with pytest.raises(FileExistsError, match=rf"{re.escape(str(saved))} exists.*overwrite=True"):
@@ -692,7 +699,10 @@ def test_draw_inputs_rejects_bad_arguments() -> None:
 @pytest.fixture(scope="module")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     root = tmp_path_factory.mktemp("suite")
-    return root, write_suite(root, seed=100)
+    fractions: list[float] = []
+    paths = write_suite(root, seed=100, progress=fractions.append)
+    assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
+    return root, paths
 
 
 def test_suite_manifest_lists_every_file(suite: tuple[Path, list[Path]]) -> None:

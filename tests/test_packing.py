@@ -86,9 +86,7 @@ def test_unpack_keeps_strides_and_leading_axes(
     layout: GdnBackwardLayout, step: int, lead: bool
 ) -> None:
     base = _ramp(2 * 3 * layout.total_elems * step, np.dtype(np.float32))
-    flat = base.reshape(2, 3, -1)[..., ::step] if lead else base[::step][: layout.total_elems]
-    if not lead:
-        flat = base[: layout.total_elems * step : step]
+    flat = base.reshape(2, 3, -1)[..., ::step] if lead else base[: layout.total_elems * step : step]
     grads = unpack(flat, layout)
     for got, want in zip(_fields(grads), _expected_views(flat, layout), strict=True):
         assert got.shape == want.shape
@@ -164,6 +162,10 @@ def test_writes_through_views_land_in_the_buffer() -> None:
     grads.dbeta[1, 2, 3] = 5.0
     assert flat[layout.dbeta_offset + (1 * 3 + 2) * 4 + 3] == 5.0
     assert flat.sum() == 5.0
+
+
+def test_nbytes_knows_bfloat16_by_name() -> None:
+    assert LAYOUT.nbytes("bfloat16") == 2 * LAYOUT.total_elems
 
 
 def test_empty_and_zeros() -> None:
@@ -262,7 +264,7 @@ def _grads(layout: GdnBackwardLayout) -> list[Any]:
         (
             lambda: _pack(*_grads(LAYOUT)[:3], np.zeros((1, 2)), _grads(LAYOUT)[4]),
             ValueError,
-            "dg must have shape [B, S, H] or [B, S, H, N], got (1, 2)",
+            "pack: dg must have shape [B, S, H] or [B, S, H, N], got (1, 2)",
         ),
         (
             lambda: _pack(*_grads(LAYOUT)[:4], np.zeros((1, 2, 4)), layout=LAYOUT),
@@ -296,7 +298,28 @@ def _grads(layout: GdnBackwardLayout) -> list[Any]:
             "state_size=4, gate_per_channel=False, carry_state=False), got (85,)",
         ),
         (lambda: _pack(*_grads(LAYOUT), out=np.zeros((1, 84))), ValueError, "got (1, 84)"),
-        (lambda: _pack(*_grads(LAYOUT), out=_read_only(84)), ValueError, "pack: out is read-only"),
+        (
+            lambda: _pack(*_grads(LAYOUT), out=_read_only(84)),
+            ValueError,
+            "pack: out must be writeable, got a read-only array",
+        ),
+        (
+            lambda: _pack(*_grads(LAYOUT), dtype="nope"),
+            TypeError,
+            "pack: dtype must be a NumPy dtype, got 'nope'",
+        ),
+        (
+            lambda: _pack(*_grads(LAYOUT)[:4], np.full((1, 2, 3), "x")),
+            TypeError,
+            "pack: gradients are numbers; the packed dtype would be <U32",
+        ),
+        (lambda: empty(LAYOUT, dtype="nope"), TypeError, "empty: dtype must be a NumPy dtype"),
+        (lambda: zeros(LAYOUT, dtype=_any(3.5)), TypeError, "zeros: dtype must be a NumPy dtype"),
+        (
+            lambda: LAYOUT.nbytes("nope"),
+            TypeError,
+            "nbytes: dtype must be a NumPy dtype, got 'nope'",
+        ),
         (
             lambda: _pack(*_grads(LAYOUT), out=np.zeros(84), dtype=np.float32),
             TypeError,

@@ -26,3 +26,14 @@ def is_floating(dtype: np.dtype[Any]) -> bool:
         return True
     module = getattr(dtype.type, "__module__", "") or ""
     return module.startswith("ml_dtypes") and dtype.name.startswith(("float", "bfloat"))
+
+
+def resolve(dtype: object, where: str) -> np.dtype[Any]:
+    """``dtype`` as a NumPy dtype; ``"bfloat16"`` works as a name even before ml_dtypes is
+    imported. A value that is no dtype is a TypeError naming ``where``."""
+    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
+        return bfloat16()
+    try:
+        return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
+    except TypeError:
+        raise TypeError(f"{where} must be a NumPy dtype, got {dtype!r}") from None

@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from . import _render
-from ._dtypes import bfloat16
+from ._dtypes import resolve
 from .fixtures import REGIMES
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
@@ -42,7 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         # The reader went away (`gdn-layout describe | head`): stop quietly, as Unix tools do.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        return 128 + 13  # what a shell reports for a process ended by SIGPIPE
+    except MemoryError as error:
+        print(f"gdn-layout {args.command}: error: out of memory: {error}", file=sys.stderr)
+        return 2
     except (UsageError, ValueError, TypeError, OSError, ImportError) as error:
         print(f"gdn-layout {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -94,7 +97,6 @@ def _parser() -> argparse.ArgumentParser:
     fixture.add_argument(
         "--gate-regime",
         choices=REGIMES,
-        default="mixed",
         help="zero: no decay, where state-path bugs show most; mild: exp(g) near 1; "
         "strong: exp(g) near 0; mixed: all three (default)",
     )
@@ -155,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
     )
+    demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(run=_demo)
     return parser
 
@@ -182,45 +185,45 @@ def _add_layout_arguments(
     flags: bool = False,
 ) -> None:
     group = parser.add_argument_group("layout")
+    # None marks a flag the user did not give, so that `fixture --suite` can refuse it.
+    parser.set_defaults(layout_defaults=(batch, seq, heads, state_size, flags))
     for flag, short, default, what in (
         ("--batch", "-B", batch, "batch size B"),
         ("--seq", "-S", seq, "sequence length S"),
         ("--heads", "-H", heads, "heads H"),
         ("--state-size", "-N", state_size, "state (head) size N"),
     ):
-        group.add_argument(
-            flag, short, type=_dimension, default=default, help=f"{what} (default: %(default)s)"
-        )
+        group.add_argument(flag, short, type=_dimension, help=f"{what} (default: {default})")
     # With flags on by default, --no-per-channel and --no-carry-state turn them off.
     action = argparse.BooleanOptionalAction if flags else "store_true"
     group.add_argument(
-        "--per-channel",
-        action=action,
-        default=flags,
-        help="gate per key channel: g is [B, S, H, N]",
+        "--per-channel", action=action, default=None, help="gate per key channel: g is [B, S, H, N]"
     )
     group.add_argument(
         "--carry-state",
         action=action,
-        default=flags,
+        default=None,
         help="an initial state is given: dstate is packed",
     )
 
 
 def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
-    return GdnBackwardLayout(
-        args.batch,
-        args.seq,
-        args.heads,
-        args.state_size,
-        gate_per_channel=args.per_channel,
-        carry_state=args.carry_state,
-    )
+    *dims, flags = args.layout_defaults
+    given = (args.batch, args.seq, args.heads, args.state_size)
+    b, s, h, n = (d if g is None else g for g, d in zip(given, dims, strict=True))
+    per_channel = flags if args.per_channel is None else args.per_channel
+    carry_state = flags if args.carry_state is None else args.carry_state
+    return GdnBackwardLayout(b, s, h, n, gate_per_channel=per_channel, carry_state=carry_state)
+
+
+def _given_layout_flags(args: argparse.Namespace) -> list[str]:
+    names = ("batch", "seq", "heads", "state_size", "per_channel", "carry_state", "gate_regime")
+    return ["--" + name.replace("_", "-") for name in names if getattr(args, name) is not None]
 
 
 def _describe(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
-    dtype = _resolve_dtype(args.dtype)
+    dtype = resolve(args.dtype, "--dtype")
     if args.json:
         rows = _render.layout_table(layout, dtype)
         document: dict[str, Any] = {
@@ -248,23 +251,29 @@ def _describe(args: argparse.Namespace) -> int:
 def _fixture(args: argparse.Namespace) -> int:
     from .fixtures import make_fixture, save_fixture, write_suite
 
-    layout = _layout_from(args)
-    dtype = _resolve_dtype(args.dtype)
-    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    dtype = resolve(args.dtype, "--dtype")
     if args.suite is not None:
-        paths = write_suite(args.suite, dtype=dtype, seed=args.seed, overwrite=args.force)
+        if given := _given_layout_flags(args):
+            raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
+        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
+        paths = write_suite(
+            args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
+        )
         progress.done()
         total = sum(path.stat().st_size for path in paths)
         print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({_human(total)})")
         return 0
+    layout = _layout_from(args)
+    regime = args.gate_regime or "mixed"
+    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     fixture = make_fixture(
-        layout, dtype=dtype, regime=args.gate_regime, seed=args.seed, progress=progress.update
+        layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
     )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()
     print(
         f"wrote {path} ({_human(path.stat().st_size)}): {layout!r}, {args.dtype}, "
-        f"gate regime {args.gate_regime}, seed {args.seed}"
+        f"gate regime {regime}, seed {args.seed}"
     )
     return 0
 
@@ -328,14 +337,23 @@ def _demo(args: argparse.Namespace) -> int:
         path = Path(folder) / "demo.safetensors"
         print(f"1. the layout of the backward, {_render.layout_caption(layout)}:")
         print(_render.layout_text(layout, np.float64))
-        fixture = make_fixture(layout, dtype=np.float64, regime="mixed", seed=args.seed)
+        stdout = sys.stdout
+        stdout.flush()  # the table first, then any progress bar on stderr
+        bar = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
+        fixture = make_fixture(
+            layout, dtype=np.float64, regime="mixed", seed=args.seed, progress=bar.update
+        )
+        bar.done()
         save_fixture(path, fixture)
         print(f"\n2. a float64 reference fixture: {_human(path.stat().st_size)} of safetensors")
         loaded = load_fixture(path)
         mapped = all(isinstance(a, np.memmap) for a in loaded.tensors().values())
         print(f"   reloaded memory-mapped: {mapped}; its gradients, unpacked without a copy:")
         print(_render.grads_text(loaded.grads))
-        recomputed = reference.backward(*loaded.inputs, dtype=np.float32)
+        stdout.flush()
+        bar.label = "float32 recomputation"
+        recomputed = reference.backward(*loaded.inputs, dtype=np.float32, progress=bar.update)
+        bar.done()
         result = compare(recomputed, loaded.packed, layout, rtol=1e-4, atol=1e-5)
         print("\n3. a float32 recomputation against it (rtol=1e-4, atol=1e-5):")
         print(result)
@@ -353,19 +371,24 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
     """Read a packed buffer lazily (memory-mapped) from a fixture, a .npy or a raw file."""
     from .fixtures import load_fixture
 
-    if not Path(path).is_file():
+    if not Path(path).exists():
         raise UsageError(f"{path}: no such file")
+    if not Path(path).is_file():
+        raise UsageError(f"{path}: not a file")
     if path.endswith(".safetensors"):
         fixture = load_fixture(path)
         _check_dtype_flag(args, fixture.packed.dtype, path)
         return _Packed(path, "fixture", fixture.packed, fixture.layout)
     if path.endswith(".npy"):
-        packed = np.load(path, mmap_mode="r", allow_pickle=False)
+        try:
+            packed = np.load(path, mmap_mode="r", allow_pickle=False)
+        except ValueError as error:  # not a .npy, or one of Python objects
+            raise UsageError(f"{path}: cannot be read as a packed buffer: {error}") from None
         _check_dtype_flag(args, packed.dtype, path)
         return _Packed(path, ".npy", packed, None)
     if args.dtype is None:
         raise UsageError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
-    dtype = _resolve_dtype(args.dtype)
+    dtype = resolve(args.dtype, "--dtype")
     size = Path(path).stat().st_size
     if size % dtype.itemsize:
         raise UsageError(f"{path}: {size} bytes is not a whole number of {args.dtype} elements")
@@ -374,7 +397,7 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
 
 
 def _check_dtype_flag(args: argparse.Namespace, dtype: np.dtype[Any], path: str) -> None:
-    if args.dtype is not None and _resolve_dtype(args.dtype) != dtype:
+    if args.dtype is not None and resolve(args.dtype, "--dtype") != dtype:
         raise UsageError(f"{path}: holds {dtype}, but --dtype says {args.dtype}")
 
 
@@ -456,10 +479,6 @@ def _tolerance(text: str) -> float | dict[str, float]:
         raise argparse.ArgumentTypeError(
             f"expected a number or NAME=NUMBER pairs like dq=1e-3,dg=2e-3, got {text!r}"
         ) from None
-
-
-def _resolve_dtype(name: str) -> np.dtype[Any]:
-    return bfloat16() if name == "bfloat16" else np.dtype(name)
 
 
 def _dtype_name(text: str) -> str:

@@ -55,7 +55,7 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from . import __version__
-from ._dtypes import BF16_HINT, bfloat16
+from ._dtypes import BF16_HINT, bfloat16, resolve
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
 
@@ -242,10 +242,8 @@ class Fixture:
 
 def _resolve_dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:
     """``dtype`` as a NumPy dtype a fixture can hold; ``"bfloat16"`` works as a string."""
-    if isinstance(dtype, str) and dtype.lower() in ("bfloat16", "bf16"):
-        return bfloat16()
     try:
-        resolved = np.dtype(dtype)
+        resolved = resolve(dtype, where)
     except TypeError:
         raise TypeError(
             f"{where}: dtype must be float64, float32, float16 or bfloat16, got {dtype!r}"
@@ -362,6 +360,8 @@ _ITEMSIZE: Final = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 def _atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
     if not overwrite and path.exists():
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path}: the folder {path.parent} does not exist")
     tmp = _create_temp(path)
     try:
         with open(tmp, "wb") as out:
@@ -804,6 +804,7 @@ def write_suite(
     dtype: DTypeLike = np.float32,
     seed: int = 0,
     overwrite: bool = False,
+    progress: Callable[[float], object] | None = None,
 ) -> list[Path]:
     """Write the standard fixture set for a kernel test-suite into ``directory``.
 
@@ -812,6 +813,7 @@ def write_suite(
     N=128) is one file; file ``i`` uses seed ``seed + i``. ``manifest.json`` lists each file
     with its layout, regime, seed, dtype, size and SHA-256. The whole set is a few MiB in
     float32. Existing files are refused unless ``overwrite=True``. Returns the fixture paths.
+    ``progress``, when given, is called with the fraction of the files written so far.
     """
     root = Path(directory)
     target = _resolve_dtype(dtype, "write_suite")
@@ -823,10 +825,13 @@ def write_suite(
         raise FileExistsError(f"{manifest} exists; pass overwrite=True to replace the suite")
     paths: list[Path] = []
     entries: list[dict[str, Any]] = []
-    for index, (name, layout, regime) in enumerate(_suite_cases()):
+    cases = list(_suite_cases())
+    for index, (name, layout, regime) in enumerate(cases):
         fixture = make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
         path = save_fixture(root / name, fixture, overwrite=overwrite)
         paths.append(path)
+        if progress is not None:
+            progress((index + 1) / len(cases))
         entries.append(
             {
                 "file": name,

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike
 
+from ._dtypes import resolve
+
 __all__ = ["GdnBackwardLayout", "Segment"]
 
 #: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
@@ -225,7 +227,7 @@ class GdnBackwardLayout:
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
         """
-        return self.total_elems * np.dtype(dtype).itemsize
+        return self.total_elems * resolve(dtype, "nbytes: dtype").itemsize
 
     def __str__(self) -> str:
         """The layout table: name, shape, offset, length and float32 bytes of each gradient."""

@@ -9,6 +9,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from ._dtypes import is_floating, resolve
 from .layout import GdnBackwardLayout, Segment
 
 __all__ = ["GdnGrads", "empty", "pack", "unpack", "zeros"]
@@ -68,7 +69,7 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     """
     if not isinstance(flat, np.ndarray):
         raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
-    if type(layout) is not GdnBackwardLayout and not isinstance(layout, GdnBackwardLayout):
+    if not isinstance(layout, GdnBackwardLayout):
         raise TypeError(f"unpack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
     shape = flat.shape
     # The layout's private fields, not its properties: unpack is on every hot path.
@@ -122,7 +123,10 @@ def pack(
     if dstate is not None:
         arrays.append(np.asarray(dstate))
     if layout is None:
-        layout = _infer_layout(arrays)
+        try:
+            layout = _infer_layout(arrays)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"pack: {error}") from None
     elif not isinstance(layout, GdnBackwardLayout):
         raise TypeError(f"pack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
     elif (dstate is None) == layout.carry_state:
@@ -143,7 +147,9 @@ def pack(
         raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
 
     if out is None:
-        target = np.dtype(dtype) if dtype is not None else np.result_type(*arrays)
+        target = resolve(dtype, "pack: dtype") if dtype is not None else np.result_type(*arrays)
+        if not (target.kind in "biufc" or is_floating(target)):
+            raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
         _check_casts(segments, arrays, target, casting)
         if contiguous:
             # One C-level pass over all inputs: ravel of a C-contiguous array is a view.
@@ -158,7 +164,10 @@ def pack(
 
 
 def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
-    return any(np.may_share_memory(array, out) for array in arrays)
+    if out.flags.owndata:
+        # Only a view of out can overlap memory that out owns: fresh gradients need no check.
+        return any(a.base is not None and np.may_share_memory(a, out) for a in arrays)
+    return any(np.may_share_memory(a, out) for a in arrays)
 
 
 @functools.lru_cache(maxsize=64)
@@ -202,7 +211,7 @@ def empty(
     >>> flat.shape, bool(flat[:64].sum() == 64)
     ((208,), True)
     """
-    flat = np.empty(_total(layout), dtype=dtype)
+    flat = np.empty(_total(layout), dtype=resolve(dtype, "empty: dtype"))
     return flat, unpack(flat, layout)
 
 
@@ -215,7 +224,7 @@ def zeros(
     >>> grads.dstate.shape, float(flat.sum())
     ((1, 2, 8, 8), 0.0)
     """
-    flat = np.zeros(_total(layout), dtype=dtype)
+    flat = np.zeros(_total(layout), dtype=resolve(dtype, "zeros: dtype"))
     return flat, unpack(flat, layout)
 
 
@@ -233,10 +242,11 @@ def _check_out(out: Any, layout: GdnBackwardLayout, dtype: DTypeLike | None) -> 
             f"pack: out must have shape ({layout.total_elems},) for {layout!r}, got {out.shape}"
         )
     if not out.flags.writeable:
-        raise ValueError("pack: out is read-only")
-    if dtype is not None and np.dtype(dtype) != out.dtype:
+        raise ValueError("pack: out must be writeable, got a read-only array")
+    if dtype is not None and resolve(dtype, "pack: dtype") != out.dtype:
         raise TypeError(
-            f"pack: dtype={np.dtype(dtype)} conflicts with out.dtype={out.dtype}; give one"
+            f"pack: dtype={resolve(dtype, 'pack: dtype')} conflicts with out.dtype={out.dtype}; "
+            "give one"
         )
 
 
