@@ -586,6 +586,11 @@ def test_fixture_checks_its_tensors() -> None:
         Fixture(*x, y=y, packed=packed, regime="wild")
     with pytest.raises(ValueError, match="seed must be a non-negative int"):
         Fixture(*x, y=y, packed=packed, seed=-1)
+    with pytest.raises(TypeError, match="Fixture: seed must be a non-negative int, got '3'"):
+        Fixture(*x, y=y, packed=packed, seed="3")  # type: ignore[arg-type]
+    numpy_seed = Fixture(*x, y=y, packed=packed, seed=np.int64(3))  # type: ignore[arg-type]
+    assert type(numpy_seed.seed) is int
+    assert numpy_seed.seed == 3
     fixture = Fixture(*x, y=y, packed=packed)
     assert fixture.layout == SMALL
     assert all(a is b for a, b in zip(fixture.inputs, x, strict=True))
@@ -689,6 +694,8 @@ def test_draw_inputs_rejects_bad_arguments() -> None:
         draw_inputs(SMALL, dtype="float17")
     with pytest.raises(ValueError, match="seed must be a non-negative int, got -1"):
         draw_inputs(SMALL, seed=-1)
+    with pytest.raises(TypeError, match=r"draw_inputs: seed must be a non-negative int, got 1\.5"):
+        draw_inputs(SMALL, seed=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="layout must be a GdnBackwardLayout, got tuple"):
         draw_inputs((1, 2, 3, 4))  # type: ignore[arg-type]
 

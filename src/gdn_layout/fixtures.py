@@ -192,6 +192,8 @@ class Fixture:
                     f"Fixture: {name} has shape {array.shape}, expected {expected} for {layout!r}"
                 )
         _check_provenance(self.regime, self.seed, self.compute_dtype, "Fixture")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "layout", layout)
         object.__setattr__(self, "grads", unpack(self.packed, layout))
 
@@ -289,11 +291,20 @@ def _expected_shape(layout: GdnBackwardLayout, name: str) -> tuple[int, ...]:
     return layout.shape("dq")
 
 
+def _seed(value: object, where: str) -> int:
+    """A seed as NumPy's generators take it: a non-negative integer, NumPy's included."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: seed must be a non-negative int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{where}: seed must be a non-negative int, got {value!r}")
+    return int(value)
+
+
 def _check_provenance(regime: object, seed: object, compute_dtype: object, where: str) -> None:
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"{where}: regime must be one of {REGIMES} or None, got {regime!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-        raise ValueError(f"{where}: seed must be a non-negative int or None, got {seed!r}")
+    if seed is not None:
+        _seed(seed, where)
     if compute_dtype is not None and not isinstance(compute_dtype, str):
         raise ValueError(f"{where}: compute_dtype must be a str or None, got {compute_dtype!r}")
 
@@ -670,8 +681,7 @@ def draw_inputs(
         )
     if regime not in REGIMES:
         raise ValueError(f"draw_inputs: regime must be one of {REGIMES}, got {regime!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"draw_inputs: seed must be a non-negative int, got {seed!r}")
+    seed = _seed(seed, "draw_inputs")
     target = _resolve_dtype(dtype, "draw_inputs")
     streams = dict(
         zip(
@@ -817,8 +827,7 @@ def write_suite(
     """
     root = Path(directory)
     target = _resolve_dtype(dtype, "write_suite")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"write_suite: seed must be a non-negative int, got {seed!r}")
+    seed = _seed(seed, "write_suite")
     root.mkdir(parents=True, exist_ok=True)
     manifest = root / "manifest.json"
     if not overwrite and manifest.exists():
