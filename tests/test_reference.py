@@ -107,10 +107,25 @@ def finite_difference(inputs: Inputs, name: str, step: float = 1e-5) -> Array:
 
 
 def assert_close_to(actual: Array, expected: Array, rel: float, what: str) -> None:
-    """Every element within ``rel`` times the largest magnitude of ``expected``."""
+    """Every element within ``rel`` times the largest magnitude of ``expected``: the measure of
+    rounding differences, which scale with the largest terms of the sums they come from."""
     scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-300)
     error = float(np.max(np.abs(actual - expected), initial=0.0))
     assert error <= rel * scale, f"{what}: max error {error:.3g} vs scale {scale:.3g}"
+
+
+def assert_each_close_to(
+    actual: Array, expected: Array, rel: float, what: str, floor: float = 1e-9
+) -> None:
+    """Every element within ``rel`` of its own expected value; ``floor`` is the absolute noise
+    of a float64 central difference (about ``eps * |loss| / step``), for elements near zero."""
+    error = np.abs(actual - expected)
+    allowed = rel * np.abs(expected) + floor
+    worst = np.unravel_index(int(np.argmax(error - allowed)), error.shape) if error.size else ()
+    assert np.all(error <= allowed), (
+        f"{what}{list(map(int, worst))}: {float(actual[worst]):.12g} vs finite difference "
+        f"{float(expected[worst]):.12g}"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -130,7 +145,7 @@ def test_every_gradient_matches_finite_differences(
     assert set(grads) == expected_names
     for name, grad in grads.items():
         assert grad.shape == inputs[name].shape
-        assert_close_to(grad, finite_difference(inputs, name), 1e-6, f"d{name}")
+        assert_each_close_to(grad, finite_difference(inputs, name), 1e-6, f"d{name}")
 
 
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
@@ -484,3 +499,18 @@ def test_progress_must_be_callable() -> None:
     inputs = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
     with pytest.raises(TypeError, match="progress must be callable or None, got int"):
         run_backward(inputs, progress=1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_diverging_recurrence_is_an_error_not_a_nan(method: Method) -> None:
+    # Keys far from unit norm make I - beta k k^T expand: the true result overflows float64.
+    inputs = make_inputs((1, 400, 1, 4), per_channel=False, carry=False)
+    inputs["k"] = inputs["k"] * 8.0
+    inputs["g"] = np.zeros_like(inputs["g"])
+    with pytest.raises(FloatingPointError, match=r"forward: y is (inf|-inf|nan) at index \(0, "):
+        loss(inputs)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"backward: dq is (inf|-inf|nan) at index .*outside the op's regime \(keys L2-norm",
+    ):
+        run_backward(inputs, method=method)

@@ -43,6 +43,7 @@ drift-limited chunk in it (one chunk per interval unless the gates decay very fa
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple, overload
@@ -139,7 +140,9 @@ def forward(
 
     Returns ``y`` ``[B, S, H, N]`` when ``state`` is None, and the pair ``(y, final_state)``
     (``final_state`` ``[B, H, N, N]``) when a state is given. ``method`` selects the
-    formulation (see the module docstring); both compute the same function.
+    formulation (see the module docstring); both compute the same function. A result that is
+    not finite, which finite inputs give only when the recurrence overflows (keys far from unit
+    norm, say), raises FloatingPointError naming the first such element.
 
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
@@ -162,11 +165,14 @@ def forward(
         if inputs.state is None
         else (inputs.state.copy())
     )
-    if method == "recurrent":
-        _recurrent_forward(inputs, final, 0, s, y=y)
-    else:
-        for t0, t1 in _chunks(inputs.g, 0, s, _FORWARD_CHUNK):
-            _chunk_forward(inputs, final, t0, t1, y=y)
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+        if method == "recurrent":
+            _recurrent_forward(inputs, final, 0, s, y=y)
+        else:
+            for t0, t1 in _chunks(inputs.g, 0, s, _FORWARD_CHUNK):
+                _chunk_forward(inputs, final, t0, t1, y=y)
+    _check_result("forward", "y", y)
+    _check_result("forward", "the final state", final)
     return (y, final) if carried else y
 
 
@@ -200,7 +206,8 @@ def backward(
     Shapes, dtypes and finiteness are checked as in :func:`forward`, ``dy`` being
     ``[B, S, H, N]``. ``progress``, when given, is called with the fraction of the work done
     (rising to 1.0) after each checkpoint interval of the forward and the backward sweep: a
-    long run can draw a progress bar with it.
+    long run can draw a progress bar with it. A gradient that is not finite raises
+    FloatingPointError, as in :func:`forward`.
 
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -227,8 +234,25 @@ def backward(
         flat = out
     grads = unpack(flat, layout)
     sweep = _recurrent_backward if method == "recurrent" else _chunked_backward
-    sweep(inputs, grads, every, _ticker(progress, 2 * math.ceil(layout.seq / every)))
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+        sweep(inputs, grads, every, _ticker(progress, 2 * math.ceil(layout.seq / every)))
+    for name, grad in zip(layout.names, grads, strict=False):
+        if grad is not None:
+            _check_result("backward", name, grad)
     return flat
+
+
+def _check_result(func: str, name: str, array: _Array) -> None:
+    """Refuse to hand back a non-finite result: from finite inputs it means the recurrence
+    itself blew up, which happens when the inputs are outside the op's regime."""
+    finite = np.isfinite(array)
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise FloatingPointError(
+            f"{func}: {name} is {array[index]} at index {index} in {array.dtype}: "
+            "the delta rule overflows for inputs outside the op's regime (keys L2-normalised, "
+            "beta in [0, 1])"
+        )
 
 
 def default_checkpoint_every(seq: int) -> int:
@@ -488,132 +512,188 @@ def _reduce_gate(x: _Array, ng: int) -> _Array:
     return x if x.shape[-1] == ng else np.sum(x, axis=-1, keepdims=True)
 
 
+@functools.lru_cache(maxsize=16)
+def _lower_mask(size: int, dtype: np.dtype[Any], with_q: bool) -> _Array:
+    """The 0/1 mask of the chunk matrix ``lx`` (see :class:`_Chunk`), ``[C, C]`` or ``[2C, C]``.
+
+    The strict lower triangle for ``lk``, below the lower triangle with its diagonal for ``lq``
+    when ``with_q``.
+    """
+    strict = np.tri(size, k=-1, dtype=dtype)
+    mask = np.concatenate((np.tri(size, dtype=dtype), strict)) if with_q else strict
+    mask.flags.writeable = False
+    return mask
+
+
+def _unit_lower_inverse(lower: _Array) -> _Array:
+    """``inv(I + lower)`` for strictly lower-triangular ``lower``, ``[..., C, C]``.
+
+    ``lower`` is nilpotent (``lower^C = 0``), so the inverse is the finite series
+    ``sum_j (-lower)^j``, which is the product ``(I - lower)(I + lower^2)(I + lower^4)...``:
+    ``ceil(log2(C)) - 1`` doublings of two matrix products each, in the computation dtype.
+    """
+    size = lower.shape[-1]
+    power = -lower
+    inverse: _Array = power + np.eye(size, dtype=lower.dtype)
+    reach = 2  # inverse holds the powers below reach
+    while reach < size:
+        power = np.matmul(power, power)
+        inverse += np.matmul(inverse, power)
+        reach *= 2
+    return inverse
+
+
+def _stepwise(a: _Array, rows: _Array) -> _Array:
+    """``a * rows`` for per-step factors ``a`` ``[B, H, C, Ng]`` and ``rows`` ``[B, H, m*C, N]``.
+
+    ``rows`` stacks ``m`` blocks of ``C`` steps (``[q; k]`` or ``k`` alone); each block is scaled
+    by ``a``.
+    """
+    b, h, size, _ = a.shape
+    blocks = rows.reshape(b, h, rows.shape[2] // size, size, rows.shape[-1])
+    return (blocks * a[:, :, None]).reshape(rows.shape)
+
+
+def _block_sum(rows: _Array, size: int) -> _Array:
+    """Sum the stacked blocks of ``size`` steps of ``rows`` ``[B, H, m*C, N]``: ``[B, H, C, N]``."""
+    b, h, length, n = rows.shape
+    summed: _Array = np.sum(rows.reshape(b, h, length // size, size, n), axis=2)
+    return summed
+
+
 class _Chunk(NamedTuple):
-    """The quantities of one chunk's forward that its backward reuses."""
+    """The delta rule over one chunk of ``C`` steps: what its forward and backward share.
+
+    ``rows`` is ``[q; k]`` (``q`` above ``k`` along time, ``2C`` rows) when the chunk is solved
+    ``with_q``, else ``k`` alone; ``lk``, ``ke`` and ``kf`` are the last ``C`` rows of ``lx``,
+    ``xe`` and ``xf``.
+    """
 
     e: _Array  # exp(G): decay from the chunk's entry state to step t, [B, H, C, Ng]
     f: _Array  # exp(H), H = G - G[0], [B, H, C, Ng]
     fi: _Array  # exp(-H)
-    ke: _Array  # e * k
-    kf: _Array  # f * k
+    xe: _Array  # e * rows: [qe; ke]
+    xf: _Array  # f * rows: [qf; kf]
     kb: _Array  # fi * k
-    qe: _Array  # e * q
-    qf: _Array  # f * q
-    lk: _Array  # strict lower triangle of kf @ kb^T, [B, H, C, C]
-    lq: _Array  # lower triangle (with diagonal) of qf @ kb^T
+    lx: _Array  # [lq; lk]: tril(qf @ kb^T) above tril(kf @ kb^T, -1)
     r: _Array  # v - ke @ S0
-    am: _Array  # I + beta * lk
-    u: _Array  # solve(am, beta * r)
+    inv: _Array  # inv(I + beta * lk), unit lower-triangular, [B, H, C, C]
+    u: _Array  # inv @ (beta * r)
 
 
 def _transposed(x: _Array) -> _Array:
     return np.swapaxes(x, -1, -2)
 
 
-def _chunk_forward(
-    x: _Inputs,
-    state: _Array,
-    t0: int,
-    t1: int,
-    *,
-    y: _Array | None = None,
-    advance: bool = True,
-) -> _Chunk:
-    """One chunk's forward from ``state``, the state entering step ``t0``.
-
-    Writes ``y[:, t0:t1]`` when ``y`` is given, and advances ``state`` in place to the state
-    after step ``t1 - 1`` unless ``advance`` is false.
-    """
+def _chunk_solve(x: _Inputs, state: _Array, t0: int, t1: int, *, with_q: bool) -> _Chunk:
+    """The delta rule over steps ``t0 .. t1-1`` entered with ``state``: ``u`` for every step."""
     span = slice(t0, t1)
-    q, k, v = x.q[:, :, span], x.k[:, :, span], x.v[:, :, span]
+    size = t1 - t0
+    k, v = x.k[:, :, span], x.v[:, :, span]
     beta = x.beta[:, :, span, None]
+    rows = np.concatenate((x.q[:, :, span], k), axis=2) if with_q else k
     big_g = np.cumsum(x.g[:, :, span], axis=2)
     big_h = big_g - big_g[:, :, :1]
     e, f, fi = np.exp(big_g), np.exp(big_h), np.exp(-big_h)
-    ke, kf, kb, qe, qf = e * k, f * k, fi * k, e * q, f * q
+    xe, xf, kb = _stepwise(e, rows), _stepwise(f, rows), fi * k
+    lx = np.matmul(xf, _transposed(kb))
+    lx *= _lower_mask(size, lx.dtype, with_q)
+    r = v - np.matmul(xe[:, :, -size:], state)
+    inv = _unit_lower_inverse(beta * lx[:, :, -size:])
+    u = np.matmul(inv, beta * r)
+    return _Chunk(e, f, fi, xe, xf, kb, lx, r, inv, u)
+
+
+def _chunk_forward(x: _Inputs, state: _Array, t0: int, t1: int, *, y: _Array | None = None) -> None:
+    """One chunk's forward: advances ``state`` in place from step ``t0`` to the end of the chunk.
+
+    Writes ``y[:, t0:t1]`` when ``y`` is given.
+    """
     size = t1 - t0
-    lk = np.tril(np.matmul(kf, _transposed(kb)), -1)
-    lq = np.tril(np.matmul(qf, _transposed(kb)))
-    r = v - np.matmul(ke, state)
-    am = beta * lk + np.eye(size, dtype=q.dtype)
-    u = np.linalg.solve(am, beta * r)
-    if y is not None:
-        out = np.matmul(qe, state)
-        out += np.matmul(lq, u)
+    ch = _chunk_solve(x, state, t0, t1, with_q=y is not None)
+    if y is not None:  # y = c * (qe @ S0 + lq @ u)
+        out = np.matmul(ch.xe[:, :, :size], state)
+        out += np.matmul(ch.lx[:, :, :size], ch.u)
         out *= x.scale
-        y[:, span] = np.swapaxes(out, 1, 2)
-    if advance:  # S_end = e_end * S0 + f_end * (kb^T @ u), rows scaled
-        grown = np.matmul(_transposed(kb), u)
-        grown *= _row_scale(f[:, :, -1])
-        state *= _row_scale(e[:, :, -1])
-        state += grown
-    return _Chunk(e, f, fi, ke, kf, kb, qe, qf, lk, lq, r, am, u)
+        y[:, t0:t1] = np.swapaxes(out, 1, 2)
+    # S_end = e_end * S0 + f_end * (kb^T @ u), rows scaled
+    grown = np.matmul(_transposed(ch.kb), ch.u)
+    grown *= _row_scale(ch.f[:, :, -1])
+    state *= _row_scale(ch.e[:, :, -1])
+    state += grown
 
 
 def _chunk_backward(
     x: _Inputs, grads: GdnGrads, state: _Array, d_state: _Array, t0: int, t1: int
 ) -> None:
-    """Backward of one chunk entered with ``state``; ``d_state`` goes from end to entry."""
+    """Backward of one chunk entered with ``state``; ``d_state`` goes from end to entry.
+
+    Products that share an operand are done once on stacked rows: ``[q; k]`` for the decayed
+    copies, and their cotangents likewise.
+    """
     assert x.dy is not None
     span = slice(t0, t1)
-    ch = _chunk_forward(x, state, t0, t1, advance=False)
-    q, k = x.q[:, :, span], x.k[:, :, span]
+    size = t1 - t0
+    ch = _chunk_solve(x, state, t0, t1, with_q=True)
     beta = x.beta[:, :, span, None]
     dy = x.dy[:, :, span]
-    c = x.scale
     ng = x.g.shape[-1]
+    lq, lk = ch.lx[:, :, :size], ch.lx[:, :, size:]
 
     # S_end = e_end * S0 + f_end * X, X = kb^T @ u, rows scaled. With ud = u @ dS_end^T,
     # dkb = ud * f_end (columns are key channels) and df_end = sum(kb * ud) over time.
     f_end = ch.f[:, :, -1]
-    d_x = _row_scale(f_end) * d_state
     ud = np.matmul(ch.u, _transposed(d_state))
     d_f_end = _reduce_gate(np.sum(ch.kb * ud, axis=2), ng)
     d_e_end = _reduce_gate(np.sum(state * d_state, axis=-1), ng)
-    d_s0 = _row_scale(ch.e[:, :, -1]) * d_state
     d_kb = ud * f_end[:, :, None, :]
-    d_u = np.matmul(ch.kb, d_x)
+    d_u = np.matmul(ch.kb, _row_scale(f_end) * d_state)
+    d_state *= _row_scale(ch.e[:, :, -1])  # now the part of dS0 that comes from S_end
 
-    # y = c * (qe @ S0 + lq @ u)
-    d_qe = c * np.matmul(dy, _transposed(state))
-    d_s0 += c * np.matmul(_transposed(ch.qe), dy)
-    d_lq = np.tril(c * np.matmul(dy, _transposed(ch.u)))
-    d_u += c * np.matmul(_transposed(ch.lq), dy)
+    # y = c * (qe @ S0 + lq @ u): the lq @ u part
+    d_u += x.scale * np.matmul(_transposed(lq), dy)
 
-    # u = solve(am, w), w = beta * r, am = I + beta * lk
-    d_w = np.linalg.solve(_transposed(ch.am), d_u)
-    d_am = -np.matmul(d_w, _transposed(ch.u))
-    d_lk = np.tril(beta * d_am, -1)
-    d_beta = np.sum(d_am * ch.lk, axis=-1)
+    # u = inv @ w, w = beta * r, inv = inv(am), am = I + beta * lk. Stacked cotangent rows:
+    # [c * dy; d_w] @ u^T holds d_lq and -d_am.
+    d_w = np.matmul(_transposed(ch.inv), d_u)
+    cot = np.empty_like(ch.xe)
+    np.multiply(dy, x.scale, out=cot[:, :, :size])
+    cot[:, :, size:] = d_w
+    d_lx = np.matmul(cot, _transposed(ch.u))
+    d_beta = np.sum(d_w * ch.r, axis=-1)
+    d_beta -= np.sum(d_lx[:, :, size:] * lk, axis=-1)
+    d_lx *= _lower_mask(size, d_lx.dtype, True)
+    d_lx[:, :, size:] *= -beta  # d_lk = tril(beta * d_am, -1)
     d_r = beta * d_w
-    d_beta += np.sum(d_w * ch.r, axis=-1)
 
-    # r = v - ke @ S0
-    d_ke = -np.matmul(d_r, _transposed(state))
-    d_s0 -= np.matmul(_transposed(ch.ke), d_r)
+    # y = c * qe @ S0 and r = v - ke @ S0: cotangent rows [c * dy; -d_r] against S0
+    np.negative(d_r, out=cot[:, :, size:])
+    d_xe = np.matmul(cot, _transposed(state))
+    d_state += np.matmul(_transposed(ch.xe), cot)
 
-    # lq = tril(qf @ kb^T), lk = tril(kf @ kb^T, -1)
-    d_qf = np.matmul(d_lq, ch.kb)
-    d_kb += np.matmul(_transposed(d_lq), ch.qf)
-    d_kf = np.matmul(d_lk, ch.kb)
-    d_kb += np.matmul(_transposed(d_lk), ch.kf)
+    # [lq; lk] = [qf; kf] @ kb^T, masked
+    d_xf = np.matmul(d_lx, ch.kb)
+    d_kb += np.matmul(_transposed(d_lx), ch.xf)
 
-    # the decayed copies of q and k
-    d_k = ch.e * d_ke + ch.f * d_kf + ch.fi * d_kb
-    d_q = ch.e * d_qe + ch.f * d_qf
-    d_e = _reduce_gate(d_ke * k + d_qe * q, ng)
-    d_e[:, :, -1] += d_e_end
-    d_f = _reduce_gate(d_kf * k + d_qf * q, ng)
-    d_f[:, :, -1] += d_f_end
-    d_fi = _reduce_gate(d_kb * k, ng)
+    # the decayed copies [qe; ke], [qf; kf] and kb of q and k
+    d_rows = _stepwise(ch.e, d_xe)
+    d_rows += _stepwise(ch.f, d_xf)
+    d_k = d_rows[:, :, size:]
+    d_k += ch.fi * d_kb
+    # with e = exp(G): e * de = sum of d_xe * xe over the q and k blocks, likewise f and fi
+    e_de = _reduce_gate(_block_sum(d_xe * ch.xe, size), ng)
+    e_de[:, :, -1] += ch.e[:, :, -1] * d_e_end
+    f_df = _reduce_gate(_block_sum(d_xf * ch.xf, size), ng)
+    f_df[:, :, -1] += f_end * d_f_end
+    fi_dfi = _reduce_gate(d_kb * ch.kb, ng)
 
     # e = exp(G), f = exp(H), fi = exp(-H), H = G - G[0], G = cumsum(g)
-    d_h = ch.f * d_f - ch.fi * d_fi
-    d_big_g = ch.e * d_e + d_h
+    d_h = f_df - fi_dfi
+    d_big_g = e_de + d_h
     d_big_g[:, :, 0] -= np.sum(d_h, axis=2)
     d_g = np.flip(np.cumsum(np.flip(d_big_g, axis=2), axis=2), axis=2)
 
-    grads.dq[:, span] = np.swapaxes(d_q, 1, 2)
+    grads.dq[:, span] = np.swapaxes(d_rows[:, :, :size], 1, 2)
     grads.dk[:, span] = np.swapaxes(d_k, 1, 2)
     grads.dv[:, span] = np.swapaxes(d_r, 1, 2)
     grads.dbeta[:, span] = np.swapaxes(d_beta, 1, 2)
@@ -621,26 +701,26 @@ def _chunk_backward(
         grads.dg[:, span] = np.swapaxes(d_g, 1, 2)
     else:
         grads.dg[:, span] = np.swapaxes(d_g[..., 0], 1, 2)
-    d_state[...] = d_s0
 
 
 def _chunked_backward(x: _Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
     """Backward by chunks, from checkpoints taken every ``every`` steps."""
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
-    intervals = [(t0, min(t0 + every, s)) for t0 in range(0, s, every)]
+    # The drift-limited chunks of every checkpoint interval.
+    intervals = [_chunks(x.g, t0, min(t0 + every, s), every) for t0 in range(0, s, every)]
     checkpoints = np.empty((len(intervals), b, h, n, n), x.q.dtype)
-    for index, (t0, t1) in enumerate(intervals):
+    for index, chunks in enumerate(intervals):
         checkpoints[index] = state
-        for c0, c1 in _chunks(x.g, t0, t1, every):
-            _chunk_forward(x, state, c0, c1)
+        if index + 1 < len(intervals):  # the state after the last interval is not needed
+            for c0, c1 in chunks:
+                _chunk_forward(x, state, c0, c1)
         tick()
     del state
 
     d_state = np.zeros((b, h, n, n), x.q.dtype)
     for index in reversed(range(len(intervals))):
-        t0, t1 = intervals[index]
-        chunks = _chunks(x.g, t0, t1, every)
+        chunks = intervals[index]
         # The entry state of every chunk of the interval; usually there is just one chunk.
         entries = [checkpoints[index]]
         for c0, c1 in chunks[:-1]:
