@@ -81,6 +81,14 @@ def test_pack_inverts_unpack(layout: GdnBackwardLayout, dtype: np.dtype[Any]) ->
     assert np.array_equal(packed.view(np.uint8), flat.view(np.uint8))
 
 
+@given(layouts, st.integers(-3, 3).filter(bool), st.booleans())
+def test_pack_reads_strided_inputs(layout: GdnBackwardLayout, step: int, into_out: bool) -> None:
+    base = _ramp(layout.total_elems * abs(step), np.dtype(np.float64))
+    flat = base[::step][: layout.total_elems]
+    out = np.full(layout.total_elems, -1.0) if into_out else None
+    assert np.array_equal(pack(*unpack(flat, layout), out=out), flat)
+
+
 @given(layouts, st.integers(1, 3), st.booleans())
 def test_unpack_keeps_strides_and_leading_axes(
     layout: GdnBackwardLayout, step: int, lead: bool

@@ -136,31 +136,28 @@ def pack(
             f"{layout!r}"
         )
     segments = layout.segments()
-    contiguous = True
     for seg, array in zip(segments, arrays, strict=True):
         if array.shape != seg.shape:
             raise ValueError(
                 f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
             )
-        contiguous = contiguous and array.flags.c_contiguous
     if casting not in _CASTINGS:
         raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
 
+    # concatenate(axis=None) flattens each input in C order straight into the result, strided
+    # or not: one C-level pass over everything, with NumPy's own casting.
     if out is None:
         target = resolve(dtype, "pack: dtype") if dtype is not None else np.result_type(*arrays)
         if not (target.kind in "biufc" or is_floating(target)):
             raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
         _check_casts(segments, arrays, target, casting)
-        if contiguous:
-            # One C-level pass over all inputs: ravel of a C-contiguous array is a view.
-            return np.concatenate([a.ravel() for a in arrays], dtype=target, casting=casting)
-        return _copy_into(np.empty(layout.total_elems, dtype=target), segments, arrays, casting)
+        return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
     _check_out(out, layout, dtype)
     _check_casts(segments, arrays, out.dtype, casting)
-    if contiguous and not _may_overlap(arrays, out):
-        np.concatenate([a.ravel() for a in arrays], out=out, casting=casting)
-        return out
-    return _copy_into(out, segments, _detach_overlaps(segments, arrays, out), casting)
+    if _may_overlap(arrays, out):
+        return _copy_into(out, segments, _detach_overlaps(segments, arrays, out), casting)
+    np.concatenate(arrays, axis=None, out=out, casting=casting)
+    return out
 
 
 def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
@@ -254,7 +251,7 @@ def _check_casts(
     segments: tuple[Segment, ...], arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
 ) -> None:
     for seg, array in zip(segments, arrays, strict=True):
-        if array.dtype != target and not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
+        if array.dtype is not target and not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
             raise TypeError(
                 f"pack: cannot cast {seg.name} from {array.dtype} to {target} "
                 f"with casting={casting!r}"
