@@ -184,7 +184,7 @@ def test_rms_ratio_neither_overflows_nor_underflows(magnitude: float) -> None:
 
 def test_rms_ratio_across_chunks_of_different_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     compare_module = importlib.import_module("gdn_layout.compare")
-    monkeypatch.setattr(compare_module, "_CHUNK", 4)  # one row of dq per chunk
+    monkeypatch.setattr(compare_module, "CHUNK_ELEMENTS", 4)  # one row of dq per chunk
     layout = GdnBackwardLayout(1, 3, 1, 4)
     expected = np.ones(layout.total_elems)
     expected[:12] = np.repeat([1e-200, 1.0, 1e200], 4)
@@ -345,7 +345,7 @@ def test_large_gradient_is_compared_in_chunks(monkeypatch: pytest.MonkeyPatch) -
         unpack(expected, layout).dk[where] = 1.0
         unpack(actual, layout).dk[where] = 1.5
     whole = compare(actual, expected, layout)
-    monkeypatch.setattr(compare_module, "_CHUNK", 7)  # smaller than one row
+    monkeypatch.setattr(compare_module, "CHUNK_ELEMENTS", 7)  # smaller than one row
     chunked = compare(actual, expected, layout)
     assert chunked == whole
     assert chunked["dk"].worst == (0, 1, 0, 0)
@@ -551,7 +551,7 @@ def test_grad_stats_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
 
     values = np.arange(-50, 51, dtype=np.float64)
     whole = grad_stats({"dq": values})[0]
-    monkeypatch.setattr(render, "_CHUNK", 7)
+    monkeypatch.setattr(render, "CHUNK_ELEMENTS", 7)
     assert grad_stats({"dq": values})[0] == whole
     assert (whole.min, whole.max, whole.mean) == (-50.0, 50.0, 0.0)
 

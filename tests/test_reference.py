@@ -447,7 +447,7 @@ def test_bad_out() -> None:
         _call(inputs, out=[0.0] * total)
     frozen = np.zeros(total)
     frozen.flags.writeable = False
-    with pytest.raises(ValueError, match="out must be writable"):
+    with pytest.raises(ValueError, match="backward: out must be writeable, got a read-only array"):
         _call(inputs, out=frozen)
 
 

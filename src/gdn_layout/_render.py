@@ -42,7 +42,7 @@ __all__ = [
 
 #: Elements converted to float64 at a time, so that statistics of a huge buffer never hold a
 #: float64 copy of all of it.
-_CHUNK = 1 << 20
+CHUNK_ELEMENTS = 1 << 20
 
 _TABLE_STYLE = (
     "border-collapse:collapse;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"
@@ -212,8 +212,8 @@ def _stats(name: str, array: np.ndarray[Any, Any]) -> GradStats:
     count = nan = inf = 0
     total = squares = 0.0
     low, high = math.inf, -math.inf
-    for start in range(0, flat.size, _CHUNK):
-        chunk = flat[start : start + _CHUNK].astype(np.float64)
+    for start in range(0, flat.size, CHUNK_ELEMENTS):
+        chunk = flat[start : start + CHUNK_ELEMENTS].astype(np.float64)
         finite = np.isfinite(chunk)
         nan += int(np.isnan(chunk).sum())
         inf += int(np.isinf(chunk).sum())

@@ -42,8 +42,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._dtypes import is_floating
-from ._render import fmt_float, html_table, layout_caption, text_table
-from .layout import GdnBackwardLayout
+from ._render import CHUNK_ELEMENTS, fmt_float, html_table, layout_caption, text_table
+from .layout import GRADIENT_NAMES, GdnBackwardLayout
 
 __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
 
@@ -51,10 +51,6 @@ Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
 Tolerance = Number | Mapping[str, Number]
 
-_ALL_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
-
-#: Elements converted to float64 at a time, so that a huge buffer is never copied whole.
-_CHUNK = 1 << 20
 
 #: Default (rtol, atol) by the less precise of the two dtypes, as torch.testing.assert_close
 #: chooses them; longdouble is judged like float64.
@@ -495,14 +491,14 @@ def _per_grad(what: str, value: Tolerance | None) -> dict[str, float]:
     if value is None:
         return {}
     if isinstance(value, Mapping):
-        unknown = sorted(str(k) for k in value if k not in _ALL_NAMES)
+        unknown = sorted(str(k) for k in value if k not in GRADIENT_NAMES)
         if unknown:
             raise ValueError(
                 f"compare: {what} has unknown gradient names {unknown}; "
-                f"expected names among {', '.join(_ALL_NAMES)}"
+                f"expected names among {', '.join(GRADIENT_NAMES)}"
             )
         return {name: _number(f"{what}[{name!r}]", value[name]) for name in value}
-    return dict.fromkeys(_ALL_NAMES, _number(what, value))
+    return dict.fromkeys(GRADIENT_NAMES, _number(what, value))
 
 
 # -- the comparison itself -----------------------------------------------------------------
@@ -537,7 +533,7 @@ def _compare_grad(
     worst_index: int | None = None
     worst_a = worst_e = 0.0
     elementwise = max_rms_ratio is None
-    step = max(1, _CHUNK // max(cols, 1))
+    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
 
     for start in range(0, rows if rows * cols else 0, step):
         a = a2[start : start + step].astype(np.float64)

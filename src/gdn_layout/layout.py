@@ -18,14 +18,15 @@ from numpy.typing import DTypeLike
 
 from ._dtypes import resolve
 
-__all__ = ["GdnBackwardLayout", "Segment"]
+__all__ = ["GRADIENT_NAMES", "GdnBackwardLayout", "Segment"]
 
 #: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
 _USIZE_LIMIT = 1 << 64
 
 _DIMS = ("batch", "seq", "heads", "state_size")
 _FLAGS = ("gate_per_channel", "carry_state")
-_GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+#: Every gradient's name, in packing order; ``dstate`` is packed only when the state is carried.
+GRADIENT_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
 
 
 class Segment(NamedTuple):
@@ -138,7 +139,7 @@ class GdnBackwardLayout:
         lengths = [qkv, qkv, qkv, gate, bsh, state]
         count = 6 if self.carry_state else 5
         return tuple(
-            Segment(_GRAD_NAMES[i], offsets[i], lengths[i], shapes[i]) for i in range(count)
+            Segment(GRADIENT_NAMES[i], offsets[i], lengths[i], shapes[i]) for i in range(count)
         )
 
     # -- the Rust quantities, by their Rust names -------------------------------------------
@@ -204,7 +205,7 @@ class GdnBackwardLayout:
     @property
     def names(self) -> tuple[str, ...]:
         """The gradient names in packing order: ``dq, dk, dv, dg, dbeta`` (and ``dstate``)."""
-        return _GRAD_NAMES[: len(self._segments)]
+        return GRADIENT_NAMES[: len(self._segments)]
 
     def segments(self) -> tuple[Segment, ...]:
         """One :class:`Segment` ``(name, offset, length, shape)`` per gradient, in order."""

@@ -152,7 +152,12 @@ def pack(
             raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
         _check_casts(segments, arrays, target, casting)
         return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
-    _check_out(out, layout, dtype)
+    _check_out(out, layout, "pack")
+    if dtype is not None and resolve(dtype, "pack: dtype") != out.dtype:
+        raise TypeError(
+            f"pack: dtype={resolve(dtype, 'pack: dtype')} conflicts with out.dtype={out.dtype}; "
+            "give one"
+        )
     _check_casts(segments, arrays, out.dtype, casting)
     if _may_overlap(arrays, out):
         return _copy_into(out, segments, _detach_overlaps(segments, arrays, out), casting)
@@ -231,20 +236,16 @@ def _total(layout: GdnBackwardLayout) -> int:
     return layout.total_elems
 
 
-def _check_out(out: Any, layout: GdnBackwardLayout, dtype: DTypeLike | None) -> None:
+def _check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
+    """``out`` must be a writeable ndarray of shape ``(layout.total_elems,)``."""
     if not isinstance(out, np.ndarray):
-        raise TypeError(f"pack: out must be a NumPy array, got {type(out).__name__}")
+        raise TypeError(f"{func}: out must be a NumPy array, got {type(out).__name__}")
     if out.shape != (layout.total_elems,):
         raise ValueError(
-            f"pack: out must have shape ({layout.total_elems},) for {layout!r}, got {out.shape}"
+            f"{func}: out must have shape ({layout.total_elems},) for {layout!r}, got {out.shape}"
         )
     if not out.flags.writeable:
-        raise ValueError("pack: out must be writeable, got a read-only array")
-    if dtype is not None and resolve(dtype, "pack: dtype") != out.dtype:
-        raise TypeError(
-            f"pack: dtype={resolve(dtype, 'pack: dtype')} conflicts with out.dtype={out.dtype}; "
-            "give one"
-        )
+        raise ValueError(f"{func}: out must be writeable, got a read-only array")
 
 
 def _check_casts(

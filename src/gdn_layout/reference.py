@@ -53,7 +53,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from ._dtypes import is_floating
 from .layout import GdnBackwardLayout
-from .packing import GdnGrads, unpack
+from .packing import GdnGrads, _check_out, unpack
 
 __all__ = ["Method", "backward", "default_checkpoint_every", "forward"]
 
@@ -230,7 +230,12 @@ def backward(
     if out is None:
         flat = np.empty(layout.total_elems, dtype=inputs.q.dtype)
     else:
-        _check_out(out, layout, inputs.q.dtype)
+        _check_out(out, layout, "backward")
+        if out.dtype != inputs.q.dtype:
+            raise TypeError(
+                f"backward: out must have dtype {inputs.q.dtype} (the computation dtype), "
+                f"got {out.dtype}"
+            )
         flat = out
     grads = unpack(flat, layout)
     sweep = _recurrent_backward if method == "recurrent" else _chunked_backward
@@ -381,19 +386,6 @@ def _checkpoint_interval(value: object, seq: int) -> int:
     if value < 1:
         raise ValueError(f"checkpoint_every must be a positive integer or None, got {value}")
     return int(value)
-
-
-def _check_out(out: object, layout: GdnBackwardLayout, dtype: np.dtype[Any]) -> None:
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"out must be a NumPy array, got {type(out).__name__}")
-    if out.shape != (layout.total_elems,):
-        raise ValueError(
-            f"out must have shape ({layout.total_elems},) for {layout!r}, got {out.shape}"
-        )
-    if out.dtype != dtype:
-        raise TypeError(f"out must have dtype {dtype} (the computation dtype), got {out.dtype}")
-    if not out.flags.writeable:
-        raise ValueError("out must be writable, got a read-only array")
 
 
 # --------------------------------------------------------------------------------------------
