@@ -514,3 +514,26 @@ def test_a_diverging_recurrence_is_an_error_not_a_nan(method: Method) -> None:
         match=r"backward: dq is (inf|-inf|nan) at index .*outside the op's regime \(keys L2-norm",
     ):
         run_backward(inputs, method=method)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("every", [None, 300])
+def test_long_chunks_stay_accurate_at_small_state_sizes(n: int, every: int | None) -> None:
+    # With g = 0 and a small N, a chunk's triangular system is ill-conditioned in its length:
+    # checkpoint intervals of hundreds of steps must not turn into chunks that long.
+    inputs = make_inputs((1, 300, 2, n), per_channel=False, carry=True, seed=n)
+    inputs["g"] = np.zeros_like(inputs["g"])
+    exact = run_backward(inputs, method="recurrent")
+    assert_close_to(run_backward(inputs, checkpoint_every=every), exact, 1e-12, "float64")
+    single = run_backward(inputs, checkpoint_every=every, dtype=np.float32)
+    assert_close_to(single.astype(np.float64), exact, 2e-6, "float32")
+
+
+@pytest.mark.parametrize("seq", [1, 3, 9])
+def test_tiny_gate_gradients_survive_fast_decay_in_float32(seq: int) -> None:
+    # exp(-30) per step makes dg about 1e-14; float32 must still get it to rounding.
+    inputs = make_inputs((1, seq, 1, 4), per_channel=True, carry=True, seed=seq)
+    inputs["g"] = np.full_like(inputs["g"], -30.0)
+    exact = grads_of(inputs, method="recurrent")["g"]
+    single = grads_of(inputs, dtype=np.float32)["g"].astype(np.float64)
+    assert_close_to(single, exact, 1e-6, "dg")

@@ -22,9 +22,12 @@ Two formulations compute the same function and are tested against each other:
     The recurrence above, one step at a time, vectorised over batch and heads; the backward is
     the spec's step-by-step backward.
 ``method="chunked"`` (the default)
-    The same recurrence rewritten per chunk of up to ``C`` steps: the delta rule inside a chunk
-    is a unit lower-triangular system (the WY/UT form used by chunked delta-rule kernels), so a
-    chunk costs a few matrix products instead of ``C`` sequential state updates. Inside a chunk
+    The same recurrence rewritten per chunk of up to ``min(C, 8*N, 64)`` steps: the delta rule
+    inside a chunk is a unit lower-triangular system (the WY/UT form used by chunked delta-rule
+    kernels), so a chunk costs a few matrix products instead of sequential state updates. The
+    system grows worse conditioned with the chunk's length the smaller ``N`` is, hence the
+    ``8*N`` bound, which keeps float32 within a few units of rounding of the recurrence. Inside
+    a chunk
     the decays are formed as ``exp(H_t) * exp(-H_s)``, with ``H`` the cumulative log-gate since
     the chunk's first step; a chunk is cut short wherever ``|H|`` would exceed 20 on any batch
     element, head or channel, so no factor can overflow, and a one-step chunk needs no such
@@ -37,8 +40,8 @@ its checkpoint in the backward sweep. Beyond the inputs' converted copies and th
 (both ``O(B*S*H*N)``), the working memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements: the
 checkpoints, plus at most ``C + 1`` states for the interval being recomputed. The recurrent
 method keeps every state of the interval; the chunked method keeps only the entry state of each
-drift-limited chunk in it (one chunk per interval unless the gates decay very fast) and
-``O(B*H*C*(C + N))`` elements for the chunk's matrices.
+chunk in it (one chunk per interval when ``C <= 8*N`` and the gates do not decay very fast)
+and ``O(B*H*C*(C + N))`` elements for the chunk's matrices.
 """
 
 from __future__ import annotations
@@ -66,8 +69,12 @@ _METHODS = ("chunked", "recurrent")
 #: precision.
 _MAX_LOG_DRIFT = 20.0
 
-#: Chunk length of the chunked forward when no checkpointing is involved.
-_FORWARD_CHUNK = 64
+#: Longest chunk of the chunked method, per unit of the state size N. The unit lower-triangular
+#: system of a chunk grows worse conditioned with its length the smaller N is (its strictly
+#: lower part has rank at most N): chunks of up to 8*N steps (and 64 at most) keep float32
+#: results within a few units of rounding of the step-by-step ones, measured down to N=1.
+_CHUNK_PER_STATE_SIZE = 8
+_MAX_CHUNK = 64
 
 _Array = NDArray[Any]
 
@@ -169,7 +176,7 @@ def forward(
         if method == "recurrent":
             _recurrent_forward(inputs, final, 0, s, y=y)
         else:
-            for t0, t1 in _chunks(inputs.g, 0, s, _FORWARD_CHUNK):
+            for t0, t1 in _chunks(inputs.g, 0, s, _chunk_length(n)):
                 _chunk_forward(inputs, final, t0, t1, y=y)
     _check_result("forward", "y", y)
     _check_result("forward", "the final state", final)
@@ -679,11 +686,12 @@ def _chunk_backward(
     f_df[:, :, -1] += f_end * d_f_end
     fi_dfi = _reduce_gate(d_kb * ch.kb, ng)
 
-    # e = exp(G), f = exp(H), fi = exp(-H), H = G - G[0], G = cumsum(g)
+    # e = exp(G), f = exp(H), fi = exp(-H), H = G - G[0], G = cumsum(g). H does not depend on
+    # the chunk's first gate, so that gate's gradient is e's alone: adding the d_h terms and
+    # taking them out again would bury a tiny gradient under their rounding.
     d_h = f_df - fi_dfi
-    d_big_g = e_de + d_h
-    d_big_g[:, :, 0] -= np.sum(d_h, axis=2)
-    d_g = np.flip(np.cumsum(np.flip(d_big_g, axis=2), axis=2), axis=2)
+    d_g = np.flip(np.cumsum(np.flip(e_de + d_h, axis=2), axis=2), axis=2)
+    d_g[:, :, 0] = np.sum(e_de, axis=2)
 
     grads.dq[:, span] = np.swapaxes(d_rows[:, :, :size], 1, 2)
     grads.dk[:, span] = np.swapaxes(d_k, 1, 2)
@@ -695,12 +703,17 @@ def _chunk_backward(
         grads.dg[:, span] = np.swapaxes(d_g[..., 0], 1, 2)
 
 
+def _chunk_length(state_size: int) -> int:
+    return max(1, min(_MAX_CHUNK, _CHUNK_PER_STATE_SIZE * state_size))
+
+
 def _chunked_backward(x: _Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
     """Backward by chunks, from checkpoints taken every ``every`` steps."""
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
-    # The drift-limited chunks of every checkpoint interval.
-    intervals = [_chunks(x.g, t0, min(t0 + every, s), every) for t0 in range(0, s, every)]
+    # The chunks of every checkpoint interval, limited in length and in gate drift.
+    length = min(every, _chunk_length(n))
+    intervals = [_chunks(x.g, t0, min(t0 + every, s), length) for t0 in range(0, s, every)]
     checkpoints = np.empty((len(intervals), b, h, n, n), x.q.dtype)
     for index, chunks in enumerate(intervals):
         checkpoints[index] = state
