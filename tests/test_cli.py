@@ -120,7 +120,7 @@ def test_fixture_writes_a_loadable_file(fixture_path: Path) -> None:
 def test_fixture_refuses_to_replace_a_file_unless_forced(fixture_path: Path) -> None:
     before = fixture_path.read_bytes()
     result = run("fixture", "-o", fixture_path)
-    assert_user_error(result, str(fixture_path))
+    assert_user_error(result, f"{fixture_path} exists; use --force to replace it")
     assert fixture_path.read_bytes() == before
     forced = run("fixture", "-B", "1", "-S", "2", "-H", "1", "-N", "2", "-o", fixture_path,
                  "--force", "--dtype", "float64")  # fmt: skip
@@ -205,6 +205,52 @@ def test_compare_rms_ratio_and_plot(fixture_path: Path, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_files_are_known_by_their_content_not_their_name(
+    fixture_path: Path, tmp_path: Path
+) -> None:
+    disguised = tmp_path / "CASE.ST"
+    disguised.write_bytes(fixture_path.read_bytes())
+    assert run("inspect", disguised).returncode == 0
+    npy = tmp_path / "packed.bin"
+    with open(npy, "wb") as file:
+        np.save(file, np.array(load_fixture(fixture_path).packed))
+    assert run("compare", npy, disguised).returncode == 0
+
+
+def test_compare_a_raw_kernel_buffer_against_a_wider_fixture(tmp_path: Path) -> None:
+    reference = tmp_path / "f64.safetensors"
+    flags = ["-B", "1", "-S", "6", "-H", "2", "-N", "4", "--per-channel"]
+    assert run("fixture", *flags, "--dtype", "float64", "-o", reference).returncode == 0
+    kernel = np.array(load_fixture(reference).packed).astype(np.float32)
+    kernel.tofile(tmp_path / "kernel.bin")
+    result = run("compare", tmp_path / "kernel.bin", reference, "--dtype", "float32")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "float32/float64" in result.stdout
+
+
+def test_compare_plot_problems_are_found_before_the_work(
+    fixture_path: Path, tmp_path: Path
+) -> None:
+    assert_user_error(
+        run("compare", fixture_path, fixture_path, "--plot", tmp_path / "nowhere" / "e.png"),
+        "e.png: the folder",
+    )
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from gdn_layout.cli import main\n"
+        f"sys.exit(main(['compare', {str(fixture_path)!r}, {str(fixture_path)!r}, "
+        f"'--plot', {str(tmp_path / 'e.png')!r}]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
+    )
+    assert_user_error(result, "pip install gdn-layout[plot]")
+    assert result.stdout == ""
+    svg = tmp_path / "errors.svg"
+    assert run("compare", fixture_path, fixture_path, "--plot", svg).returncode == 0
+    assert svg.read_text().lstrip().startswith("<?xml")
+
+
 def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
     assert_user_error(run("compare", tmp_path / "nope.npy", fixture_path), "nope.npy: no such file")
     np.save(tmp_path / "short.npy", np.zeros(10, np.float32))
@@ -216,9 +262,12 @@ def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
         "but the flags give",
     )
     assert_user_error(run("compare", fixture_path, fixture_path, "--rtol", "tight"), "--rtol")
+    assert_user_error(
+        run("compare", fixture_path, fixture_path, "--atol", "dk=1,dk=2"), "named twice"
+    )
     (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00")
     assert_user_error(
-        run("compare", tmp_path / "junk.safetensors", fixture_path), "junk.safetensors"
+        run("compare", tmp_path / "junk.safetensors", fixture_path), "junk.safetensors: truncated"
     )
 
 

@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from . import _render
 from ._dtypes import resolve
-from .fixtures import REGIMES
+from .fixtures import REGIMES, load_fixture, make_fixture, save_fixture, write_suite
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
 
@@ -144,7 +144,11 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{what}: one number, or per gradient, e.g. dq=1e-3,dg=2e-3",
         )
     compare.add_argument("--json", action="store_true", help="print JSON instead of a report")
-    compare.add_argument("--plot", metavar="PNG", help="write error heatmaps (needs [plot])")
+    compare.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also write heatmaps of the error per gradient, e.g. errors.png (needs [plot])",
+    )
     compare.set_defaults(run=_compare)
 
     demo = commands.add_parser(
@@ -166,7 +170,11 @@ def _add_file_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
         "raw and .npy files", "a fixture carries its own layout and dtype; other files need these"
     )
-    group.add_argument("--dtype", type=_dtype_name, help="the dtype of a raw binary file")
+    group.add_argument(
+        "--dtype",
+        type=_dtype_name,
+        help="the dtype of a raw binary file (fixtures and .npy files carry their own)",
+    )
     group.add_argument("--batch", "-B", type=_dimension)
     group.add_argument("--seq", "-S", type=_dimension)
     group.add_argument("--heads", "-H", type=_dimension)
@@ -249,9 +257,14 @@ def _describe(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
-    from .fixtures import make_fixture, save_fixture, write_suite
+    try:
+        return _write_fixtures(args, resolve(args.dtype, "--dtype"))
+    except FileExistsError as error:
+        # The library's advice names its keyword; here the switch is --force.
+        raise UsageError(str(error).replace("pass overwrite=True", "use --force")) from None
 
-    dtype = resolve(args.dtype, "--dtype")
+
+def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if args.suite is not None:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
@@ -308,6 +321,12 @@ def _compare(args: argparse.Namespace) -> int:
     layout = _resolve_layout([actual, expected], args)
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
+    if args.plot is not None:  # fail before the work, not after it
+        from .plot import _require_matplotlib
+
+        _require_matplotlib()
+        if not Path(args.plot).resolve().parent.is_dir():
+            raise UsageError(f"{args.plot}: the folder {Path(args.plot).parent} does not exist")
     result = compare(
         actual.packed,
         expected.packed,
@@ -316,21 +335,21 @@ def _compare(args: argparse.Namespace) -> int:
         atol=args.atol,
         max_rms_ratio=args.max_rms_ratio,
     )
-    if args.plot is not None:
-        from .plot import plot_errors
-
-        plot_errors(result, path=args.plot)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result)
+    if args.plot is not None:
+        from .plot import plot_errors
+
+        sys.stdout.flush()
+        plot_errors(result, path=args.plot)
     return 0 if result.passed else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
     from . import reference
     from .compare import compare
-    from .fixtures import load_fixture, make_fixture, save_fixture
 
     layout = _layout_from(args)
     with tempfile.TemporaryDirectory(prefix="gdn-layout-demo-") as folder:
@@ -369,23 +388,20 @@ class _Packed(NamedTuple):
 
 def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
     """Read a packed buffer lazily (memory-mapped) from a fixture, a .npy or a raw file."""
-    from .fixtures import load_fixture
-
     if not Path(path).exists():
         raise UsageError(f"{path}: no such file")
     if not Path(path).is_file():
         raise UsageError(f"{path}: not a file")
-    if path.endswith(".safetensors"):
+    kind = _sniff(path)
+    if kind == "fixture":
         fixture = load_fixture(path)
-        _check_dtype_flag(args, fixture.packed.dtype, path)
-        return _Packed(path, "fixture", fixture.packed, fixture.layout)
-    if path.endswith(".npy"):
+        return _Packed(path, kind, fixture.packed, fixture.layout)
+    if kind == ".npy":
         try:
             packed = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as error:  # not a .npy, or one of Python objects
+        except ValueError as error:  # one of Python objects, or a damaged header
             raise UsageError(f"{path}: cannot be read as a packed buffer: {error}") from None
-        _check_dtype_flag(args, packed.dtype, path)
-        return _Packed(path, ".npy", packed, None)
+        return _Packed(path, kind, packed, None)
     if args.dtype is None:
         raise UsageError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
     dtype = resolve(args.dtype, "--dtype")
@@ -393,12 +409,20 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
     if size % dtype.itemsize:
         raise UsageError(f"{path}: {size} bytes is not a whole number of {args.dtype} elements")
     packed = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
-    return _Packed(path, "raw", packed, None)
+    return _Packed(path, kind, packed, None)
 
 
-def _check_dtype_flag(args: argparse.Namespace, dtype: np.dtype[Any], path: str) -> None:
-    if args.dtype is not None and resolve(args.dtype, "--dtype") != dtype:
-        raise UsageError(f"{path}: holds {dtype}, but --dtype says {args.dtype}")
+def _sniff(path: str) -> str:
+    """What a file holds, from its first bytes, or its name where they are damaged."""
+    with open(path, "rb") as file:
+        head = file.read(9)
+    if head.startswith(b"\x93NUMPY"):
+        return ".npy"
+    # safetensors: a little-endian u64 header length, then the header's JSON object.
+    looks_like_one = len(head) == 9 and head[8:] == b"{"
+    if looks_like_one or path.lower().endswith(".safetensors"):
+        return "fixture"  # a damaged one gets load_fixture's diagnosis, not "raw"
+    return "raw"
 
 
 def _resolve_layout(sources: list[_Packed], args: argparse.Namespace) -> GdnBackwardLayout:
@@ -473,12 +497,15 @@ def _tolerance(text: str) -> float | dict[str, float]:
     try:
         if "=" not in text:
             return float(text)
-        pairs = (item.split("=", 1) for item in text.split(","))
-        return {name.strip(): float(value) for name, value in pairs}
+        pairs = [item.split("=", 1) for item in text.split(",")]
+        named = {name.strip(): float(value) for name, value in pairs}
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a number or NAME=NUMBER pairs like dq=1e-3,dg=2e-3, got {text!r}"
         ) from None
+    if len(named) != len(pairs):
+        raise argparse.ArgumentTypeError(f"a gradient is named twice in {text!r}")
+    return named
 
 
 def _dtype_name(text: str) -> str:

@@ -66,7 +66,8 @@ def plot_layout(
     """Draw the packed buffer as one bar with a span per gradient, proportional to its length.
 
     Draws on ``ax`` when given, else on a new 8x1.8-inch, 100-dpi Figure (800x180 pixels as
-    a PNG). Saves the figure to ``path`` as PNG when given. Returns the Axes; its figure is
+    a PNG). Saves the figure to ``path`` when given, in the format its suffix names (PNG, SVG,
+    PDF, ...). Returns the Axes; its figure is
     ``ax.figure``.
     """
     if not isinstance(layout, GdnBackwardLayout):
@@ -145,7 +146,8 @@ def plot_errors(
     across for ``dstate``), so a chunk-boundary bug shows as a vertical edge and a
     head-indexing bug as a stripe. ``log`` colours on a log scale (zero error gets the lowest
     colour); a non-finite mismatch is magenta. ``names`` picks the panels (default all).
-    Three panels a row, 4.2x3 inches each at 100 dpi. Saves to ``path`` as PNG when given.
+    Three panels a row, 4.2x3 inches each at 100 dpi. Saves to ``path`` when given, in the
+    format its suffix names (PNG without one).
     """
     if isinstance(comparison, Comparison):
         if expected is not None or layout is not None:
@@ -201,7 +203,7 @@ def plot_errors(
     for ax in axes[len(chosen) :]:
         fig.delaxes(ax)
     if path is not None:
-        fig.savefig(path, format="png")
+        fig.savefig(path)
     return fig
 
 
@@ -253,5 +255,5 @@ def _saved(ax: Axes, path: str | os.PathLike[str] | None) -> Axes:
         figure: Any = ax.figure
         while getattr(figure, "figure", figure) is not figure:  # a SubFigure's root
             figure = figure.figure
-        figure.savefig(path, format="png")
+        figure.savefig(path)
     return ax
