@@ -27,10 +27,10 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from numpy.typing import DTypeLike, NDArray
+from numpy.typing import DTypeLike
 
 from ._render import fmt_float, layout_caption
-from .compare import Comparison, Tolerance, compare
+from .compare import Comparison
 from .layout import GdnBackwardLayout
 
 if TYPE_CHECKING:
@@ -126,51 +126,28 @@ def plot_layout(
 
 
 def plot_errors(
-    comparison: Comparison | NDArray[Any],
-    expected: NDArray[Any] | None = None,
-    layout: GdnBackwardLayout | None = None,
+    comparison: Comparison,
     *,
     names: tuple[str, ...] | list[str] | None = None,
     log: bool = True,
     path: str | os.PathLike[str] | None = None,
-    rtol: Tolerance | None = None,
-    atol: Tolerance | None = None,
-    max_rms_ratio: Tolerance | None = None,
-    equal_nan: bool = False,
 ) -> Figure:
     """A heatmap per gradient of the largest ``|a - e|`` over (sequence position, head).
 
-    Takes a :class:`~gdn_layout.compare.Comparison`, or ``actual, expected, layout`` (and
-    :func:`~gdn_layout.compare.compare`'s keywords) to compare first. Each panel shows its
-    gradient's error map transposed: heads down, sequence position across (key row ``i``
-    across for ``dstate``), so a chunk-boundary bug shows as a vertical edge and a
-    head-indexing bug as a stripe. ``log`` colours on a log scale (zero error gets the lowest
-    colour); a non-finite mismatch is magenta. ``names`` picks the panels (default all).
-    Three panels a row, 4.2x3 inches each at 100 dpi. Saves to ``path`` when given, in the
-    format its suffix names (PNG without one).
+    Takes the :class:`~gdn_layout.compare.Comparison` that :func:`~gdn_layout.compare.compare`
+    returns. Each panel shows its gradient's error map transposed: heads down, sequence
+    position across (key row ``i`` across for ``dstate``), so a chunk-boundary bug shows as a
+    vertical edge and a head-indexing bug as a stripe. ``log`` colours on a log scale (zero
+    error gets the lowest colour); a non-finite mismatch is magenta. ``names`` picks the panels
+    (default all). Three panels a row, 4.2x3 inches each at 100 dpi. Saves to ``path`` when
+    given, in the format its suffix names (PNG without one).
     """
-    if isinstance(comparison, Comparison):
-        if expected is not None or layout is not None:
-            raise TypeError(
-                "plot_errors: give a Comparison alone, or actual, expected and layout; "
-                "got a Comparison and more arrays"
-            )
-        result = comparison
-    elif expected is None or layout is None:
+    if not isinstance(comparison, Comparison):
         raise TypeError(
-            "plot_errors: give a Comparison, or actual, expected and layout; got "
-            f"{type(comparison).__name__} without " + ("expected" if expected is None else "layout")
+            "plot_errors: comparison must be a Comparison from compare(), "
+            f"got {type(comparison).__name__}"
         )
-    else:
-        result = compare(
-            comparison,
-            expected,
-            layout,
-            rtol=rtol,
-            atol=atol,
-            max_rms_ratio=max_rms_ratio,
-            equal_nan=equal_nan,
-        )
+    result = comparison
     chosen = list(result.names if names is None else names)
     unknown = [n for n in chosen if n not in result.names]
     if unknown or not chosen:
