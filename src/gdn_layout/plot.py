@@ -93,14 +93,13 @@ def plot_layout(
         return _saved(ax, path)
     ax.set_xlim(0, total)
     ax.set_xlabel(f"element offset (total {total}, {layout.nbytes(dtype)} bytes)")
-    narrow = 0
+    narrow = []
     for i, seg in enumerate(layout.segments()):
         colour = colours(i % 10)
-        ax.barh(0, seg.length, left=seg.offset, height=0.8, color=colour, edgecolor="white")
-        middle = seg.offset + seg.length / 2
+        bar = ax.barh(0, seg.length, left=seg.offset, height=0.8, color=colour, edgecolor="white")
         if seg.length >= _NARROW * total:
             ax.text(
-                middle,
+                seg.offset + seg.length / 2,
                 0,
                 f"{seg.name}\n{seg.length}",
                 ha="center",
@@ -109,19 +108,19 @@ def plot_layout(
                 color="white",
             )
         else:
-            # Stagger small labels above the bar so that neighbours do not overlap.
-            height = 0.62 + 0.3 * (narrow % 2)
-            narrow += 1
-            ax.annotate(
-                f"{seg.name} {seg.length}",
-                xy=(middle, 0.4),
-                xytext=(middle, height),
-                ha="center",
-                va="bottom",
-                fontsize=7,
-                color=colour,
-                arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.8},
-            )
+            # Too narrow to hold its label: named in a key above the bar instead.
+            bar.set_label(f"{seg.name} {seg.length}")
+            narrow.append(bar)
+    if narrow:
+        ax.legend(
+            handles=narrow,
+            loc="lower right",
+            bbox_to_anchor=(1.0, 0.72),
+            ncols=len(narrow),
+            fontsize=7,
+            frameon=False,
+            handlelength=1.0,
+        )
     return _saved(ax, path)
 
 
