@@ -217,6 +217,21 @@ def test_files_are_known_by_their_content_not_their_name(
     assert run("compare", npy, disguised).returncode == 0
 
 
+def test_a_raw_buffer_that_starts_like_a_fixture_is_still_raw(
+    fixture_path: Path, tmp_path: Path
+) -> None:
+    packed = np.array(load_fixture(fixture_path).packed)
+    raw = bytearray(packed.tobytes())
+    raw[8] = ord("{")  # the first byte of a safetensors header, by chance
+    (tmp_path / "kernel.bin").write_bytes(bytes(raw))
+    dims = ["-B", "2", "-S", "9", "-H", "3", "-N", "4", "--carry-state", "--dtype", "float32"]
+    result = run("inspect", tmp_path / "kernel.bin", *dims)
+    assert result.returncode == 0, result.stderr
+    assert "kernel.bin: raw, float32" in result.stdout
+    (tmp_path / "damaged.npy").write_bytes(b"\x93NUM")
+    assert_user_error(run("inspect", tmp_path / "damaged.npy", *dims), "not a .npy file")
+
+
 def test_compare_a_raw_kernel_buffer_against_a_wider_fixture(tmp_path: Path) -> None:
     reference = tmp_path / "f64.safetensors"
     flags = ["-B", "1", "-S", "6", "-H", "2", "-N", "4", "--per-channel"]
@@ -246,6 +261,14 @@ def test_compare_plot_problems_are_found_before_the_work(
     )
     assert_user_error(result, "pip install gdn-layout[plot]")
     assert result.stdout == ""
+    for bad, message in ((tmp_path / "e.foo", "by its suffix"), (tmp_path, "by its suffix")):
+        result = run("compare", fixture_path, fixture_path, "--plot", bad)
+        assert_user_error(result, message)
+        assert result.stdout == "", "the report waits until the picture can be written"
+    (tmp_path / "folder.png").mkdir()
+    assert_user_error(
+        run("compare", fixture_path, fixture_path, "--plot", tmp_path / "folder.png"), "is a folder"
+    )
     svg = tmp_path / "errors.svg"
     assert run("compare", fixture_path, fixture_path, "--plot", svg).returncode == 0
     assert svg.read_text().lstrip().startswith("<?xml")

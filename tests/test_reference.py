@@ -516,7 +516,7 @@ def test_a_diverging_recurrence_is_an_error_not_a_nan(method: Method) -> None:
         run_backward(inputs, method=method)
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, 4, 6, 8])
 @pytest.mark.parametrize("every", [None, 300])
 def test_long_chunks_stay_accurate_at_small_state_sizes(n: int, every: int | None) -> None:
     # With g = 0 and a small N, a chunk's triangular system is ill-conditioned in its length:
@@ -526,7 +526,7 @@ def test_long_chunks_stay_accurate_at_small_state_sizes(n: int, every: int | Non
     exact = run_backward(inputs, method="recurrent")
     assert_close_to(run_backward(inputs, checkpoint_every=every), exact, 1e-12, "float64")
     single = run_backward(inputs, checkpoint_every=every, dtype=np.float32)
-    assert_close_to(single.astype(np.float64), exact, 2e-6, "float32")
+    assert_close_to(single.astype(np.float64), exact, 1e-6, "float32")
 
 
 @pytest.mark.parametrize("seq", [1, 3, 9])

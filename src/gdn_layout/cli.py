@@ -322,11 +322,7 @@ def _compare(args: argparse.Namespace) -> int:
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
-        from .plot import _require_matplotlib
-
-        _require_matplotlib()
-        if not Path(args.plot).resolve().parent.is_dir():
-            raise UsageError(f"{args.plot}: the folder {Path(args.plot).parent} does not exist")
+        _check_plot_path(args.plot)
     result = compare(
         actual.packed,
         expected.packed,
@@ -379,6 +375,25 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def _check_plot_path(path: str) -> None:
+    from .plot import _require_matplotlib
+
+    _require_matplotlib()
+    from matplotlib.figure import Figure
+
+    target = Path(path)
+    formats = Figure().canvas.get_supported_filetypes()
+    if target.suffix.lower().lstrip(".") not in formats:
+        raise UsageError(
+            f"{path}: name the picture's format by its suffix, one of "
+            f"{', '.join('.' + name for name in sorted(formats))}"
+        )
+    if target.is_dir():
+        raise UsageError(f"{path}: is a folder")
+    if not target.resolve().parent.is_dir():
+        raise UsageError(f"{path}: the folder {target.parent} does not exist")
+
+
 class _Packed(NamedTuple):
     path: str
     kind: str
@@ -397,6 +412,9 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
         fixture = load_fixture(path)
         return _Packed(path, kind, fixture.packed, fixture.layout)
     if kind == ".npy":
+        with open(path, "rb") as file:
+            if file.read(6) != b"\x93NUMPY":
+                raise UsageError(f"{path}: not a .npy file: it has no NumPy header")
         try:
             packed = np.load(path, mmap_mode="r", allow_pickle=False)
         except ValueError as error:  # one of Python objects, or a damaged header
@@ -413,15 +431,19 @@ def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
 
 
 def _sniff(path: str) -> str:
-    """What a file holds, from its first bytes, or its name where they are damaged."""
+    """What a file holds, from its first bytes; a damaged fixture or .npy by its name."""
     with open(path, "rb") as file:
         head = file.read(9)
-    if head.startswith(b"\x93NUMPY"):
+    name = path.lower()
+    if head.startswith(b"\x93NUMPY") or name.endswith(".npy"):
         return ".npy"
-    # safetensors: a little-endian u64 header length, then the header's JSON object.
-    looks_like_one = len(head) == 9 and head[8:] == b"{"
-    if looks_like_one or path.lower().endswith(".safetensors"):
-        return "fixture"  # a damaged one gets load_fixture's diagnosis, not "raw"
+    # safetensors: a little-endian u64 header length that fits the file, then a JSON object.
+    size = Path(path).stat().st_size
+    header = int.from_bytes(head[:8], "little")
+    if (len(head) == 9 and head[8:] == b"{" and 2 <= header <= size - 8) or name.endswith(
+        ".safetensors"
+    ):
+        return "fixture"
     return "raw"
 
 

@@ -22,11 +22,11 @@ Two formulations compute the same function and are tested against each other:
     The recurrence above, one step at a time, vectorised over batch and heads; the backward is
     the spec's step-by-step backward.
 ``method="chunked"`` (the default)
-    The same recurrence rewritten per chunk of up to ``min(C, 8*N, 64)`` steps: the delta rule
+    The same recurrence rewritten per chunk of up to ``min(C, 4*N, 64)`` steps: the delta rule
     inside a chunk is a unit lower-triangular system (the WY/UT form used by chunked delta-rule
     kernels), so a chunk costs a few matrix products instead of sequential state updates. The
     system grows worse conditioned with the chunk's length the smaller ``N`` is, hence the
-    ``8*N`` bound, which keeps float32 within a few units of rounding of the recurrence. Inside
+    ``4*N`` bound, which keeps float32 within a few times the recurrence's own rounding. Inside
     a chunk
     the decays are formed as ``exp(H_t) * exp(-H_s)``, with ``H`` the cumulative log-gate since
     the chunk's first step; a chunk is cut short wherever ``|H|`` would exceed 20 on any batch
@@ -40,7 +40,8 @@ its checkpoint in the backward sweep. Beyond the inputs' converted copies and th
 (both ``O(B*S*H*N)``), the working memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements: the
 checkpoints, plus at most ``C + 1`` states for the interval being recomputed. The recurrent
 method keeps every state of the interval; the chunked method keeps only the entry state of each
-chunk in it (one chunk per interval when ``C <= 8*N`` and the gates do not decay very fast)
+chunk in it (one chunk per interval when ``C <= min(4*N, 64)`` and the gates do not decay
+very fast)
 and ``O(B*H*C*(C + N))`` elements for the chunk's matrices.
 """
 
@@ -71,9 +72,9 @@ _MAX_LOG_DRIFT = 20.0
 
 #: Longest chunk of the chunked method, per unit of the state size N. The unit lower-triangular
 #: system of a chunk grows worse conditioned with its length the smaller N is (its strictly
-#: lower part has rank at most N): chunks of up to 8*N steps (and 64 at most) keep float32
-#: results within a few units of rounding of the step-by-step ones, measured down to N=1.
-_CHUNK_PER_STATE_SIZE = 8
+#: lower part has rank at most N): chunks of up to 4*N steps (and 64 at most) keep float32
+#: results within a few times the step-by-step method's own rounding, measured for N = 1 to 16.
+_CHUNK_PER_STATE_SIZE = 4
 _MAX_CHUNK = 64
 
 _Array = NDArray[Any]
