@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike
 
-from .layout import GdnBackwardLayout
+from .layout import GdnBackwardLayout, _not_a_layout
 
 __all__ = [
     "GradStats",
@@ -318,4 +318,4 @@ def html_table(
 
 def _check_layout(layout: object) -> None:
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(f"layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+        raise _not_a_layout(layout)

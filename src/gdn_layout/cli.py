@@ -18,8 +18,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from . import _render
+from . import _render, reference
 from ._dtypes import resolve
+from .compare import compare
 from .fixtures import REGIMES, load_fixture, make_fixture, save_fixture, write_suite
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
@@ -239,16 +240,7 @@ def _describe(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "total_elems": layout.total_elems,
             "nbytes": layout.nbytes(dtype),
-            "gradients": [
-                {
-                    "name": row.name,
-                    "shape": list(row.shape),
-                    "offset": row.offset,
-                    "length": row.length,
-                    "nbytes": row.nbytes,
-                }
-                for row in rows
-            ],
+            "gradients": [{**row._asdict(), "shape": list(row.shape)} for row in rows],
         }
         print(json.dumps(document, indent=2))
     else:
@@ -296,13 +288,13 @@ def _inspect(args: argparse.Namespace) -> int:
     layout = _resolve_layout([source], args)
     grads = _unpack(source, layout)
     if args.json:
-        rows = [row._asdict() for row in _render.grad_stats(grads)]
+        rows = _render.grad_stats(grads)
         document = {
             "path": args.path,
             "kind": source.kind,
             "dtype": str(source.packed.dtype),
             "layout": layout.to_dict(),
-            "gradients": [{**row, "shape": list(row["shape"])} for row in rows],
+            "gradients": [{**row._asdict(), "shape": list(row.shape)} for row in rows],
         }
         print(json.dumps(document, indent=2))
     else:
@@ -314,8 +306,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from .compare import compare
-
     actual = _open_packed(args.actual, args)
     expected = _open_packed(args.expected, args)
     layout = _resolve_layout([actual, expected], args)
@@ -344,9 +334,6 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from . import reference
-    from .compare import compare
-
     layout = _layout_from(args)
     with tempfile.TemporaryDirectory(prefix="gdn-layout-demo-") as folder:
         path = Path(folder) / "demo.safetensors"

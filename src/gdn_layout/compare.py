@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 
 from ._dtypes import is_floating
 from ._render import CHUNK_ELEMENTS, fmt_float, html_table, layout_caption, text_table
-from .layout import GRADIENT_NAMES, GdnBackwardLayout
+from .layout import GRADIENT_NAMES, GdnBackwardLayout, _not_a_layout
 
 __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
 
@@ -350,7 +350,7 @@ def compare(
     ('dq', 'dk', 'dv')
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(f"compare: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+        raise _not_a_layout(layout, "compare")
     _check_buffer("actual", actual, layout)
     _check_buffer("expected", expected, layout)
     if not isinstance(equal_nan, (bool, np.bool_)):
@@ -439,9 +439,7 @@ def error_map(
            [0.  , 0.  , 0.  ]])
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(
-            f"error_map: layout must be a GdnBackwardLayout, got {type(layout).__name__}"
-        )
+        raise _not_a_layout(layout, "error_map")
     _check_buffer("actual", actual, layout, "error_map")
     _check_buffer("expected", expected, layout, "error_map")
     seg = layout.segment(name)

@@ -56,7 +56,7 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import __version__
 from ._dtypes import BF16_HINT, bfloat16, resolve
-from .layout import GdnBackwardLayout
+from .layout import GdnBackwardLayout, _not_a_layout
 from .packing import GdnGrads, unpack
 
 __all__ = [
@@ -676,9 +676,7 @@ def draw_inputs(
     (True, True)
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(
-            f"draw_inputs: layout must be a GdnBackwardLayout, got {type(layout).__name__}"
-        )
+        raise _not_a_layout(layout, "draw_inputs")
     if regime not in REGIMES:
         raise ValueError(f"draw_inputs: regime must be one of {REGIMES}, got {regime!r}")
     seed = _seed(seed, "draw_inputs")

@@ -314,6 +314,12 @@ class GdnBackwardLayout:
         return layout
 
 
+def _not_a_layout(value: object, where: str = "") -> TypeError:
+    """The error for a ``layout`` argument that is not a :class:`GdnBackwardLayout`."""
+    prefix = f"{where}: " if where else ""
+    return TypeError(f"{prefix}layout must be a GdnBackwardLayout, got {type(value).__name__}")
+
+
 def _shape_of(name: str, value: Any) -> tuple[int, ...]:
     shape = getattr(value, "shape", value)
     try:

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from ._dtypes import is_floating, resolve
-from .layout import GdnBackwardLayout, Segment
+from .layout import GdnBackwardLayout, Segment, _not_a_layout
 
 __all__ = ["GdnGrads", "empty", "pack", "unpack", "zeros"]
 
@@ -70,7 +69,7 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     if not isinstance(flat, np.ndarray):
         raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(f"unpack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+        raise _not_a_layout(layout, "unpack")
     shape = flat.shape
     # The layout's private fields, not its properties: unpack is on every hot path.
     if not shape or shape[-1] != layout._total:
@@ -128,7 +127,7 @@ def pack(
         except (TypeError, ValueError) as error:
             raise type(error)(f"pack: {error}") from None
     elif not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(f"pack: layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+        raise _not_a_layout(layout, "pack")
     elif (dstate is None) == layout.carry_state:
         wrong = "missing" if layout.carry_state else "given"
         raise ValueError(
@@ -153,14 +152,16 @@ def pack(
         _check_casts(segments, arrays, target, casting)
         return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
     _check_out(out, layout, "pack")
-    if dtype is not None and resolve(dtype, "pack: dtype") != out.dtype:
-        raise TypeError(
-            f"pack: dtype={resolve(dtype, 'pack: dtype')} conflicts with out.dtype={out.dtype}; "
-            "give one"
-        )
+    if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != out.dtype:
+        raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={out.dtype}; give one")
     _check_casts(segments, arrays, out.dtype, casting)
     if _may_overlap(arrays, out):
-        return _copy_into(out, segments, _detach_overlaps(segments, arrays, out), casting)
+        destinations = [view for view in unpack(out, layout) if view is not None]
+        sources = _detach_overlaps(destinations, arrays, out)
+        for dest, source in zip(destinations, sources, strict=True):
+            if source is not None:
+                np.copyto(dest, source, casting=casting)
+        return out
     np.concatenate(arrays, axis=None, out=out, casting=casting)
     return out
 
@@ -186,20 +187,6 @@ def _infer_layout(arrays: list[NDArray[Any]]) -> GdnBackwardLayout:
         # pack checks every shape against the layout next; only the common case is cached.
         return _cached_layout(dq.shape, dg.ndim == 4, len(arrays) == 6)
     return GdnBackwardLayout.from_grads(*arrays)
-
-
-def _copy_into(
-    out: NDArray[Any],
-    segments: tuple[Segment, ...],
-    sources: Sequence[NDArray[Any] | None],
-    casting: Casting,
-) -> NDArray[Any]:
-    for seg, array in zip(segments, sources, strict=True):
-        if array is not None:
-            np.copyto(
-                out[seg.offset : seg.offset + seg.length].reshape(seg.shape), array, casting=casting
-            )
-    return out
 
 
 def empty(
@@ -232,7 +219,7 @@ def zeros(
 
 def _total(layout: GdnBackwardLayout) -> int:
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(f"layout must be a GdnBackwardLayout, got {type(layout).__name__}")
+        raise _not_a_layout(layout)
     return layout.total_elems
 
 
@@ -260,7 +247,7 @@ def _check_casts(
 
 
 def _detach_overlaps(
-    segments: tuple[Segment, ...], arrays: list[NDArray[Any]], out: NDArray[Any]
+    destinations: list[NDArray[Any]], arrays: list[NDArray[Any]], out: NDArray[Any]
 ) -> list[NDArray[Any] | None]:
     """Make every input safe to read while ``out`` is being written.
 
@@ -269,12 +256,10 @@ def _detach_overlaps(
     so that no write can clobber memory that a later copy still has to read.
     """
     detached: list[NDArray[Any] | None] = []
-    for seg, array in zip(segments, arrays, strict=True):
+    for dest, array in zip(destinations, arrays, strict=True):
         if not np.may_share_memory(array, out):
             detached.append(array)
-            continue
-        dest = out[seg.offset : seg.offset + seg.length].reshape(seg.shape)
-        if _same_memory(array, dest):
+        elif _same_memory(array, dest):
             detached.append(None)
         else:
             detached.append(array.copy())

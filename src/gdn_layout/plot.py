@@ -31,7 +31,7 @@ from numpy.typing import DTypeLike
 
 from ._render import fmt_float, layout_caption
 from .compare import Comparison
-from .layout import GdnBackwardLayout
+from .layout import GdnBackwardLayout, _not_a_layout
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -71,9 +71,7 @@ def plot_layout(
     ``ax.figure``.
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise TypeError(
-            f"plot_layout: layout must be a GdnBackwardLayout, got {type(layout).__name__}"
-        )
+        raise _not_a_layout(layout, "plot_layout")
     _require_matplotlib()
     from matplotlib import colormaps
     from matplotlib.figure import Figure
