@@ -1,0 +1,124 @@
+"""The reference's inputs: checked, converted to the computation dtype, time on axis 2."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+from .._dtypes import is_floating
+from ..layout import GdnBackwardLayout
+
+_Array = NDArray[Any]
+
+
+class Inputs(NamedTuple):
+    """Validated inputs in the internal layout: time on axis 2, computation dtype, C order."""
+
+    q: _Array  # [B, H, S, N]
+    k: _Array  # [B, H, S, N]
+    v: _Array  # [B, H, S, N]
+    g: _Array  # [B, H, S, Ng], Ng = N with a per-channel gate, else 1
+    beta: _Array  # [B, H, S]
+    state: _Array | None  # [B, H, N, N]
+    dy: _Array | None  # [B, H, S, N]
+    layout: GdnBackwardLayout
+    scale: float
+
+
+def _computation_dtype(dtype: DTypeLike) -> np.dtype[Any]:
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if resolved not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {resolved}")
+    return resolved
+
+
+def _as_floating(name: str, value: ArrayLike) -> _Array:
+    array = np.asarray(value)
+    if not is_floating(array.dtype):
+        raise TypeError(
+            f"{name} must have a floating dtype (float16, bfloat16, float32, float64, ...), "
+            f"got {array.dtype}"
+        )
+    return array
+
+
+def _expect_shape(name: str, array: _Array, expected: tuple[int, ...], what: str) -> None:
+    if array.shape != expected:
+        raise ValueError(f"{name} must have shape {what} = {expected}, got {array.shape}")
+
+
+def _converted(name: str, array: _Array, dtype: np.dtype[Any], axes: tuple[int, ...]) -> _Array:
+    """A C-ordered copy of ``array`` in ``dtype`` with its axes permuted, checked finite."""
+    with np.errstate(over="ignore"):  # an overflow is reported below as a non-finite value
+        converted = np.array(array.transpose(axes), dtype=dtype, order="C", copy=True)
+    finite = np.isfinite(converted)
+    if not finite.all():
+        bad = np.argwhere(~finite.transpose(np.argsort(axes)))[0]
+        index = tuple(int(i) for i in bad)
+        original = array[index]
+        raise ValueError(f"{name} must be finite in {dtype}, got {original} at index {index}")
+    return converted
+
+
+def validate(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: ArrayLike | None,
+    dy: ArrayLike | None,
+    dtype: DTypeLike,
+) -> Inputs:
+    compute = _computation_dtype(dtype)
+    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
+    if state is not None:
+        named.append(("state", state))
+    if dy is not None:
+        named.append(("dy", dy))
+    arrays = {name: _as_floating(name, value) for name, value in named}
+
+    qa = arrays["q"]
+    if qa.ndim != 4:
+        raise ValueError(f"q must have shape [B, S, H, N] (4 dimensions), got {qa.shape}")
+    b, s, h, n = qa.shape
+    for name in ("k", "v", "dy"):
+        if name in arrays:
+            _expect_shape(name, arrays[name], qa.shape, "[B, S, H, N] of q")
+    ga = arrays["g"]
+    if ga.shape not in ((b, s, h), (b, s, h, n)):
+        raise ValueError(
+            f"g must have shape [B, S, H] = {(b, s, h)} or [B, S, H, N] = {(b, s, h, n)}, "
+            f"got {ga.shape}"
+        )
+    _expect_shape("beta", arrays["beta"], (b, s, h), "[B, S, H]")
+    if "state" in arrays:
+        _expect_shape("state", arrays["state"], (b, h, n, n), "[B, H, N, N]")
+
+    seq_axes = (0, 2, 1, 3)
+    gate = _converted("g", ga, compute, seq_axes if ga.ndim == 4 else (0, 2, 1))
+    if ga.ndim == 3:
+        gate = gate[..., None]
+    return Inputs(
+        q=_converted("q", qa, compute, seq_axes),
+        k=_converted("k", arrays["k"], compute, seq_axes),
+        v=_converted("v", arrays["v"], compute, seq_axes),
+        g=gate,
+        beta=_converted("beta", arrays["beta"], compute, (0, 2, 1)),
+        state=(
+            _converted("state", arrays["state"], compute, (0, 1, 2, 3))
+            if "state" in arrays
+            else None
+        ),
+        dy=_converted("dy", arrays["dy"], compute, seq_axes) if "dy" in arrays else None,
+        layout=GdnBackwardLayout(
+            b, s, h, n, gate_per_channel=ga.ndim == 4, carry_state="state" in arrays
+        ),
+        scale=1.0 / math.sqrt(n) if n else 1.0,
+    )
