@@ -207,14 +207,6 @@ class _Chunk(NamedTuple):
     u: _Array  # inv @ (beta * r)
 
 
-class _Solved(NamedTuple):
-    """A chunk's delta rule solved from its entry state: all that the state enters."""
-
-    r: _Array  # v - ke @ S0, [B, H, C, N]
-    inv: _Array  # inv(I + beta * lk), [B, H, C, C]
-    u: _Array  # inv @ (beta * r), [B, H, C, N]
-
-
 def _decays(x: Inputs, t0: int, t1: int) -> tuple[_Array, _Array]:
     """``exp(G)`` and ``exp(G_end - G)`` for the steps ``t0 .. t1-1`` of a chunk.
 
@@ -230,24 +222,22 @@ def _decays(x: Inputs, t0: int, t1: int) -> tuple[_Array, _Array]:
 def _pair_decay(gates: _Array, dtype: np.dtype[Any]) -> _Array:
     """``[t, s]``: ``exp(g[s+1] + ... + g[t])`` for ``t >= s``, 0 above the diagonal.
 
-    ``gates`` is ``[B, H, C]``; every entry sums its own gates (see :func:`_decays`).
+    ``gates`` is ``[B, H, C]``. Every exponent sums its own gates (see :func:`_decays`), as a
+    product of the gates, masked to the steps up to ``t``, with the mask of steps after ``s``.
     """
     size = gates.shape[-1]
-    spans = np.zeros((*gates.shape, size), np.float64)
-    spans[...] = gates[..., :, None]
-    spans *= _before(size, np.dtype(np.float64)).T  # row t keeps g[t] for columns s < t
-    np.cumsum(spans, axis=-2, out=spans)
-    decay = np.exp(spans, where=_lower_mask(size, np.dtype(bool), True)[:size], out=spans)
+    upto = _lower_mask(size, np.dtype(np.float64), True)[:size]  # [t, r]: r <= t
+    spans = np.matmul(
+        upto * gates.astype(np.float64, copy=False)[..., None, :],
+        _before(size, np.dtype(np.float64)).T,
+    )
+    decay: _Array = np.zeros_like(spans)
+    np.exp(spans, where=upto.astype(bool), out=decay)
     return decay.astype(dtype, copy=False)
 
 
-def _solve(
-    x: Inputs, state: _Array, t0: int, t1: int, *, with_q: bool, solved: _Solved | None = None
-) -> _Chunk:
-    """The delta rule over steps ``t0 .. t1-1`` entered with ``state``: ``u`` for every step.
-
-    ``solved``, the same chunk's solution kept from an earlier call, is taken as it is.
-    """
+def _solve(x: Inputs, state: _Array, t0: int, t1: int, *, with_q: bool) -> _Chunk:
+    """The delta rule over steps ``t0 .. t1-1`` entered with ``state``: ``u`` for every step."""
     span = slice(t0, t1)
     size = t1 - t0
     dtype = x.k.dtype
@@ -270,20 +260,18 @@ def _solve(
         lx = np.matmul(_stepwise(f, rows), _transposed(fi * k))
         lx *= mask
     xe = _stepwise(e, rows)
-    if solved is None:
-        r = v - np.matmul(xe[:, :, -size:], state)
-        system = beta * lx[:, :, -size:]
-        system[..., np.arange(size), np.arange(size)] = 1
-        inv = unit_lower_inverse(system)
-        solved = _Solved(r, inv, np.matmul(inv, beta * r))
-    return _Chunk(rows, e, to_end, xe, lx, decay, f, fi, *solved)
+    r = v - np.matmul(xe[:, :, -size:], state)
+    system = beta * lx[:, :, -size:]
+    system[..., np.arange(size), np.arange(size)] = 1
+    inv = unit_lower_inverse(system)
+    u = np.matmul(inv, beta * r)
+    return _Chunk(rows, e, to_end, xe, lx, decay, f, fi, r, inv, u)
 
 
-def _advance(x: Inputs, state: _Array, u: _Array, t0: int, t1: int) -> None:
+def _advance(x: Inputs, state: _Array, ch: _Chunk, t0: int, t1: int) -> None:
     """``state`` from the entry of the chunk ``t0 .. t1-1`` to its end, in place."""
-    e, to_end = _decays(x, t0, t1)
-    grown = np.matmul(_transposed(to_end * x.k[:, :, t0:t1]), u)
-    state *= row_scale(e[:, :, -1])
+    grown = np.matmul(_transposed(ch.to_end * x.k[:, :, t0:t1]), ch.u)
+    state *= row_scale(ch.e[:, :, -1])
     state += grown
 
 
@@ -299,7 +287,7 @@ def forward_chunk(x: Inputs, state: _Array, t0: int, t1: int, *, y: _Array | Non
         out += np.matmul(ch.lx[:, :, :size], ch.u)
         out *= x.scale
         y[:, t0:t1] = np.swapaxes(out, 1, 2)
-    _advance(x, state, ch.u, t0, t1)
+    _advance(x, state, ch, t0, t1)
 
 
 def _backward_chunk(
@@ -309,9 +297,9 @@ def _backward_chunk(
     d_state: _Array,
     t0: int,
     t1: int,
-    solved: _Solved,
+    ch: _Chunk,
 ) -> None:
-    """Backward of one chunk entered with ``state``; ``d_state`` goes from end to entry.
+    """Backward of the chunk ``ch`` entered with ``state``; ``d_state`` goes from end to entry.
 
     Products that share an operand are done once on stacked rows: ``[q; k]`` for the decayed
     copies, and their cotangents likewise.
@@ -319,7 +307,6 @@ def _backward_chunk(
     assert x.dy is not None
     span = slice(t0, t1)
     size = t1 - t0
-    ch = _solve(x, state, t0, t1, with_q=True, solved=solved)
     k, beta, dy = x.k[:, :, span], x.beta[:, :, span, None], x.dy[:, :, span]
     ng = x.g.shape[-1]
     lq, lk = ch.lx[:, :, :size], ch.lx[:, :, size:]
@@ -369,7 +356,7 @@ def _backward_chunk(
         d_rows += _stepwise(ch.f, np.matmul(d_lx, kb))
         d_k += ch.fi * np.matmul(_transposed(d_lx), xf)
         # lx[t, s] splits over key channels i as xf[t, i] * kb[s, i]
-        straddling = _straddling(d_lx[..., None] * kb[:, :, None], xf)
+        straddling = _straddling_split(d_lx, xf, kb)
     d_k += d_rows[:, :, size:]
 
     d_g = _gate_gradient(
@@ -388,33 +375,99 @@ def _backward_chunk(
         grads.dg[:, span] = np.swapaxes(d_g[..., 0], 1, 2)
 
 
-def _straddling(couplings: _Array, split: _Array | None = None) -> _Array:
+def _straddling(couplings: _Array) -> _Array:
     """For each step ``t``, the sum of the step-to-step couplings that straddle it.
 
-    ``couplings[t', s]`` ``[B, H, 2C, C]`` couples step ``t'`` (of the stacked ``[q; k]`` rows)
-    with an earlier step ``s``; it straddles ``t`` when ``s < t <= t'``. With a per-channel
-    gate it is ``couplings[t', s, i] * split[t', i]``, ``couplings`` ``[B, H, 2C, C, N]`` and
-    ``split`` ``[B, H, 2C, N]``. Returns ``[B, H, C, Ng]``. ``couplings`` is overwritten.
+    ``couplings[t', s]`` ``[B, H, 2C, C]`` couples the step ``t'`` of the stacked ``[q; k]``
+    rows with an earlier step ``s``; it straddles ``t`` when ``s < t <= t'``. Returns
+    ``[B, H, C, 1]``.
     """
     size = couplings.shape[3]
     later = _lower_mask(size, couplings.dtype, True).copy()
     later[size:] += np.eye(size, dtype=later.dtype)  # t' >= t, in both blocks
-    before = _before(size, couplings.dtype)
-    if split is None:  # [t', t] holds t' with every s < t
-        summed: _Array = np.sum(np.matmul(couplings, before) * later, axis=2)
-        return summed[..., None]
-    np.cumsum(couplings, axis=3, out=couplings)  # [t', t - 1, i]: t' with every s < t
-    out = np.zeros((*couplings.shape[:2], size, split.shape[-1]), couplings.dtype)
-    out[:, :, 1:] = np.einsum("pt,bhpti,bhpi->bhti", later[:, 1:], couplings[:, :, :, :-1], split)
-    return out
+    summed: _Array = np.sum(np.matmul(couplings, _before(size, couplings.dtype)) * later, axis=2)
+    return summed[..., None]
 
 
 @functools.lru_cache(maxsize=16)
 def _before(size: int, dtype: np.dtype[Any]) -> _Array:
-    """``[s, t]``: 1 where ``s < t``. Summing a row against it gives the sums before each ``t``."""
+    """``[s, t]``: 1 where ``s < t``. A row times it sums, for each ``t``, what comes before."""
     mask = np.triu(np.ones((size, size), dtype), 1)
     mask.flags.writeable = False
     return mask
+
+
+#: Block length of :func:`_straddling_split`.
+_BLOCK = 8
+
+
+def _straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
+    """:func:`_straddling` for couplings split by key channel: ``x[t', i] w[t', s] y[s, i]``.
+
+    ``w`` ``[B, H, 2C, C]``, ``x`` ``[B, H, 2C, N]``, ``y`` ``[B, H, C, N]``; returns
+    ``[B, H, C, N]``. The ``[C, C, N]`` tensor of split couplings is never formed: with the
+    steps in blocks of ``_BLOCK``, couplings inside ``t``'s block are summed from a small
+    tensor, those with one end in ``t``'s block from two masked products, and those that
+    leap over it from block-to-block totals. Every part is a sum of straddling couplings only.
+    """
+    batch, heads, _, size = w.shape
+    n = y.shape[-1]
+    count = -(-size // _BLOCK)
+    full = count * _BLOCK
+    wp = np.zeros((batch, heads, 2, full, full), w.dtype)
+    wp[:, :, :, :size, :size] = w.reshape(batch, heads, 2, size, size)
+    xp = np.zeros((batch, heads, 2, full, n), x.dtype)
+    xp[:, :, :, :size] = x.reshape(batch, heads, 2, size, n)
+    yp = np.zeros((batch, heads, full, n), y.dtype)
+    yp[:, :, :size] = y
+    xb = xp.reshape(batch, heads, 2, count, _BLOCK, n)
+    yb = yp.reshape(batch, heads, count, _BLOCK, n)
+    masks = _block_masks(count, w.dtype)
+    blocks = np.arange(count)
+
+    # t', s and t in one block: [t', t, s] masked by s < t <= t', then against y
+    inside = wp.reshape(batch, heads, 2, count, _BLOCK, count, _BLOCK)[..., blocks, :, blocks, :]
+    inside = np.moveaxis(inside, 0, 3)[:, :, :, :, :, None, :] * masks.inside
+    summed = np.matmul(inside.reshape(batch, heads, 2, count, _BLOCK**2, _BLOCK), yb[:, :, None])
+    out = np.einsum(
+        "bhcjpti,bhcjpi->bhjti", summed.reshape(batch, heads, 2, count, _BLOCK, _BLOCK, n), xb
+    )
+    # t' in t's block (t' >= t), s in an earlier block
+    wm = wp * masks.earlier
+    xv = np.sum(xp * np.matmul(wm, yp[:, :, None]), axis=2).reshape(out.shape)
+    out += np.flip(np.cumsum(np.flip(xv, axis=3), axis=3), axis=3)
+    # s in t's block (s < t), t' in a later block
+    yu = yp * np.sum(np.matmul(_transposed(wm), xp), axis=2)
+    out[:, :, :, 1:] += np.cumsum(yu.reshape(out.shape)[:, :, :, :-1], axis=3)
+    # s in a block before t's, t' in a block after it: block-to-block totals
+    by_block = np.moveaxis(wp.reshape(batch, heads, 2 * full, count, _BLOCK), 3, 2)
+    partial = np.matmul(by_block, yb).reshape(batch, heads, count, 2, count, _BLOCK, n)
+    totals = np.einsum("bhkclpi,bhclpi->bhkli", partial, xb)
+    out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
+    result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
+    return result
+
+
+class _BlockMasks(NamedTuple):
+    inside: _Array  # [t', t, s]: s < t <= t' within a block
+    earlier: _Array  # [t', s]: s in a block before t''s
+    leap: _Array  # [K, J, L]: K < J < L
+
+
+@functools.lru_cache(maxsize=16)
+def _block_masks(count: int, dtype: np.dtype[Any]) -> _BlockMasks:
+    """The masks of :func:`_straddling_split` for ``count`` blocks."""
+    p, t, s = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
+    block = np.arange(count * _BLOCK) // _BLOCK
+    k, j, m = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
+    masks = _BlockMasks(
+        ((s < t) & (t <= p)).astype(dtype),
+        (block[None, :] < block[:, None]).astype(dtype),
+        ((k < j) & (j < m)).astype(dtype),
+    )
+    for mask in masks:
+        mask.flags.writeable = False
+    return masks
 
 
 def _gate_gradient(*, entry: _Array, straddling: _Array, exit_: _Array, through: _Array) -> _Array:
@@ -449,8 +502,8 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
 def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
     """Backward by chunks, from checkpoints taken every ``every`` steps.
 
-    The forward sweep keeps every chunk's solution (``O(B*S*H*(C + N))`` elements, the size of
-    the inputs), so the backward sweep only re-forms the chunk's products.
+    The forward sweep keeps every chunk's matrices for the backward sweep:
+    ``O(B*S*H*(C + N))`` elements, about twice the inputs.
     """
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
@@ -458,14 +511,13 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
     length = min(every, chunk_length(n))
     intervals = [chunks(x.g, t0, min(t0 + every, s), length) for t0 in range(0, s, every)]
     checkpoints = np.empty((len(intervals), b, h, n, n), x.q.dtype)
-    solutions: dict[int, _Solved] = {}
+    solved: dict[int, _Chunk] = {}
     for index, bounds in enumerate(intervals):
         checkpoints[index] = state
         for c0, c1 in bounds:
-            ch = _solve(x, state, c0, c1, with_q=False)
-            solutions[c0] = _Solved(ch.r, ch.inv, ch.u)
+            solved[c0] = _solve(x, state, c0, c1, with_q=True)
             if c1 < s:  # the final state is not needed
-                _advance(x, state, ch.u, c0, c1)
+                _advance(x, state, solved[c0], c0, c1)
         tick()
     del state
 
@@ -476,10 +528,10 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
         entries = [checkpoints[index]]
         for c0, c1 in bounds[:-1]:
             nxt = entries[-1].copy()
-            _advance(x, nxt, solutions[c0].u, c0, c1)
+            _advance(x, nxt, solved[c0], c0, c1)
             entries.append(nxt)
         for (c0, c1), entry in zip(reversed(bounds), reversed(entries), strict=True):
-            _backward_chunk(x, grads, entry, d_state, c0, c1, solutions.pop(c0))
+            _backward_chunk(x, grads, entry, d_state, c0, c1, solved.pop(c0))
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
