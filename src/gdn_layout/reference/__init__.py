@@ -22,9 +22,9 @@ Two formulations compute the same function:
     The recurrence above, one step at a time, vectorised over batch and heads; the backward is
     the spec's step-by-step backward.
 ``method="chunked"`` (the default)
-    The same recurrence per chunk of up to 64 steps, the delta rule of a chunk solved as one
-    unit lower-triangular system (the WY/UT form of chunked delta-rule kernels): a few matrix
-    products per chunk instead of sequential updates. Decay factors are formed once from
+    The same recurrence per chunk of up to ``min(64, 4*N)`` steps, the delta rule of a chunk
+    solved as one unit lower-triangular system (the WY/UT form of chunked delta-rule kernels):
+    a few matrix products per chunk instead of sequential updates. Decay factors are formed once from
     differences of cumulative gates summed in a wider precision, the system is inverted by
     halves, and each gate's gradient is summed only from the terms its decay scales, so no
     result is a difference of large terms. Chunks are cut short only where a factor would grow
@@ -42,12 +42,12 @@ from unit norm over many steps) the result is not finite and a FloatingPointErro
 Memory of the backward: the state is checkpointed every ``C = checkpoint_every`` steps in a
 forward sweep, and each checkpoint interval is recomputed from its checkpoint in the backward
 sweep. By default ``C`` is :func:`default_checkpoint_every` (``ceil(sqrt(S))``), rounded up to
-whole chunks of 64 by the chunked method. Beyond the inputs' converted copies and the packed
-output (both ``O(B*S*H*N)``), the working memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements:
-the checkpoints, plus at most ``C + 1`` states for the interval being recomputed. The
-recurrent method keeps every state of the interval; the chunked method keeps only the entry
-state of each chunk in it, and ``O(B*H*C*(C + N))`` elements for a chunk's matrices
-(``O(B*H*C*C*N)`` with a per-channel gate).
+whole chunks by the chunked method. Beyond the inputs' converted copies and the packed output
+(both ``O(B*S*H*N)``), the working memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements: the
+checkpoints, plus at most ``C + 1`` states for the interval being recomputed. The recurrent
+method keeps every state of the interval; the chunked method keeps only the entry state of
+each chunk in it, and keeps each chunk's matrices from the forward sweep to the backward
+sweep: ``O(B*S*H*(N + 64))`` more elements, about twice the inputs.
 """
 
 from __future__ import annotations
