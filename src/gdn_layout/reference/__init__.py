@@ -24,12 +24,12 @@ Two formulations compute the same function:
 ``method="chunked"`` (the default)
     The same recurrence per chunk of up to ``min(64, 4*N)`` steps, the delta rule of a chunk
     solved as one unit lower-triangular system (the WY/UT form of chunked delta-rule kernels):
-    a few matrix products per chunk instead of sequential updates. Decay factors are formed once from
-    differences of cumulative gates summed in a wider precision, the system is inverted by
-    halves, and each gate's gradient is summed only from the terms its decay scales, so no
-    result is a difference of large terms. Chunks are cut short only where a factor would grow
-    past ``exp(20)`` (gates above zero) or, with a per-channel gate, where the log-gate drifts
-    by more than 20 within a chunk.
+    a few matrix products per chunk instead of sequential updates, and the chunks of a
+    checkpoint interval stacked into one batch. Each decay factor's exponent sums exactly the
+    gates it spans, the system is inverted by halves, and each gate's gradient is summed only
+    from the terms its decay scales, so no result is a difference of large terms. Chunks are
+    cut short only where a factor would grow past ``exp(20)`` (gates above zero) or, with a
+    per-channel gate, where the log-gate drifts by more than 20 within a chunk.
 
 Accuracy, tested against a step-by-step oracle in extended precision over constant and mixed
 strong decay (log-gates down to -80), realistic Qwen3-Next gates, spiky gates, q and k of
@@ -207,7 +207,7 @@ def backward(
     layout = inputs.layout
     every = _checkpoint_interval(checkpoint_every, layout.seq)
     if checkpoint_every is None and method == "chunked":
-        every = _chunked.default_interval(layout.seq, layout.state_size, every)
+        every = _chunked.default_interval(layout.seq, layout.state_size)
     if out is None:
         flat = np.empty(layout.total_elems, dtype=inputs.q.dtype)
     else:

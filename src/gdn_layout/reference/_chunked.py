@@ -7,6 +7,11 @@ where ``ke[t] = exp(G_t) k[t]`` and ``lk[t, s] = exp(G_t - G_s) k[t] . k[s]`` fo
 Then ``y = c * (qe @ S0 + lq @ u)`` and ``S_end = exp(G_end) S0 + sum_s exp(G_end - G_s)
 outer(k[s], u[s])``: a chunk costs a few matrix products instead of ``C`` sequential updates.
 
+The chunks of one checkpoint interval are stacked, padded to one length with steps that
+change nothing (``k = q = v = beta = g = 0``), so that everything that does not depend on the
+state runs once for the whole interval; only the state's own recurrence, forward and
+backward, steps from chunk to chunk.
+
 Three choices keep it as exact as the step-by-step form in every gate regime:
 
 * Every decay factor is ``exp(G_t - G_s)`` with ``t >= s``, formed from the difference of
@@ -25,6 +30,7 @@ Three choices keep it as exact as the step-by-step form in every gate regime:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -32,6 +38,21 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..packing import GdnGrads
+from ._chunk_math import (
+    block_sum,
+    cumulative,
+    decays,
+    exp_to,
+    gate_gradient,
+    lower_mask,
+    pair_decay,
+    reduce_gate,
+    stepwise,
+    straddling,
+    straddling_split,
+    transposed,
+    unit_lower_inverse,
+)
 from ._inputs import Inputs
 from ._recurrent import row_scale
 
@@ -56,14 +77,15 @@ def chunk_length(state_size: int) -> int:
     return max(1, min(_MAX_CHUNK, _CHUNK_PER_STATE_SIZE * state_size))
 
 
-def default_interval(seq: int, state_size: int, sqrt_interval: int) -> int:
-    """The checkpoint interval: ``sqrt_interval`` rounded up to whole chunks.
+def default_interval(seq: int, state_size: int) -> int:
+    """The checkpoint interval: about ``sqrt(S / L)`` whole chunks of ``L`` steps.
 
-    The chunked sweep keeps one state per chunk anyway, so an interval shorter than a chunk
-    would only cut chunks short.
+    That balances the checkpoints (``S / interval``) against the chunk entries of one interval
+    (``interval / L``), and stacks several chunks into each interval's batched products.
     """
     length = chunk_length(state_size)
-    return min(max(seq, 1), -(-sqrt_interval // length) * length)
+    count = max(1, -(-seq // length))
+    return min(max(seq, 1), length * (math.isqrt(count - 1) + 1))
 
 
 def chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
@@ -80,7 +102,7 @@ def chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
     while start < t1:
         stop = min(start + length, t1)
         if stop - start > 1 and g.size:
-            big_g = _cumulative(g[:, :, start:stop])
+            big_g = cumulative(g[:, :, start:stop])
             entry = np.zeros_like(big_g[:, :, :1])
             lowest = np.minimum.accumulate(np.concatenate((entry, big_g), axis=2), axis=2)
             bad = big_g - lowest[:, :, :-1] > _MAX_LOG_DRIFT
@@ -94,444 +116,271 @@ def chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _cumulative(gates: _Array) -> _Array:
-    """Cumulative log-gates along time (axis 2), summed in float64."""
-    summed: _Array = np.cumsum(gates, axis=2, dtype=np.float64)
-    return summed
+class _Stack(NamedTuple):
+    """The chunks of one interval, padded to ``length`` steps and stacked on the head axis.
 
-
-def _exp(exponent: _Array, dtype: np.dtype[Any]) -> _Array:
-    """``exp`` of a float64 exponent, rounded once to ``dtype``."""
-    return np.exp(exponent).astype(dtype, copy=False)
-
-
-def _reduce_gate(x: _Array, ng: int) -> _Array:
-    """Sum ``[..., N]`` gate contributions down to ``[..., Ng]``."""
-    return x if x.shape[-1] == ng else np.sum(x, axis=-1, keepdims=True)
-
-
-@functools.lru_cache(maxsize=16)
-def _lower_mask(size: int, dtype: np.dtype[Any], with_q: bool) -> _Array:
-    """The 0/1 mask of the chunk matrix ``lx``, ``[C, C]`` or ``[2C, C]``.
-
-    The strict lower triangle for ``lk``, below the lower triangle with its diagonal for ``lq``
-    when ``with_q``.
+    Arrays are ``[B, V, L, ...]`` with ``V = H * count``: head ``h``'s chunk ``j`` is at
+    ``h * count + j``.
     """
-    strict = np.tri(size, k=-1, dtype=dtype)
-    mask = np.concatenate((np.tri(size, dtype=dtype), strict)) if with_q else strict
-    mask.flags.writeable = False
-    return mask
+
+    bounds: list[tuple[int, int]]
+    heads: int
+    length: int
+    q: _Array | None
+    k: _Array
+    v: _Array
+    g: _Array
+    beta: _Array  # [B, V, L, 1]
+    dy: _Array | None
+
+    def split(self, a: _Array) -> _Array:
+        """``[B, V, ...]`` as ``[B, H, count, ...]``."""
+        return a.reshape(a.shape[0], self.heads, len(self.bounds), *a.shape[2:])
 
 
-def unit_lower_inverse(unit_lower: _Array) -> _Array:
-    """``inv(unit_lower)`` for unit lower-triangular ``[..., C, C]`` matrices.
-
-    Inverted by halves, ``inv([[A, 0], [B, D]]) = [[inv(A), 0], [-inv(D) B inv(A), inv(D)]]``,
-    all blocks of one size at once: every level multiplies computed inverses, so the rounding
-    is that of substitution. A power series in the strictly lower part would form powers whose
-    entries grow combinatorially with ``C`` and cancel.
-
-    >>> a = np.array([[1.0, 0, 0], [2, 1, 0], [3, 4, 1]])
-    >>> unit_lower_inverse(a) @ a
-    array([[1., 0., 0.],
-           [0., 1., 0.],
-           [0., 0., 1.]])
-    """
-    size = unit_lower.shape[-1]
-    full = 1 << max(size - 1, 0).bit_length()  # the next power of two
-    padded = np.zeros((*unit_lower.shape[:-2], full, full), unit_lower.dtype)
-    padded[..., :size, :size] = unit_lower
-    inverse = np.zeros_like(padded)
-    diagonal = np.arange(full)
-    padded[..., diagonal[size:], diagonal[size:]] = 1
-    inverse[..., diagonal, diagonal] = 1
-    half = 1
-    while half < full:
-        a, inv = _diagonal_blocks(padded, 2 * half), _diagonal_blocks(inverse, 2 * half)
-        lower = np.matmul(inv[..., half:, half:], a[..., half:, :half])
-        inv[..., half:, :half] = -np.matmul(lower, inv[..., :half, :half])
-        half *= 2
-    return inverse[..., :size, :size]
+def _gather(a: _Array, bounds: list[tuple[int, int]], length: int) -> _Array:
+    """The chunks ``bounds`` of ``a`` ``[B, H, S, ...]``, padded with zeros: ``[B, V, L, ...]``."""
+    b, h, rest, count = a.shape[0], a.shape[1], a.shape[3:], len(bounds)
+    t0, t1 = bounds[0][0], bounds[-1][1]
+    if t1 - t0 == count * length:  # every chunk is full
+        return a[:, :, t0:t1].reshape(b, h * count, length, *rest)
+    out = np.zeros((b, h, count, length, *rest), a.dtype)
+    for j, (c0, c1) in enumerate(bounds):
+        out[:, :, j, : c1 - c0] = a[:, :, c0:c1]
+    return out.reshape(b, h * count, length, *rest)
 
 
-def _diagonal_blocks(square: _Array, size: int) -> _Array:
-    """The ``size x size`` blocks on the diagonal of C-contiguous ``[..., F, F]``, as a view."""
-    full, item = square.shape[-1], square.itemsize
-    return np.ndarray(
-        (*square.shape[:-2], full // size, size, size),
-        square.dtype,
-        buffer=square,
-        strides=(*square.strides[:-2], size * (full + 1) * item, full * item, item),
+def _scatter(grad: _Array, values: _Array, st: _Stack) -> None:
+    """Write ``values`` ``[B, V, L, ...]`` to the steps of ``st``'s chunks of ``grad``
+    ``[B, S, H, ...]``, dropping the padding."""
+    b, count, length = values.shape[0], len(st.bounds), st.length
+    rest = values.shape[3:]
+    t0, t1 = st.bounds[0][0], st.bounds[-1][1]
+    if t1 - t0 == count * length:
+        grad[:, t0:t1] = np.swapaxes(values.reshape(b, st.heads, t1 - t0, *rest), 1, 2)
+        return
+    split = st.split(values)
+    for j, (c0, c1) in enumerate(st.bounds):
+        grad[:, c0:c1] = np.swapaxes(split[:, :, j, : c1 - c0], 1, 2)
+
+
+def _stack(x: Inputs, bounds: list[tuple[int, int]], *, backward: bool) -> _Stack:
+    length = max(c1 - c0 for c0, c1 in bounds)
+    pick = functools.partial(_gather, bounds=bounds, length=length)
+    return _Stack(
+        bounds,
+        x.q.shape[1],
+        length,
+        pick(x.q) if backward else None,
+        pick(x.k),
+        pick(x.v),
+        pick(x.g),
+        pick(x.beta[..., None]),
+        pick(x.dy) if backward and x.dy is not None else None,
     )
 
 
-def _stepwise(a: _Array, rows: _Array) -> _Array:
-    """``a * rows`` for per-step factors ``a`` ``[B, H, C, Ng]`` and ``rows`` ``[B, H, m*C, N]``.
+class _Prepared(NamedTuple):
+    """What the chunks of a stack share that does not depend on the state."""
 
-    ``rows`` stacks ``m`` blocks of ``C`` steps (``[q; k]`` or ``k`` alone); each block is scaled
-    by ``a``.
-    """
-    b, h, size, _ = a.shape
-    blocks = rows.reshape(b, h, rows.shape[2] // size, size, rows.shape[-1])
-    return (blocks * a[:, :, None]).reshape(rows.shape)
-
-
-def _block_sum(rows: _Array, size: int) -> _Array:
-    """Sum the stacked blocks of ``size`` steps of ``rows`` ``[B, H, m*C, N]``: ``[B, H, C, N]``."""
-    b, h, length, n = rows.shape
-    summed: _Array = np.sum(rows.reshape(b, h, length // size, size, n), axis=2)
-    return summed
-
-
-def _transposed(x: _Array) -> _Array:
-    return np.swapaxes(x, -1, -2)
-
-
-class _Chunk(NamedTuple):
-    """The delta rule over one chunk of ``C`` steps: what its forward and backward share.
-
-    ``rows`` is ``[q; k]`` (``q`` above ``k`` along time, ``2C`` rows) when the chunk is solved
-    ``with_q``, else ``k`` alone; ``lx`` and ``xe`` stack likewise.
-    """
-
-    rows: _Array  # [q; k]
-    e: _Array  # exp(G): decay from the chunk's entry state through step t, [B, H, C, Ng]
-    to_end: _Array  # exp(G_end - G): decay from step t to the chunk's end, [B, H, C, Ng]
+    rows: _Array  # [q; k] (q above k along time) with q, else k: [B, V, m*L, N]
+    e: _Array  # exp(G): decay from the chunk's entry through step t, [B, V, L, Ng]
+    to_end: _Array  # exp(G_end - G): decay from step t to the chunk's end, [B, V, L, Ng]
     xe: _Array  # e * rows: [qe; ke]
-    lx: _Array  # [lq; lk]: decayed products of rows with k, masked; [B, H, m*C, C]
+    lx: _Array  # [lq; lk]: decayed products of rows with k, masked; [B, V, m*L, L]
     decay: _Array | None  # per-head gate: lx = (rows @ k^T) * decay
-    f: _Array | None  # per-channel gate: exp(H), H = G - G[0], [B, H, C, N]
+    f: _Array | None  # per-channel gate: exp(H), H = G - G[0], [B, V, L, N]
     fi: _Array | None  # exp(-H); then lx = (f * rows) @ (fi * k)^T, masked
-    r: _Array  # v - ke @ S0
-    inv: _Array  # inv(I + beta * lk), unit lower-triangular, [B, H, C, C]
-    u: _Array  # inv @ (beta * r)
+    inv: _Array  # inv(I + beta * lk), unit lower-triangular, [B, V, L, L]
+    kd: _Array  # to_end * k: k decayed to the chunk's end
 
 
-def _decays(x: Inputs, t0: int, t1: int) -> tuple[_Array, _Array]:
-    """``exp(G)`` and ``exp(G_end - G)`` for the steps ``t0 .. t1-1`` of a chunk.
-
-    Each exponent is a sum of the gates it spans, not a difference of cumulative sums: a
-    difference would carry the rounding of the whole chunk's sum into every factor.
-    """
-    gates = x.g[:, :, t0:t1]
-    to_end = np.zeros(gates.shape, np.float64)
-    np.cumsum(gates[:, :, :0:-1], axis=2, dtype=np.float64, out=to_end[:, :, -2::-1])
-    return _exp(_cumulative(gates), x.k.dtype), _exp(to_end, x.k.dtype)
-
-
-def _pair_decay(gates: _Array, dtype: np.dtype[Any]) -> _Array:
-    """``[t, s]``: ``exp(g[s+1] + ... + g[t])`` for ``t >= s``, 0 above the diagonal.
-
-    ``gates`` is ``[B, H, C]``. Every exponent sums its own gates (see :func:`_decays`), as a
-    product of the gates, masked to the steps up to ``t``, with the mask of steps after ``s``.
-    """
-    size = gates.shape[-1]
-    upto = _lower_mask(size, np.dtype(np.float64), True)[:size]  # [t, r]: r <= t
-    spans = np.matmul(
-        upto * gates.astype(np.float64, copy=False)[..., None, :],
-        _before(size, np.dtype(np.float64)).T,
-    )
-    decay: _Array = np.zeros_like(spans)
-    np.exp(spans, where=upto.astype(bool), out=decay)
-    return decay.astype(dtype, copy=False)
-
-
-def _solve(x: Inputs, state: _Array, t0: int, t1: int, *, with_q: bool) -> _Chunk:
-    """The delta rule over steps ``t0 .. t1-1`` entered with ``state``: ``u`` for every step."""
-    span = slice(t0, t1)
-    size = t1 - t0
-    dtype = x.k.dtype
-    k, v = x.k[:, :, span], x.v[:, :, span]
-    beta = x.beta[:, :, span, None]
-    rows = np.concatenate((x.q[:, :, span], k), axis=2) if with_q else k
-    mask = _lower_mask(size, dtype, with_q)
-    e, to_end = _decays(x, t0, t1)
+def _prepare(st: _Stack) -> _Prepared:
+    size, k = st.length, st.k
+    dtype = k.dtype
+    rows = k if st.q is None else np.concatenate((st.q, k), axis=2)
+    mask = lower_mask(size, dtype, st.q is not None)
+    e, to_end = decays(st.g, dtype)
     decay = f = fi = None
-    if x.g.shape[-1] == 1:
-        decay = _pair_decay(x.g[:, :, span, 0], dtype)
-        decay = np.concatenate((decay, decay), axis=2) if with_q else decay
+    if st.g.shape[-1] == 1:
+        decay = pair_decay(st.g[..., 0], dtype)
+        decay = decay if st.q is None else np.concatenate((decay, decay), axis=2)
         decay *= mask
-        lx = np.matmul(rows, _transposed(k))
+        lx = np.matmul(rows, transposed(k))
         lx *= decay
     else:
-        big_h = np.zeros(x.g[:, :, span].shape, np.float64)
-        np.cumsum(x.g[:, :, t0 + 1 : t1], axis=2, dtype=np.float64, out=big_h[:, :, 1:])
-        f, fi = _exp(big_h, dtype), _exp(-big_h, dtype)
-        lx = np.matmul(_stepwise(f, rows), _transposed(fi * k))
+        big_h = np.zeros(st.g.shape, np.float64)
+        np.cumsum(st.g[:, :, 1:], axis=2, dtype=np.float64, out=big_h[:, :, 1:])
+        f, fi = exp_to(big_h, dtype), exp_to(-big_h, dtype)
+        lx = np.matmul(stepwise(f, rows), transposed(fi * k))
         lx *= mask
-    xe = _stepwise(e, rows)
-    r = v - np.matmul(xe[:, :, -size:], state)
-    system = beta * lx[:, :, -size:]
+    system = st.beta * lx[:, :, -size:]
     system[..., np.arange(size), np.arange(size)] = 1
     inv = unit_lower_inverse(system)
-    u = np.matmul(inv, beta * r)
-    return _Chunk(rows, e, to_end, xe, lx, decay, f, fi, r, inv, u)
+    return _Prepared(rows, e, to_end, stepwise(e, rows), lx, decay, f, fi, inv, to_end * k)
 
 
-def _advance(x: Inputs, state: _Array, ch: _Chunk, t0: int, t1: int) -> None:
-    """``state`` from the entry of the chunk ``t0 .. t1-1`` to its end, in place."""
-    grown = np.matmul(_transposed(ch.to_end * x.k[:, :, t0:t1]), ch.u)
-    state *= row_scale(ch.e[:, :, -1])
-    state += grown
+class _Solved(NamedTuple):
+    entries: _Array  # the state entering each chunk, [B, V, N, N]
+    r: _Array  # v - ke @ S0, [B, V, L, N]
+    u: _Array  # inv @ (beta * r): what each step writes
+    s: int
 
 
-def forward_chunk(x: Inputs, state: _Array, t0: int, t1: int, *, y: _Array | None = None) -> None:
-    """One chunk's forward: advances ``state`` in place from step ``t0`` to the end of the chunk.
-
-    Writes ``y[:, t0:t1]`` when ``y`` is given.
-    """
-    size = t1 - t0
-    ch = _solve(x, state, t0, t1, with_q=y is not None)
-    if y is not None:  # y = c * (qe @ S0 + lq @ u)
-        out = np.matmul(ch.xe[:, :, :size], state)
-        out += np.matmul(ch.lx[:, :, :size], ch.u)
-        out *= x.scale
-        y[:, t0:t1] = np.swapaxes(out, 1, 2)
-    _advance(x, state, ch, t0, t1)
-
-
-def _backward_chunk(
-    x: Inputs,
-    grads: GdnGrads,
-    state: _Array,
-    d_state: _Array,
-    t0: int,
-    t1: int,
-    ch: _Chunk,
-) -> None:
-    """Backward of the chunk ``ch`` entered with ``state``; ``d_state`` goes from end to entry.
-
-    Products that share an operand are done once on stacked rows: ``[q; k]`` for the decayed
-    copies, and their cotangents likewise.
-    """
-    assert x.dy is not None
-    span = slice(t0, t1)
-    size = t1 - t0
-    k, beta, dy = x.k[:, :, span], x.beta[:, :, span, None], x.dy[:, :, span]
-    ng = x.g.shape[-1]
-    lq, lk = ch.lx[:, :, :size], ch.lx[:, :, size:]
-
-    # S_end = e_end * S0 + kd^T @ u, rows scaled, with kd = to_end * k.
-    kd = ch.to_end * k
-    ud = np.matmul(ch.u, _transposed(d_state))  # d kd
-    e_end = ch.e[:, :, -1]
-    exit_terms = kd * ud
-    through = e_end * _reduce_gate(np.sum(state * d_state, axis=-1), ng)
-    d_k = ch.to_end * ud
-    d_u = np.matmul(kd, d_state)
-    d_state *= row_scale(e_end)  # now the part of dS0 that comes from S_end
-
-    # y = c * (qe @ S0 + lq @ u): the lq @ u part
-    d_u += x.scale * np.matmul(_transposed(lq), dy)
-
-    # u = inv @ w, w = beta * r, inv = inv(am), am = I + beta * lk. Stacked cotangent rows:
-    # [c * dy; d_w] @ u^T holds d_lq and -d_am.
-    d_w = np.matmul(_transposed(ch.inv), d_u)
-    cot = np.empty_like(ch.xe)
-    np.multiply(dy, x.scale, out=cot[:, :, :size])
-    cot[:, :, size:] = d_w
-    d_lx = np.matmul(cot, _transposed(ch.u))
-    d_beta = np.sum(d_w * ch.r, axis=-1)
-    d_beta -= np.sum(d_lx[:, :, size:] * lk, axis=-1)
-    d_lx *= _lower_mask(size, d_lx.dtype, True)
-    d_lx[:, :, size:] *= -beta  # d_lk = tril(beta * d_am, -1)
-    d_r = beta * d_w
-
-    # y = c * qe @ S0 and r = v - ke @ S0: cotangent rows [c * dy; -d_r] against S0
-    np.negative(d_r, out=cot[:, :, size:])
-    d_xe = np.matmul(cot, _transposed(state))
-    d_state += np.matmul(_transposed(ch.xe), cot)
-    d_rows = _stepwise(ch.e, d_xe)
-
-    # [lq; lk]: decayed products of [q; k] with k
-    if ch.decay is not None:
-        d_raw = d_lx * ch.decay
-        d_rows += np.matmul(d_raw, k)
-        d_k += np.matmul(_transposed(d_raw), ch.rows)
-        straddling = _straddling(ch.lx * d_lx)
-    else:
-        assert ch.f is not None
-        assert ch.fi is not None
-        xf, kb = _stepwise(ch.f, ch.rows), ch.fi * k
-        d_rows += _stepwise(ch.f, np.matmul(d_lx, kb))
-        d_k += ch.fi * np.matmul(_transposed(d_lx), xf)
-        # lx[t, s] splits over key channels i as xf[t, i] * kb[s, i]
-        straddling = _straddling_split(d_lx, xf, kb)
-    d_k += d_rows[:, :, size:]
-
-    d_g = _gate_gradient(
-        entry=_reduce_gate(_block_sum(d_xe * ch.xe, size), ng),
-        straddling=straddling,
-        exit_=_reduce_gate(exit_terms, ng),
-        through=through,
-    )
-    grads.dq[:, span] = np.swapaxes(d_rows[:, :, :size], 1, 2)
-    grads.dk[:, span] = np.swapaxes(d_k, 1, 2)
-    grads.dv[:, span] = np.swapaxes(d_r, 1, 2)
-    grads.dbeta[:, span] = np.swapaxes(d_beta, 1, 2)
-    if x.layout.gate_per_channel:
-        grads.dg[:, span] = np.swapaxes(d_g, 1, 2)
-    else:
-        grads.dg[:, span] = np.swapaxes(d_g[..., 0], 1, 2)
+def _advance(st: _Stack, pre: _Prepared, state: _Array, *, keep: bool) -> _Solved | None:
+    """Step ``state`` through the stack's chunks in place; with ``keep``, what they solved."""
+    size = st.length
+    ke, kd, inv = st.split(pre.xe[:, :, -size:]), st.split(pre.kd), st.split(pre.inv)
+    v, beta, e_end = st.split(st.v), st.split(st.beta), st.split(pre.e[:, :, -1])
+    shape = v.shape
+    entries = np.empty((*shape[:3], *state.shape[2:]), state.dtype) if keep else None
+    r = np.empty(shape, state.dtype) if keep else None
+    u = np.empty(shape, state.dtype) if keep else None
+    for j in range(len(st.bounds)):
+        if entries is not None:
+            entries[:, :, j] = state
+        r_j = v[:, :, j] - np.matmul(ke[:, :, j], state)
+        u_j = np.matmul(inv[:, :, j], beta[:, :, j] * r_j)
+        if r is not None and u is not None:
+            r[:, :, j], u[:, :, j] = r_j, u_j
+        state *= row_scale(e_end[:, :, j])
+        state += np.matmul(transposed(kd[:, :, j]), u_j)
+    if entries is None or r is None or u is None:
+        return None
+    merge = functools.partial(_merge, heads=pre.e.shape[1])
+    return _Solved(merge(entries), merge(r), merge(u), size)
 
 
-def _straddling(couplings: _Array) -> _Array:
-    """For each step ``t``, the sum of the step-to-step couplings that straddle it.
-
-    ``couplings[t', s]`` ``[B, H, 2C, C]`` couples the step ``t'`` of the stacked ``[q; k]``
-    rows with an earlier step ``s``; it straddles ``t`` when ``s < t <= t'``. Returns
-    ``[B, H, C, 1]``.
-    """
-    size = couplings.shape[3]
-    later = _lower_mask(size, couplings.dtype, True).copy()
-    later[size:] += np.eye(size, dtype=later.dtype)  # t' >= t, in both blocks
-    summed: _Array = np.sum(np.matmul(couplings, _before(size, couplings.dtype)) * later, axis=2)
-    return summed[..., None]
-
-
-@functools.lru_cache(maxsize=16)
-def _before(size: int, dtype: np.dtype[Any]) -> _Array:
-    """``[s, t]``: 1 where ``s < t``. A row times it sums, for each ``t``, what comes before."""
-    mask = np.triu(np.ones((size, size), dtype), 1)
-    mask.flags.writeable = False
-    return mask
-
-
-#: Block length of :func:`_straddling_split`.
-_BLOCK = 8
-
-
-def _straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
-    """:func:`_straddling` for couplings split by key channel: ``x[t', i] w[t', s] y[s, i]``.
-
-    ``w`` ``[B, H, 2C, C]``, ``x`` ``[B, H, 2C, N]``, ``y`` ``[B, H, C, N]``; returns
-    ``[B, H, C, N]``. The ``[C, C, N]`` tensor of split couplings is never formed: with the
-    steps in blocks of ``_BLOCK``, couplings inside ``t``'s block are summed from a small
-    tensor, those with one end in ``t``'s block from two masked products, and those that
-    leap over it from block-to-block totals. Every part is a sum of straddling couplings only.
-    """
-    batch, heads, _, size = w.shape
-    n = y.shape[-1]
-    count = -(-size // _BLOCK)
-    full = count * _BLOCK
-    wp = np.zeros((batch, heads, 2, full, full), w.dtype)
-    wp[:, :, :, :size, :size] = w.reshape(batch, heads, 2, size, size)
-    xp = np.zeros((batch, heads, 2, full, n), x.dtype)
-    xp[:, :, :, :size] = x.reshape(batch, heads, 2, size, n)
-    yp = np.zeros((batch, heads, full, n), y.dtype)
-    yp[:, :, :size] = y
-    xb = xp.reshape(batch, heads, 2, count, _BLOCK, n)
-    yb = yp.reshape(batch, heads, count, _BLOCK, n)
-    masks = _block_masks(count, w.dtype)
-    blocks = np.arange(count)
-
-    # t', s and t in one block: [t', t, s] masked by s < t <= t', then against y
-    inside = wp.reshape(batch, heads, 2, count, _BLOCK, count, _BLOCK)[..., blocks, :, blocks, :]
-    inside = np.moveaxis(inside, 0, 3)[:, :, :, :, :, None, :] * masks.inside
-    summed = np.matmul(inside.reshape(batch, heads, 2, count, _BLOCK**2, _BLOCK), yb[:, :, None])
-    out = np.einsum(
-        "bhcjpti,bhcjpi->bhjti", summed.reshape(batch, heads, 2, count, _BLOCK, _BLOCK, n), xb
-    )
-    # t' in t's block (t' >= t), s in an earlier block
-    wm = wp * masks.earlier
-    xv = np.sum(xp * np.matmul(wm, yp[:, :, None]), axis=2).reshape(out.shape)
-    out += np.flip(np.cumsum(np.flip(xv, axis=3), axis=3), axis=3)
-    # s in t's block (s < t), t' in a later block
-    yu = yp * np.sum(np.matmul(_transposed(wm), xp), axis=2)
-    out[:, :, :, 1:] += np.cumsum(yu.reshape(out.shape)[:, :, :, :-1], axis=3)
-    # s in a block before t's, t' in a block after it: block-to-block totals
-    by_block = np.moveaxis(wp.reshape(batch, heads, 2 * full, count, _BLOCK), 3, 2)
-    partial = np.matmul(by_block, yb).reshape(batch, heads, count, 2, count, _BLOCK, n)
-    totals = np.einsum("bhkclpi,bhclpi->bhkli", partial, xb)
-    out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
-    result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
-    return result
-
-
-class _BlockMasks(NamedTuple):
-    inside: _Array  # [t', t, s]: s < t <= t' within a block
-    earlier: _Array  # [t', s]: s in a block before t''s
-    leap: _Array  # [K, J, L]: K < J < L
-
-
-@functools.lru_cache(maxsize=16)
-def _block_masks(count: int, dtype: np.dtype[Any]) -> _BlockMasks:
-    """The masks of :func:`_straddling_split` for ``count`` blocks."""
-    p, t, s = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
-    block = np.arange(count * _BLOCK) // _BLOCK
-    k, j, m = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
-    masks = _BlockMasks(
-        ((s < t) & (t <= p)).astype(dtype),
-        (block[None, :] < block[:, None]).astype(dtype),
-        ((k < j) & (j < m)).astype(dtype),
-    )
-    for mask in masks:
-        mask.flags.writeable = False
-    return masks
-
-
-def _gate_gradient(*, entry: _Array, straddling: _Array, exit_: _Array, through: _Array) -> _Array:
-    """The gradient of a chunk's log-gates, each summed only from the couplings it decays.
-
-    The chunk couples the state it is entered with (E), its steps, and the state it leaves (X).
-    A coupling of a later point with an earlier one decays by the gates of the steps in
-    between, and its log-derivative is the coupling itself; so the gate of step ``t`` collects
-    exactly the couplings that straddle it: of a step ``t' >= t`` or X with E or a step
-    ``s < t``. Summed directly, a tiny gradient under fast decay stays exact. The textbook form
-    (a reverse cumulative sum of per-step terms) also adds couplings on one side of ``t``,
-    which cancel in pairs and bury it in their rounding.
-
-    ``entry`` ``[B, H, C, Ng]``: step ``t'`` with E; ``straddling`` ``[B, H, C, Ng]``: the
-    step-to-step couplings (:func:`_straddling`); ``exit_`` ``[B, H, C, Ng]``: X with step
-    ``s``; ``through`` ``[B, H, Ng]``: X with E. Returns ``[B, H, C, Ng]``.
-    """
-    d_g = straddling
-    d_g += np.flip(np.cumsum(np.flip(entry, axis=2), axis=2), axis=2)  # t' >= t, with E
-    d_g[:, :, 1:] += np.cumsum(exit_[:, :, :-1], axis=2)  # X, with s < t
-    d_g += through[:, :, None]
-    return d_g
+def _merge(a: _Array, heads: int) -> _Array:
+    """``[B, H, count, ...]`` as ``[B, V, ...]``."""
+    return a.reshape(a.shape[0], heads, *a.shape[3:])
 
 
 def forward(x: Inputs, state: _Array, y: _Array) -> None:
     """The forward over the whole sequence: writes ``y`` and advances ``state`` to the end."""
-    seq, size = x.q.shape[2], x.q.shape[3]
-    for t0, t1 in chunks(x.g, 0, seq, chunk_length(size)):
-        forward_chunk(x, state, t0, t1, y=y)
+    seq, n = x.q.shape[2], x.q.shape[3]
+    every = default_interval(seq, n)
+    for t0 in range(0, seq, every):
+        bounds = chunks(x.g, t0, min(t0 + every, seq), chunk_length(n))
+        st = _stack(x, bounds, backward=True)
+        pre = _prepare(st)
+        solved = _advance(st, pre, state, keep=True)
+        assert solved is not None
+        size = st.length
+        out = np.matmul(pre.xe[:, :, :size], solved.entries)  # y = c * (qe @ S0 + lq @ u)
+        out += np.matmul(pre.lx[:, :, :size], solved.u)
+        out *= x.scale
+        _scatter(y, out, st)
 
 
 def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
-    """Backward by chunks, from checkpoints taken every ``every`` steps.
-
-    The forward sweep keeps every chunk's matrices for the backward sweep:
-    ``O(B*S*H*(C + N))`` elements, about twice the inputs.
-    """
+    """Backward by chunks, from checkpoints taken every ``every`` steps."""
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
-    # The chunks of every checkpoint interval, limited in length and in gate drift.
     length = min(every, chunk_length(n))
     intervals = [chunks(x.g, t0, min(t0 + every, s), length) for t0 in range(0, s, every)]
     checkpoints = np.empty((len(intervals), b, h, n, n), x.q.dtype)
-    solved: dict[int, _Chunk] = {}
     for index, bounds in enumerate(intervals):
         checkpoints[index] = state
-        for c0, c1 in bounds:
-            solved[c0] = _solve(x, state, c0, c1, with_q=True)
-            if c1 < s:  # the final state is not needed
-                _advance(x, state, solved[c0], c0, c1)
+        if index + 1 < len(intervals):  # the state after the last interval is not needed
+            st = _stack(x, bounds, backward=False)
+            _advance(st, _prepare(st), state, keep=False)
         tick()
     del state
 
     d_state = np.zeros((b, h, n, n), x.q.dtype)
     for index in reversed(range(len(intervals))):
-        bounds = intervals[index]
-        # The entry state of every chunk of the interval; usually there is just one chunk.
-        entries = [checkpoints[index]]
-        for c0, c1 in bounds[:-1]:
-            nxt = entries[-1].copy()
-            _advance(x, nxt, solved[c0], c0, c1)
-            entries.append(nxt)
-        for (c0, c1), entry in zip(reversed(bounds), reversed(entries), strict=True):
-            _backward_chunk(x, grads, entry, d_state, c0, c1, solved.pop(c0))
+        _backward_interval(x, grads, intervals[index], checkpoints[index].copy(), d_state)
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
+
+
+def _backward_interval(
+    x: Inputs, grads: GdnGrads, bounds: list[tuple[int, int]], state: _Array, d_state: _Array
+) -> None:
+    """Backward of the chunks ``bounds`` entered with ``state``; ``d_state`` goes from the
+    interval's end to its entry.
+
+    The state's cotangent steps back chunk by chunk; everything else is done for all the
+    chunks at once, on rows stacked as ``[q; k]`` where products share an operand.
+    """
+    st = _stack(x, bounds, backward=True)
+    assert st.dy is not None
+    pre = _prepare(st)
+    solved = _advance(st, pre, state, keep=True)
+    assert solved is not None
+    size, c, ng = st.length, x.scale, st.g.shape[-1]
+    dy, beta = st.dy, st.beta
+    lq, lk = pre.lx[:, :, :size], pre.lx[:, :, size:]
+    qe, ke = pre.xe[:, :, :size], pre.xe[:, :, size:]
+
+    # dS steps back: dS_entry = e_end * dS + qe^T @ (c dy) - ke^T @ (beta * d_w), with
+    # d_w = inv^T @ d_u and d_u = kd @ dS + c * lq^T @ dy.
+    d_u_local = st.split(np.matmul(transposed(lq), dy) * c)
+    from_dy = st.split(np.matmul(transposed(qe), dy) * c)
+    kd, inv_t = st.split(pre.kd), st.split(transposed(pre.inv))
+    ke_t, beta_s, e_end = st.split(transposed(ke)), st.split(beta), st.split(pre.e[:, :, -1])
+    d_ends = np.empty((*kd.shape[:3], *d_state.shape[2:]), d_state.dtype)
+    d_w = np.empty(kd.shape, d_state.dtype)
+    for j in reversed(range(len(bounds))):
+        d_ends[:, :, j] = d_state
+        d_w[:, :, j] = np.matmul(
+            inv_t[:, :, j], np.matmul(kd[:, :, j], d_state) + d_u_local[:, :, j]
+        )
+        d_state *= row_scale(e_end[:, :, j])
+        d_state += from_dy[:, :, j]
+        d_state -= np.matmul(ke_t[:, :, j], beta_s[:, :, j] * d_w[:, :, j])
+    heads = pre.e.shape[1]
+    d_end, d_w = _merge(d_ends, heads), _merge(d_w, heads)
+    s0 = solved.entries
+
+    # S_end = e_end * S0 + kd^T @ u: the couplings with the chunk's exit
+    ud = np.matmul(solved.u, transposed(d_end))  # d kd
+    exit_terms = pre.kd * ud
+    through = pre.e[:, :, -1] * reduce_gate(np.sum(s0 * d_end, axis=-1), ng)
+    d_k = pre.to_end * ud
+
+    # u = inv @ (beta * r) and y = c * (qe @ S0 + lq @ u): stacked cotangent rows
+    # [c * dy; d_w] @ u^T hold d_lq and -d_am, with am = I + beta * lk.
+    cot = np.empty_like(pre.xe)
+    np.multiply(dy, c, out=cot[:, :, :size])
+    cot[:, :, size:] = d_w
+    d_lx = np.matmul(cot, transposed(solved.u))
+    d_beta = np.sum(d_w * solved.r, axis=-1)
+    d_beta -= np.sum(d_lx[:, :, size:] * lk, axis=-1)
+    d_lx *= lower_mask(size, d_lx.dtype, True)
+    d_lx[:, :, size:] *= -beta  # d_lk = tril(beta * d_am, -1)
+    d_r = beta * d_w
+
+    # y = c * qe @ S0 and r = v - ke @ S0: cotangent rows [c * dy; -d_r] against S0
+    np.negative(d_r, out=cot[:, :, size:])
+    d_xe = np.matmul(cot, transposed(s0))
+    d_rows = stepwise(pre.e, d_xe)
+
+    # [lq; lk]: decayed products of [q; k] with k
+    if pre.decay is not None:
+        d_raw = d_lx * pre.decay
+        d_rows += np.matmul(d_raw, st.k)
+        d_k += np.matmul(transposed(d_raw), pre.rows)
+        couplings = straddling(pre.lx * d_lx)
+    else:
+        assert pre.f is not None
+        assert pre.fi is not None
+        xf, kb = stepwise(pre.f, pre.rows), pre.fi * st.k
+        d_rows += stepwise(pre.f, np.matmul(d_lx, kb))
+        d_k += pre.fi * np.matmul(transposed(d_lx), xf)
+        couplings = straddling_split(d_lx, xf, kb)  # lx[t, s] split by key channel
+    d_k += d_rows[:, :, size:]
+
+    d_g = gate_gradient(
+        entry=reduce_gate(block_sum(d_xe * pre.xe, size), ng),
+        straddling=couplings,
+        exit_=reduce_gate(exit_terms, ng),
+        through=through,
+    )
+    _scatter(grads.dq, d_rows[:, :, :size], st)
+    _scatter(grads.dk, d_k, st)
+    _scatter(grads.dv, d_r, st)
+    _scatter(grads.dbeta, d_beta, st)
+    _scatter(grads.dg, d_g if x.layout.gate_per_channel else d_g[..., 0], st)
