@@ -1,0 +1,208 @@
+"""An extended-precision, step-by-step forward and backward of the gated delta-net.
+
+Written from the op's specification (``shared/spec/gated-delta-net.md``), independently of
+:mod:`gdn_layout.reference`: the tests take it as the truth that the reference is measured
+against. Everything runs in ``np.longdouble`` (the x87 80-bit format on x86-64 Linux, with a
+64-bit mantissa: about 2000 times finer than float64), one step at a time, vectorised over
+batch and heads with ``einsum`` (``np.matmul`` has no long-double loop on every build).
+Every state is kept, so memory is ``O(B*S*H*N*N)``: meant for test-sized inputs.
+
+The inputs are taken at face value: a float64 or float32 array converts to long double
+exactly, so the result is the exact function of the very values the reference is given, up
+to the long-double rounding of the recurrence itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike, NDArray
+
+__all__ = [
+    "EXTENDED",
+    "OracleResult",
+    "extended",
+    "oracle",
+    "oracle_forward",
+    "relative_error",
+]
+
+Array = NDArray[Any]
+
+EXTENDED = np.dtype(np.longdouble)
+
+
+class OracleResult(NamedTuple):
+    """The forward's results and every gradient of ``sum(y * dy)``, in the op's shapes, in
+    long double. ``dstate`` is None when no initial state was given. ``peak`` is the largest
+    magnitude any state or state gradient reaches on the way: how far the recurrence strays
+    from the op's regime (it overflows a dtype when ``peak`` nears that dtype's maximum)."""
+
+    y: Array
+    final: Array
+    dq: Array
+    dk: Array
+    dv: Array
+    dg: Array
+    dbeta: Array
+    dstate: Array | None
+    peak: float
+
+
+def extended(value: ArrayLike) -> Array:
+    """``value`` converted (exactly, for float64 and float32 inputs) to long double."""
+    return np.asarray(value).astype(EXTENDED)
+
+
+def _heads_first(x: Array) -> Array:
+    """``[B, S, H, ...]`` to ``[S, B, H, ...]``: one step at a time, every batch and head."""
+    return np.moveaxis(x, 1, 0)
+
+
+def _steps_second(x: Array) -> Array:
+    return np.moveaxis(x, 0, 1)
+
+
+def _decay(g_t: Array, per_channel: bool) -> Array:
+    """``exp(g[t])`` shaped to scale ``[B, H, N, N]`` states: one factor per head, or one per
+    key row with a per-channel gate."""
+    a = np.exp(g_t)
+    return a[..., :, None] if per_channel else a[..., None, None]
+
+
+class _Tape(NamedTuple):
+    q: Array  # [S, B, H, N]
+    k: Array
+    v: Array
+    beta: Array  # [S, B, H]
+    decay: Array  # [S, B, H, 1 or N, 1]
+    prev: Array  # [S, B, H, N, N]: the state entering each step
+    m: Array  # [S, B, H, N]
+    u: Array
+    y: Array  # [S, B, H, N]
+    final: Array  # [B, H, N, N]
+    per_channel: bool
+
+
+def _run_forward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: ArrayLike | None,
+) -> _Tape:
+    qe, ke, ve, ge, be = (_heads_first(extended(x)) for x in (q, k, v, g, beta))
+    steps, batch, heads, n = qe.shape
+    per_channel = ge.ndim == 4
+    c = 1 / np.sqrt(extended(n))
+    current = (
+        np.zeros((batch, heads, n, n), dtype=EXTENDED) if state is None else extended(state).copy()
+    )
+    decay = np.empty((steps, batch, heads, n if per_channel else 1, 1), dtype=EXTENDED)
+    prev = np.empty((steps, batch, heads, n, n), dtype=EXTENDED)
+    m = np.empty((steps, batch, heads, n), dtype=EXTENDED)
+    u = np.empty_like(m)
+    y = np.empty_like(m)
+    for t in range(steps):
+        decay[t] = _decay(ge[t], per_channel)
+        prev[t] = current
+        p = decay[t] * current  # P = A * S_prev
+        m[t] = np.einsum("bhi,bhij->bhj", ke[t], p)  # m[j] = sum_i k[i] P[i, j]
+        u[t] = (ve[t] - m[t]) * be[t][..., None]
+        current = p + ke[t][..., :, None] * u[t][..., None, :]  # S_t = P + outer(k, u)
+        y[t] = c * np.einsum("bhi,bhij->bhj", qe[t], current)
+    return _Tape(qe, ke, ve, be, decay, prev, m, u, y, current, per_channel)
+
+
+def oracle_forward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    state: ArrayLike | None = None,
+) -> tuple[Array, Array]:
+    """``(y, final_state)`` in long double, ``y`` ``[B, S, H, N]``, the state ``[B, H, N, N]``
+    (the final state of a zero initial state when ``state`` is None)."""
+    tape = _run_forward(q, k, v, g, beta, state)
+    return _steps_second(tape.y), tape.final
+
+
+def oracle(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+) -> OracleResult:
+    """The forward and the spec's backward, step by step from ``S-1`` down to ``0``."""
+    tape = _run_forward(q, k, v, g, beta, state)
+    dye = _heads_first(extended(dy))
+    steps, batch, heads, n = tape.q.shape
+    c = 1 / np.sqrt(extended(n))
+    dq = np.empty_like(tape.q)
+    dk = np.empty_like(tape.k)
+    dv = np.empty_like(tape.v)
+    dbeta = np.empty_like(tape.beta)
+    dg = np.empty((steps, batch, heads, n) if tape.per_channel else (steps, batch, heads), EXTENDED)
+    ds = np.zeros((batch, heads, n, n), dtype=EXTENDED)
+    peak = max(
+        float(np.max(np.abs(tape.prev), initial=0.0)), float(np.max(np.abs(tape.final), initial=0))
+    )
+    for t in reversed(range(steps)):
+        s_prev = tape.prev[t]
+        a = tape.decay[t]
+        p = a * s_prev
+        s_t = tape.final if t == steps - 1 else tape.prev[t + 1]
+        beta_t = tape.beta[t][..., None]
+        dq[t] = c * np.einsum("bhij,bhj->bhi", s_t, dye[t])
+        ds = ds + c * tape.q[t][..., :, None] * dye[t][..., None, :]
+        dk_t = np.einsum("bhij,bhj->bhi", ds, tape.u[t])
+        du = np.einsum("bhi,bhij->bhj", tape.k[t], ds)  # read before the second update
+        dv[t] = beta_t * du
+        dbeta[t] = np.sum((tape.v[t] - tape.m[t]) * du, axis=-1)
+        dm = -beta_t * du
+        dk[t] = dk_t + np.einsum("bhij,bhj->bhi", p, dm)
+        dp = ds + tape.k[t][..., :, None] * dm[..., None, :]
+        rows = np.sum(s_prev * dp, axis=-1)  # [B, H, N]: sum_j S_prev[i, j] dP[i, j]
+        dg[t] = a[..., 0] * rows if tape.per_channel else a[..., 0, 0] * np.sum(rows, axis=-1)
+        ds = a * dp
+        peak = max(peak, float(np.max(np.abs(ds), initial=0.0)))
+    return OracleResult(
+        y=_steps_second(tape.y),
+        final=tape.final,
+        dq=_steps_second(dq),
+        dk=_steps_second(dk),
+        dv=_steps_second(dv),
+        dg=_steps_second(dg),
+        dbeta=_steps_second(dbeta),
+        dstate=None if state is None else ds,
+        peak=peak,
+    )
+
+
+def relative_error(actual: ArrayLike, truth: ArrayLike, dtype: DTypeLike = np.float64) -> float:
+    """``max|actual - truth| / max|truth|``, computed in long double: the issue's measure of
+    a result's accuracy (rounding scales with the largest terms). ``dtype`` is the dtype the
+    result was computed in: a truth whose largest magnitude is below that dtype's smallest
+    normal number cannot be represented there, so the scale is never taken below it (a state
+    that decays to ``1e-500`` is rightly returned as zero). Where the truth is exactly zero
+    everywhere, the error is absolute (the inputs are of order one). A result that is not
+    finite has an infinite error."""
+    a = extended(actual)
+    b = extended(truth)
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {a.shape} vs {b.shape}")
+    if a.size == 0:
+        return 0.0
+    if not np.all(np.isfinite(a)):
+        return float("inf")
+    error = np.max(np.abs(a - b))
+    scale = np.max(np.abs(b))
+    if scale == 0:
+        return float(error)
+    return float(error / max(scale, extended(np.finfo(dtype).tiny)))

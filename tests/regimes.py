@@ -1,0 +1,151 @@
+"""Inputs of the gated delta-net in the regimes that real models reach, for the accuracy tests.
+
+A :class:`Case` names a shape, a gate regime, a norm regime for ``q`` and ``k``, a ``beta``
+regime, the gate mode and whether a state is carried; :meth:`Case.draw` makes the arrays from
+its seed. The regimes:
+
+gates (``GATES``)
+    ``mild`` uniform in [-1, 0]; ``const<g>`` a constant log-gate ``g`` from -5 down to -80;
+    ``uniform<lo>,<hi>`` uniform strong decay; ``qwen`` Qwen3-Next's
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` with ``exp(A_log)`` uniform in [1, 16] and
+    ``dt_bias`` standard normal per head, ``a`` standard normal per step (and channel);
+    ``mixed`` the fixtures' regime: each element no decay (0), mild (uniform in
+    [-0.1, -0.001]) or strong (uniform in [-8, -3]) at random; ``spiky`` mostly mild (uniform
+    in [-0.1, 0]) with 10% of the steps (per batch element and head, all channels at once)
+    at -30.
+norms (``NORMS``)
+    ``unit`` L2-normalised ``q`` and ``k`` (what the op's callers pass); ``upto4`` normalised
+    vectors scaled by a norm drawn uniformly in (0, 4] per step and head; ``raw`` plain standard
+    normal vectors (norm about ``sqrt(N)``); ``key<r>`` (``key3``) unit queries and keys of norm
+    ``r`` exactly.
+beta (``BETAS``)
+    ``uniform`` in (0, 1); ``zero`` and ``one`` exactly, everywhere; ``mixed`` each element
+    exactly 0, exactly 1 or uniform, a third of the time each.
+
+``v``, ``dy`` and the carried state are standard normal. :meth:`Case.draw` with
+``dtype=np.float32`` rounds every array to float32, so that a float32 computation starts from
+exactly the values the long-double oracle sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike, NDArray
+
+__all__ = ["BETAS", "GATES", "NORMS", "STRONG_DECAY", "Case", "Inputs"]
+
+Array = NDArray[Any]
+Inputs = dict[str, Array]
+
+STRONG_DECAY = ("const-5", "const-12", "const-20", "const-40", "const-80")
+GATES = ("mild", *STRONG_DECAY, "uniform-30,-10", "uniform-80,-5", "qwen", "spiky", "mixed")
+NORMS = ("unit", "upto4", "raw", "key3")
+BETAS = ("uniform", "zero", "one", "mixed")
+
+
+def _gates(
+    rng: np.random.Generator, regime: str, shape: tuple[int, ...], per_head: tuple[int, int, int]
+) -> Array:
+    """Log-gates of ``shape`` (``[B, S, H]`` or ``[B, S, H, N]``) in ``regime``."""
+    heads = per_head[2]
+    if regime == "mild":
+        return rng.uniform(-1.0, 0.0, shape)
+    if regime.startswith("const"):
+        return np.full(shape, float(regime.removeprefix("const")))
+    if regime.startswith("uniform"):
+        low, high = (float(x) for x in regime.removeprefix("uniform").split(","))
+        return rng.uniform(low, high, shape)
+    if regime == "qwen":
+        extra = (1,) * (len(shape) - 3)
+        rate = rng.uniform(1.0, 16.0, heads).reshape(1, 1, heads, *extra)  # exp(A_log)
+        dt_bias = rng.standard_normal(heads).reshape(1, 1, heads, *extra)
+        a = rng.standard_normal(shape)
+        return -rate * np.logaddexp(0.0, a + dt_bias)  # softplus, without overflow
+    if regime == "mixed":  # the fixtures' regime: no decay, mild or strong, element by element
+        choice = rng.integers(0, 3, shape)
+        return np.choose(
+            choice, [np.zeros(shape), rng.uniform(-0.1, -0.001, shape), rng.uniform(-8, -3, shape)]
+        )
+    if regime == "spiky":
+        g = rng.uniform(-0.1, 0.0, shape)
+        spikes = rng.random(per_head) < 0.1
+        g[spikes] = -30.0
+        return g
+    raise ValueError(f"unknown gate regime {regime!r}")
+
+
+def _vectors(rng: np.random.Generator, regime: str, shape: tuple[int, ...], key: bool) -> Array:
+    raw = rng.standard_normal(shape)
+    if regime == "raw":
+        return raw
+    unit: Array = raw / np.linalg.norm(raw, axis=-1, keepdims=True)
+    if regime == "unit":
+        return unit
+    if regime.startswith("key"):  # unit queries, keys of one norm
+        return unit * float(regime.removeprefix("key")) if key else unit
+    if regime == "upto4":
+        return unit * (4.0 * (1.0 - rng.random((*shape[:-1], 1))))  # norms in (0, 4]
+    raise ValueError(f"unknown norm regime {regime!r}")
+
+
+def _beta(rng: np.random.Generator, regime: str, shape: tuple[int, ...]) -> Array:
+    if regime == "uniform":
+        return rng.uniform(0.0, 1.0, shape)
+    if regime == "zero":
+        return np.zeros(shape)
+    if regime == "one":
+        return np.ones(shape)
+    if regime == "mixed":
+        return np.choose(
+            rng.integers(0, 3, shape), [np.zeros(shape), np.ones(shape), rng.random(shape)]
+        )
+    raise ValueError(f"unknown beta regime {regime!r}")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One set of inputs: shape, regimes, gate mode, carried state and seed."""
+
+    batch: int = 1
+    seq: int = 8
+    heads: int = 1
+    n: int = 4
+    gates: str = "mild"
+    per_channel: bool = False
+    carry: bool = False
+    norms: str = "unit"
+    beta: str = "uniform"
+    seed: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.seq, self.heads, self.n)
+
+    def with_(self, **changes: Any) -> Case:
+        return replace(self, **changes)
+
+    def draw(self, dtype: DTypeLike = np.float64) -> Inputs:
+        """The inputs ``q, k, v, g, beta, dy`` (and ``state`` when carried), in ``dtype``."""
+        rng = np.random.default_rng(self.seed)
+        b, s, h, n = self.shape
+        gate_shape = (b, s, h, n) if self.per_channel else (b, s, h)
+        inputs = {
+            "q": _vectors(rng, self.norms, self.shape, key=False),
+            "k": _vectors(rng, self.norms, self.shape, key=True),
+            "v": rng.standard_normal(self.shape),
+            "g": _gates(rng, self.gates, gate_shape, (b, s, h)),
+            "beta": _beta(rng, self.beta, (b, s, h)),
+            "dy": rng.standard_normal(self.shape),
+        }
+        if self.carry:
+            inputs["state"] = rng.standard_normal((b, h, n, n))
+        return {name: value.astype(dtype) for name, value in inputs.items()}
+
+    def __str__(self) -> str:
+        mode = "per_channel" if self.per_channel else "per_head"
+        state = "state" if self.carry else "no_state"
+        shape = "x".join(map(str, self.shape))
+        return f"{shape}-{self.gates}-{mode}-{state}-{self.norms}-beta_{self.beta}-seed{self.seed}"

@@ -1,0 +1,225 @@
+"""The long-double oracle of ``oracle.py`` checked on its own, without the library's backward.
+
+Three independent checks: central differences of the oracle's own forward in long double;
+"exact differences" that use the shape of the loss (``sum(y * dy)`` is affine in every single
+element of ``q``, ``v``, ``beta``, the initial state and ``exp(g)``, and quadratic in every
+single element of ``k``, so a central difference with a step of order one has no truncation
+error at all, and works in every gate regime); and the forward and the one-step gradients
+written out by hand with scalar loops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from oracle import EXTENDED, OracleResult, extended, oracle, oracle_forward, relative_error
+from regimes import Case, Inputs
+
+Array = NDArray[Any]
+
+EPS = float(np.finfo(EXTENDED).eps)
+GRADS = ("q", "k", "v", "g", "beta", "state")
+MODES = [
+    pytest.param(False, False, id="per_head-no_state"),
+    pytest.param(False, True, id="per_head-state"),
+    pytest.param(True, False, id="per_channel-no_state"),
+    pytest.param(True, True, id="per_channel-state"),
+]
+
+
+def loss(inputs: Inputs) -> tuple[Array, Array]:
+    """``sum(y * dy)`` in long double, and the sum of the magnitudes of its terms (the scale
+    of its rounding)."""
+    y, _ = oracle_forward(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs.get("state")
+    )
+    terms = y * extended(inputs["dy"])
+    return np.sum(terms), np.sum(np.abs(terms))
+
+
+def run(inputs: Inputs) -> OracleResult:
+    return oracle(
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        inputs["g"],
+        inputs["beta"],
+        inputs["dy"],
+        inputs.get("state"),
+    )
+
+
+def gradient(result: OracleResult, name: str) -> Array:
+    grad = getattr(result, "d" + name)
+    assert grad is not None
+    return np.asarray(grad)
+
+
+def long_double_inputs(case: Case) -> Inputs:
+    return {name: extended(value) for name, value in case.draw().items()}
+
+
+def check_differences(inputs: Inputs, result: OracleResult, *, exact: bool) -> None:
+    """Every gradient against central differences of the long-double loss, element by element.
+
+    ``exact``: steps of order one (no truncation error, see the module docstring), the gate
+    moved by +-1 and the difference divided by ``2 sinh(1)``; otherwise classical small steps
+    of ``1e-6`` (truncation error of order ``1e-12`` relative). The allowed error is the
+    rounding of the two losses, ``64 * eps * (sum of |terms|) / divisor``, plus a relative
+    ``1e-13`` (exact) or ``1e-9`` (classical) of the gradient's largest element."""
+    for name in GRADS:
+        if name not in inputs:
+            continue
+        base = inputs[name]
+        grad = gradient(result, name)
+        assert grad.shape == base.shape
+        scale = float(np.max(np.abs(grad), initial=0.0))
+        for index in np.ndindex(base.shape):
+            saved = base[index]
+            if name == "g":
+                step = extended(1.0) if exact else extended(1e-6)
+                divisor = 2 * np.sinh(step) if exact else 2 * step
+            else:
+                step = max(extended(1.0), abs(saved)) if exact else extended(1e-6)
+                divisor = 2 * step
+            base[index] = saved + step
+            up, up_size = loss(inputs)
+            base[index] = saved - step
+            down, down_size = loss(inputs)
+            base[index] = saved
+            estimate = (up - down) / divisor
+            allowed = (
+                64 * EPS * (up_size + down_size) / divisor + (1e-13 if exact else 1e-9) * scale
+            )
+            assert abs(grad[index] - estimate) <= allowed, (
+                f"d{name}{index}: oracle {float(grad[index]):.15g}, differences "
+                f"{float(estimate):.15g}, allowed {float(allowed):.3g}"
+            )
+
+
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 3, 2, 3), (2, 4, 1, 2)], ids=str)
+def test_oracle_matches_finite_differences(
+    shape: tuple[int, int, int, int], per_channel: bool, carry: bool
+) -> None:
+    case = Case(*shape, per_channel=per_channel, carry=carry, seed=sum(shape))
+    inputs = long_double_inputs(case)
+    check_differences(inputs, run(inputs), exact=False)
+
+
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(1, 4, 2, 3, gates="const-20", norms="unit", beta="uniform", seed=1),
+        Case(1, 5, 1, 2, gates="const-80", norms="upto4", beta="mixed", seed=2),
+        Case(2, 3, 1, 3, gates="uniform-30,-10", norms="key3", beta="one", seed=3),
+        Case(1, 6, 1, 2, gates="qwen", norms="raw", beta="uniform", seed=4),
+        Case(1, 7, 1, 2, gates="spiky", norms="upto4", beta="mixed", seed=5),
+        Case(1, 4, 1, 3, gates="mild", norms="unit", beta="zero", seed=6),
+    ],
+    ids=str,
+)
+def test_oracle_matches_exact_differences(case: Case, per_channel: bool, carry: bool) -> None:
+    case = case.with_(per_channel=per_channel, carry=carry)
+    inputs = long_double_inputs(case)
+    check_differences(inputs, run(inputs), exact=True)
+
+
+def _spec_forward_by_hand(inputs: Inputs) -> tuple[Array, Array]:
+    """The spec's forward for one batch element and head, with scalar loops."""
+    q, k, v, g, beta = (inputs[name][0, :, 0] for name in ("q", "k", "v", "g", "beta"))
+    seq, n = q.shape
+    c = 1 / np.sqrt(extended(n))
+    state = [[inputs["state"][0, 0, i, j] for j in range(n)] for i in range(n)]
+    y = np.zeros((seq, n), dtype=EXTENDED)
+    for t in range(seq):
+        a = [np.exp(g[t, i] if g.ndim == 2 else g[t]) for i in range(n)]
+        p = [[a[i] * state[i][j] for j in range(n)] for i in range(n)]
+        m = [sum(k[t, i] * p[i][j] for i in range(n)) for j in range(n)]
+        u = [(v[t, j] - m[j]) * beta[t] for j in range(n)]
+        state = [[p[i][j] + k[t, i] * u[j] for j in range(n)] for i in range(n)]
+        for j in range(n):
+            y[t, j] = c * sum(q[t, i] * state[i][j] for i in range(n))
+    return y, np.array(state, dtype=EXTENDED)
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("seq", [1, 2, 5])
+def test_oracle_forward_matches_the_spec_written_out(seq: int, per_channel: bool) -> None:
+    case = Case(1, seq, 1, 3, gates="uniform-12,0", per_channel=per_channel, carry=True)
+    inputs = long_double_inputs(case.with_(norms="upto4", seed=seq))
+    y, final = oracle_forward(*(inputs[x] for x in ("q", "k", "v", "g", "beta", "state")))
+    y_hand, final_hand = _spec_forward_by_hand(inputs)
+    assert relative_error(y[0, :, 0], y_hand) <= 50 * EPS
+    assert relative_error(final[0, 0], final_hand) <= 50 * EPS
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+@pytest.mark.parametrize("gates", ["mild", "const-20", "const-80"])
+def test_oracle_one_step_gradients_match_the_closed_form(gates: str, per_channel: bool) -> None:
+    """With one step, ``L = c q^T (P + k u^T) dy`` with ``P = A S0`` (rows scaled by ``A``),
+    ``u = beta (v - k^T P)``; differentiating by hand, with ``qk = q . k``:
+
+    ``dq = c (P + k u^T) dy``, ``du = c qk dy``, ``dv = beta du``,
+    ``dbeta = (v - k^T P) . du``, ``dk = c q (u . dy) - beta c qk P dy``,
+    ``dP = c (q - beta qk k) dy^T``, ``dS0 = A dP`` (row-wise), ``dA = sum_j S0 dP``
+    (summed over rows too for a per-head gate) and ``dg = A dA``."""
+    case = Case(1, 1, 1, 4, gates=gates, per_channel=per_channel, carry=True, norms="upto4")
+    inputs = long_double_inputs(case.with_(beta="uniform", seed=3))
+    q, k, v, dy = (inputs[name][0, 0, 0] for name in ("q", "k", "v", "dy"))
+    g, beta, s0 = inputs["g"][0, 0, 0], inputs["beta"][0, 0, 0], inputs["state"][0, 0]
+    n = q.shape[0]
+    c = 1 / np.sqrt(extended(n))
+    a = [np.exp(g[i] if per_channel else g) for i in range(n)]
+    p = [[a[i] * s0[i, j] for j in range(n)] for i in range(n)]
+    m = [sum(k[i] * p[i][j] for i in range(n)) for j in range(n)]
+    u = [beta * (v[j] - m[j]) for j in range(n)]
+    qk = sum(q[i] * k[i] for i in range(n))
+    u_dy = sum(u[j] * dy[j] for j in range(n))
+    du = [c * qk * dy[j] for j in range(n)]
+    dp = [[c * (q[i] - beta * qk * k[i]) * dy[j] for j in range(n)] for i in range(n)]
+    da = [sum(s0[i, j] * dp[i][j] for j in range(n)) for i in range(n)]
+    expected = {
+        "q": [c * sum((p[i][j] + k[i] * u[j]) * dy[j] for j in range(n)) for i in range(n)],
+        "k": [
+            c * q[i] * u_dy - beta * c * qk * sum(p[i][j] * dy[j] for j in range(n))
+            for i in range(n)
+        ],
+        "v": [beta * du[j] for j in range(n)],
+        "beta": [sum((v[j] - m[j]) * du[j] for j in range(n))],
+        "g": [a[i] * da[i] for i in range(n)] if per_channel else [a[0] * sum(da)],
+        "state": [[a[i] * dp[i][j] for j in range(n)] for i in range(n)],
+    }
+    result = run(inputs)
+    for name, value in expected.items():
+        hand = np.array(value, dtype=EXTENDED)
+        assert relative_error(gradient(result, name).reshape(hand.shape), hand) <= 50 * EPS, name
+
+
+def test_oracle_is_extended_precision() -> None:
+    # The checks above are only as strong as the precision they run in: 1e-12 bounds on a
+    # float64 result need a truth far finer than float64.
+    assert np.finfo(EXTENDED).eps < 1e-3 * np.finfo(np.float64).eps
+    inputs = Case(1, 3, 1, 2, carry=True).draw()
+    result = run(inputs)
+    for array in (result.y, result.final, result.dg, result.dstate):
+        assert array is not None
+        assert array.dtype == EXTENDED
+
+
+def test_relative_error() -> None:
+    truth = np.array([2.0, -4.0])
+    assert relative_error(np.array([2.0, -3.0]), truth) == 0.25
+    assert relative_error(np.array([0.5, 0.0]), np.zeros(2)) == 0.5  # absolute where truth is 0
+    assert relative_error(np.array([np.nan, 0.0]), truth) == float("inf")
+    # A truth below float64's range, flushed to zero, is no error in float64.
+    tiny = np.array([np.exp(extended(-800))])
+    assert relative_error(np.zeros(1), tiny) < 1e-30
+    assert relative_error(np.zeros(1), tiny, np.float32) < 1e-300
+    with pytest.raises(ValueError, match="shapes differ"):
+        relative_error(np.zeros(2), np.zeros(3))
