@@ -7,6 +7,7 @@ chunks, when the chunks of an interval are stacked).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,9 +22,17 @@ def cumulative(gates: _Array) -> _Array:
     return summed
 
 
-def exp_to(exponent: _Array, dtype: np.dtype[Any]) -> _Array:
-    """``exp`` of a float64 exponent, rounded once to ``dtype``."""
-    return np.exp(exponent).astype(dtype, copy=False)
+def exp_to(exponent: _Array, dtype: np.dtype[Any], where: _Array | bool = True) -> _Array:
+    """``exp`` of a float64 exponent, rounded once to ``dtype``; 0 outside ``where``.
+
+    A factor below ``dtype``'s smallest normal number is 0 too: a subnormal factor adds
+    nothing measurable next to the normal terms it is summed with, and would slow every
+    product it enters by orders of magnitude.
+    """
+    normal = (exponent >= math.log(np.finfo(dtype).tiny)) & where
+    out = np.zeros(exponent.shape, np.float64)
+    np.exp(exponent, where=normal, out=out)
+    return out.astype(dtype, copy=False)
 
 
 def reduce_gate(x: _Array, ng: int) -> _Array:
@@ -128,13 +137,10 @@ def pair_decay(gates: _Array, dtype: np.dtype[Any]) -> _Array:
     """
     size = gates.shape[-1]
     upto = lower_mask(size, np.dtype(np.float64), True)[:size]  # [t, r]: r <= t
-    spans = np.matmul(
-        upto * gates.astype(np.float64, copy=False)[..., None, :],
-        _before(size, np.dtype(np.float64)).T,
-    )
-    decay: _Array = np.zeros_like(spans)
-    np.exp(spans, where=upto.astype(bool), out=decay)
-    return decay.astype(dtype, copy=False)
+    terms = upto * gates.astype(np.float64, copy=False)[..., None, :]
+    after = _before(size, np.dtype(np.float64)).T  # [r, s]: r > s
+    spans = np.matmul(terms.reshape(-1, size), after).reshape(terms.shape)  # one product
+    return exp_to(spans, dtype, where=upto.astype(bool))
 
 
 def straddling(couplings: _Array) -> _Array:

@@ -30,7 +30,6 @@ Three choices keep it as exact as the step-by-step form in every gate regime:
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -66,6 +65,10 @@ _MAX_LOG_DRIFT = 20.0
 #: Longest chunk. Longer chunks trade sequential steps for larger matrix products.
 _MAX_CHUNK = 64
 
+#: Chunks stacked into one batch by default: enough to amortise the per-call cost of NumPy,
+#: few enough that a stack's temporaries stay a small part of the inputs.
+_STACK = 1
+
 #: Longest chunk per unit of the state size N. A chunk's system couples its steps through
 #: keys in N dimensions; for a small N they overlap more, and float32 rounding grows with the
 #: chunk's length: 4*N keeps it within a few times the step-by-step form's (N = 1 to 16, g = 0).
@@ -78,14 +81,8 @@ def chunk_length(state_size: int) -> int:
 
 
 def default_interval(seq: int, state_size: int) -> int:
-    """The checkpoint interval: about ``sqrt(S / L)`` whole chunks of ``L`` steps.
-
-    That balances the checkpoints (``S / interval``) against the chunk entries of one interval
-    (``interval / L``), and stacks several chunks into each interval's batched products.
-    """
-    length = chunk_length(state_size)
-    count = max(1, -(-seq // length))
-    return min(max(seq, 1), length * (math.isqrt(count - 1) + 1))
+    """How many steps to stack: ``_STACK`` whole chunks of the longest length."""
+    return min(max(seq, 1), _STACK * chunk_length(state_size))
 
 
 def chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
@@ -221,10 +218,11 @@ def _prepare(st: _Stack) -> _Prepared:
 
 
 class _Solved(NamedTuple):
+    """What the stacked chunks solved from the state entering each of them."""
+
     entries: _Array  # the state entering each chunk, [B, V, N, N]
     r: _Array  # v - ke @ S0, [B, V, L, N]
     u: _Array  # inv @ (beta * r): what each step writes
-    s: int
 
 
 def _advance(st: _Stack, pre: _Prepared, state: _Array, *, keep: bool) -> _Solved | None:
@@ -248,7 +246,7 @@ def _advance(st: _Stack, pre: _Prepared, state: _Array, *, keep: bool) -> _Solve
     if entries is None or r is None or u is None:
         return None
     merge = functools.partial(_merge, heads=pre.e.shape[1])
-    return _Solved(merge(entries), merge(r), merge(u), size)
+    return _Solved(merge(entries), merge(r), merge(u))
 
 
 def _merge(a: _Array, heads: int) -> _Array:
@@ -274,42 +272,43 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
 
 
 def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
-    """Backward by chunks, from checkpoints taken every ``every`` steps."""
+    """Backward by chunks, ``every`` steps stacked at a time.
+
+    The forward sweep keeps what each stack of chunks solved for the backward sweep: the
+    state entering every chunk and the chunks' matrices, ``O(B*S*H*(N + L + N*N/L))``
+    elements, a few times the inputs.
+    """
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
     length = min(every, chunk_length(n))
-    intervals = [chunks(x.g, t0, min(t0 + every, s), length) for t0 in range(0, s, every)]
-    checkpoints = np.empty((len(intervals), b, h, n, n), x.q.dtype)
-    for index, bounds in enumerate(intervals):
-        checkpoints[index] = state
-        if index + 1 < len(intervals):  # the state after the last interval is not needed
-            st = _stack(x, bounds, backward=False)
-            _advance(st, _prepare(st), state, keep=False)
+    kept = []
+    for t0 in range(0, s, every):
+        st = _stack(x, chunks(x.g, t0, min(t0 + every, s), length), backward=True)
+        pre = _prepare(st)
+        solved = _advance(st, pre, state, keep=True)
+        assert solved is not None
+        kept.append((st, pre, solved))
         tick()
     del state
 
     d_state = np.zeros((b, h, n, n), x.q.dtype)
-    for index in reversed(range(len(intervals))):
-        _backward_interval(x, grads, intervals[index], checkpoints[index].copy(), d_state)
+    while kept:
+        _backward_stack(x, grads, *kept.pop(), d_state)
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
 
 
-def _backward_interval(
-    x: Inputs, grads: GdnGrads, bounds: list[tuple[int, int]], state: _Array, d_state: _Array
+def _backward_stack(
+    x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, solved: _Solved, d_state: _Array
 ) -> None:
-    """Backward of the chunks ``bounds`` entered with ``state``; ``d_state`` goes from the
-    interval's end to its entry.
+    """Backward of the stacked chunks ``st``; ``d_state`` goes from their end to their entry.
 
     The state's cotangent steps back chunk by chunk; everything else is done for all the
     chunks at once, on rows stacked as ``[q; k]`` where products share an operand.
     """
-    st = _stack(x, bounds, backward=True)
     assert st.dy is not None
-    pre = _prepare(st)
-    solved = _advance(st, pre, state, keep=True)
-    assert solved is not None
+    bounds = st.bounds
     size, c, ng = st.length, x.scale, st.g.shape[-1]
     dy, beta = st.dy, st.beta
     lq, lk = pre.lx[:, :, :size], pre.lx[:, :, size:]
