@@ -25,7 +25,7 @@ Two formulations compute the same function:
     The same recurrence per chunk of up to ``min(64, 4*N)`` steps, the delta rule of a chunk
     solved as one unit lower-triangular system (the WY/UT form of chunked delta-rule kernels):
     a few matrix products per chunk instead of sequential updates, and the chunks of a
-    checkpoint interval stacked into one batch. Each decay factor's exponent sums exactly the
+    batch stacked into one set of products. Each decay factor's exponent sums exactly the
     gates it spans, the system is inverted by halves, and each gate's gradient is summed only
     from the terms its decay scales, so no result is a difference of large terms. Chunks are
     cut short only where a factor would grow past ``exp(20)`` (gates above zero) or, with a
@@ -39,15 +39,15 @@ largest element of each; in float32 the error is within ten times that of the fl
 step-by-step recurrence on the same inputs. Where the recurrence itself overflows (keys far
 from unit norm over many steps) the result is not finite and a FloatingPointError says so.
 
-Memory of the backward: the state is checkpointed every ``C = checkpoint_every`` steps in a
-forward sweep, and each checkpoint interval is recomputed from its checkpoint in the backward
-sweep. By default ``C`` is :func:`default_checkpoint_every` (``ceil(sqrt(S))``), rounded up to
-whole chunks by the chunked method. Beyond the inputs' converted copies and the packed output
-(both ``O(B*S*H*N)``), the working memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements: the
-checkpoints, plus at most ``C + 1`` states for the interval being recomputed. The recurrent
-method keeps every state of the interval; the chunked method keeps only the entry state of
-each chunk in it, and keeps each chunk's matrices from the forward sweep to the backward
-sweep: ``O(B*S*H*(N + 64))`` more elements, about twice the inputs.
+Memory of the backward, beyond the inputs' converted copies and the packed output (both
+``O(B*S*H*N)``): the recurrent method checkpoints the state every ``C = checkpoint_every``
+steps (default :func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward sweep and
+recomputes each interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
+elements. The chunked method keeps what its forward sweep solved for the backward sweep, the
+state entering every chunk and the chunk's matrices: ``O(B*S*H*(N + L + N*N/L))`` elements
+with ``L`` the chunk length, a few times the inputs; its ``checkpoint_every`` is how many
+steps it stacks into one batch of matrix products (default: one chunk's worth), and bounds
+the chunk length.
 """
 
 from __future__ import annotations
@@ -180,8 +180,9 @@ def backward(
 
     ``out``, when given, must be a writable 1-D array of ``dtype`` with
     ``layout.total_elems`` elements; it is filled and returned. ``checkpoint_every`` is the
-    checkpoint interval ``C`` (default :func:`default_checkpoint_every`, about ``sqrt(S)``):
-    the extra memory is ``O(B*H*N*N*(ceil(S/C) + C))`` elements, see the module docstring.
+    recurrent method's checkpoint interval ``C`` (default :func:`default_checkpoint_every`,
+    about ``sqrt(S)``) and the chunked method's batch of steps; see the module docstring for
+    the memory each needs.
     Shapes, dtypes and finiteness are checked as in :func:`forward`, ``dy`` being
     ``[B, S, H, N]``. ``progress``, when given, is called with the fraction of the work done
     (rising to 1.0) after each checkpoint interval of the forward and the backward sweep: a

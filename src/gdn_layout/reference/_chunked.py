@@ -7,23 +7,23 @@ where ``ke[t] = exp(G_t) k[t]`` and ``lk[t, s] = exp(G_t - G_s) k[t] . k[s]`` fo
 Then ``y = c * (qe @ S0 + lq @ u)`` and ``S_end = exp(G_end) S0 + sum_s exp(G_end - G_s)
 outer(k[s], u[s])``: a chunk costs a few matrix products instead of ``C`` sequential updates.
 
-The chunks of one checkpoint interval are stacked, padded to one length with steps that
-change nothing (``k = q = v = beta = g = 0``), so that everything that does not depend on the
-state runs once for the whole interval; only the state's own recurrence, forward and
-backward, steps from chunk to chunk.
+The chunks of one batch of steps are stacked, padded to one length with steps that change
+nothing (``k = q = v = beta = g = 0``), so that what does not depend on the state runs once
+for all of them; only the state's own recurrence, forward and backward, steps from chunk to
+chunk. A batch holds one chunk's worth of steps by default: full chunks stay one to a batch,
+whose matrices fit in cache, and the short chunks of fast per-channel decay share one.
 
 Three choices keep it as exact as the step-by-step form in every gate regime:
 
-* Every decay factor is ``exp(G_t - G_s)`` with ``t >= s``, formed from the difference of
-  cumulative gates summed in a wider precision (float64 for float32, long double for float64),
-  so a factor is rounded once and, for decaying gates, never exceeds 1. A per-channel gate
-  decays key channels apart, so its ``lk`` is the product ``(exp(H) k) @ (exp(-H) k)^T``,
-  ``H`` the log-gate since the chunk's first step; its chunks are cut where ``|H|`` would pass
-  ``_MAX_LOG_DRIFT``, so no factor overflows.
+* Every decay factor is ``exp(g[s+1] + ... + g[t])``, its exponent summed in float64 from the
+  gates it spans, so a factor is rounded once and, for decaying gates, never exceeds 1. A
+  per-channel gate decays key channels apart, so its ``lk`` is the product
+  ``(exp(H) k) @ (exp(-H) k)^T``, ``H`` the log-gate since the chunk's first step; its chunks
+  are cut where ``|H|`` would pass ``_MAX_LOG_DRIFT``, so no factor overflows.
 * The triangular system is inverted by halves (see :func:`unit_lower_inverse`), which rounds
   like substitution, not by a power series, whose terms grow and cancel.
 * The gate gradient sums, for each step, only the couplings that pass through that step's
-  decay (see :func:`_gate_gradient`): under strong decay it is tiny, and a form that adds and
+  decay (see :func:`gate_gradient`): under strong decay it is tiny, and a form that adds and
   takes away large couplings would bury it in their rounding.
 """
 
