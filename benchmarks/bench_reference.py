@@ -206,7 +206,7 @@ def peer_available() -> str | None:
     """None when the chunked peer can be loaded, else why not."""
     try:
         importlib.import_module(_PEER_MODULE)
-    except ImportError as error:
+    except Exception as error:  # ImportError, or a transformers that fails on this torch
         return f"transformers' {_PEER_NAME} cannot be imported ({error})"
     return None
 
