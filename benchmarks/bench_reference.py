@@ -1,11 +1,33 @@
-"""Benchmark the reference backward against PyTorch autograd of the same recurrence.
+"""Benchmark the reference backward against autograd of the recurrence and of a chunked peer.
 
-The baseline is what people use as an oracle today: the gated delta-net recurrence written step
-by step in PyTorch (as flash-linear-attention's ``naive_recurrent_gated_delta_rule``, with
-matrix products for the contractions) and differentiated by autograd. Both sides compute the
-gradients of ``sum(y * dy)``: PyTorch runs the forward (building the graph) and
-``loss.backward()``; the reference runs :func:`gdn_layout.reference.backward`, which itself
-runs the forward sweep it needs. So both timings cover a full backward from the inputs.
+Two baselines, both differentiated by PyTorch autograd:
+
+* **autograd**: what people use as an oracle: the gated delta-net recurrence written step by
+  step in PyTorch (as flash-linear-attention's ``naive_recurrent_gated_delta_rule``, with
+  matrix products for the contractions).
+* **chunked**: what people actually run on a CPU: transformers' ``torch_chunk_gated_delta_rule``
+  (the chunked PyTorch implementation of Qwen3-Next, in
+  ``transformers.models.qwen3_next.modeling_qwen3_next``), taken from the installed package:
+  the undecorated PyTorch function (``inspect.unwrap``; the decorator would dispatch to
+  flash-linear-attention's kernels where installed). It is called with our layout
+  ``[B, S, H, N]``, the log-gate ``g`` per head, ``beta``, ``initial_state`` when the state is
+  carried, ``use_qk_l2norm_in_kernel=False`` (our q and k are already L2-normalised),
+  ``output_final_state=False`` and its default ``chunk_size=64``; it scales q by
+  ``N ** -0.5`` itself (our ``c``) and pads S to a multiple of 64 itself (zero keys and values,
+  ``beta = 0``, ``g = 0``: the padded steps leave the state as it is and their outputs are
+  dropped). It casts every input to float32 inside, so for the float64 rows its source
+  (``inspect.getsource``) is loaded with that cast retargeted to ``torch.float64``: in float64
+  the peer is that retargeted copy, not the package's function as is. It has a per-head gate
+  only: the per-channel rows print ``n/a`` for it. Its cost under autograd grows faster than
+  linearly in S: the backward of each per-chunk slice (``new_values[:, :, i]`` and the like)
+  fills and accumulates a gradient of the full sequence, so at S=4096 most of its backward is
+  ``fill_``, ``add_`` and ``copy_`` of whole tensors rather than matrix products. That is the
+  peer as people run it on a CPU.
+
+Every side computes the gradients of ``sum(y * dy)`` (no cotangent on the final state, which
+our op does not expose): PyTorch runs the forward (building the graph) and ``loss.backward()``;
+the reference runs :func:`gdn_layout.reference.backward`, which itself runs the forward sweep
+it needs. So every timing covers a full backward from the inputs.
 
 Every configuration runs each side in a fresh subprocess with ``OPENBLAS_NUM_THREADS``,
 ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to 1 (and ``torch.set_num_threads(1)``). A
@@ -17,31 +39,60 @@ then records:
   RSS high-water mark, reset through ``/proc/self/clear_refs`` just before) during
   the first full backward over the resident size just before it (inputs and warm-up already
   resident), i.e. the extra memory that backward needed at its peak, its outputs included.
-  The same measure on both sides; it counts pages actually touched, so memory that the
+  The same measure on every side; it counts pages actually touched, so memory that the
   allocator kept from the warm-up and reused is not counted. For NumPy,
   ``tracemalloc``'s peak of traced allocations during a separate call is printed alongside;
   PyTorch's CPU allocator keeps no peak statistics, so it has no such second figure.
-* time: the best of several full backwards (wall clock).
+* time: the best of several full backwards (wall clock; a single one for autograd at S=4096).
 
-Before measuring, a pre-flight check asserts that the PyTorch baseline and the reference give
-the same gradients (all four gate/state modes on a small problem, and the first benchmark
-configuration in float64).
+Ratios are taken between sides measured in the same run (the machine may be shared and noisy):
+time ratios are baseline time / reference time, memory ratios are a side's peak / autograd's.
 
-Run: ``python benchmarks/bench_reference.py`` (needs the ``bench`` extra, i.e. PyTorch; without
-it the benchmark prints why it is skipped and exits successfully). ``--quick`` runs a small
+The achieved rate is in recurrence-equivalent GFLOP/s: the flops of the spec's step-by-step
+forward and backward, divided by the reference's time. Counting a multiply-add as 2 flops and
+keeping the ``N^2`` terms (the ``O(N)`` ones are left out), per step and per (batch, head):
+
+* forward ``7 N^2``: ``P = A * S_prev`` N^2, ``m = k @ P`` 2N^2, ``S_t = P + outer(k, u)``
+  2N^2, ``y = c * q @ S_t`` 2N^2;
+* backward ``15 N^2``: ``dq = c * S_t @ dy`` 2N^2, ``dS += c * outer(q, dy)`` 2N^2,
+  ``dk = dS @ u`` 2N^2, ``du = k @ dS`` 2N^2, ``dk += P @ dm`` 2N^2, ``dS += outer(k, dm)``
+  2N^2, ``dg = A * sum(S_prev * dP)`` 2N^2, ``dS = A * dP`` N^2;
+
+so ``22 * B * S * H * N^2`` flops in all (the same count for both gate modes). Beside it is
+the machine's limit: a single-thread ``np.matmul`` of two 512 x 512 matrices in the row's dtype,
+best of several, measured in the reference's subprocess of the same row.
+
+Before measuring, a pre-flight check asserts that each baseline gives the same gradients as the
+reference and prints the largest difference (max |a - b| / max |b| per gradient): autograd in
+all four gate/state modes on a small problem and on the first benchmark configuration, in
+float64; the chunked peer (float64 copy) per head with and without a carried state on a
+problem whose length is not a multiple of its chunk, and on the first benchmark configuration,
+in float64; and the package's float32 function against the float64 reference, loosely.
+
+The last row is at a real model's scale (Qwen3-Next's linear attention: B=1, S=8192, H=16,
+N=128, float32): autograd of the recurrence is not run there (its extrapolated time and memory
+are printed instead); the chunked peer is run with a time limit.
+
+Run: ``python benchmarks/bench_reference.py`` (needs the ``bench`` extra, i.e. PyTorch and
+transformers; without PyTorch the benchmark prints why it is skipped and exits successfully,
+without transformers the chunked column prints ``n/a``). ``--quick`` runs a small
 configuration only.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import inspect
 import json
 import os
 import resource
 import subprocess
 import sys
+import textwrap
 import time
 import tracemalloc
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -53,6 +104,11 @@ from gdn_layout.reference import backward
 Array = NDArray[Any]
 _NAMES = ("q", "k", "v", "g", "beta")
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_PEER_MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
+_PEER_NAME = "torch_chunk_gated_delta_rule"
+_PEER_CHUNK = 64
+_SIDES = ("numpy", "torch", "peer")
+_SIDE_NAMES = {"numpy": "reference", "torch": "autograd", "peer": "chunked"}
 
 
 class Config(NamedTuple):
@@ -71,6 +127,10 @@ class Config(NamedTuple):
         return (
             f"B={self.batch} S={self.seq} H={self.heads} N={self.size} {self.dtype} {gate}, {state}"
         )
+
+    def flops(self) -> int:
+        """Recurrence-equivalent flops of forward + backward: ``22 * B * S * H * N^2``."""
+        return 22 * self.batch * self.seq * self.heads * self.size**2
 
 
 def make_inputs(config: Config, seed: int = 0) -> dict[str, Array]:
@@ -99,7 +159,7 @@ def make_inputs(config: Config, seed: int = 0) -> dict[str, Array]:
 
 
 # --------------------------------------------------------------------------------------------
-# The two sides
+# The three sides
 # --------------------------------------------------------------------------------------------
 
 
@@ -109,15 +169,19 @@ def numpy_side(inputs: dict[str, Array]) -> Array:
     return backward(q, k, v, g, beta, inputs["dy"], inputs.get("state"), dtype=q.dtype)
 
 
-def torch_side(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Forward in PyTorch, step by step, then autograd; returns ``{name: gradient}``."""
-    import torch
-
-    leaves = {
+def _leaves(tensors: dict[str, Any]) -> dict[str, Any]:
+    return {
         name: tensor.detach().requires_grad_(True)
         for name, tensor in tensors.items()
         if name != "dy"
     }
+
+
+def torch_side(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Forward in PyTorch, step by step, then autograd; returns ``{name: gradient}``."""
+    import torch
+
+    leaves = _leaves(tensors)
     q, k, v, g, beta = (leaves[name] for name in _NAMES)
     batch, seq, heads, size = q.shape
     scale = size**-0.5
@@ -138,6 +202,66 @@ def torch_side(tensors: dict[str, Any]) -> dict[str, Any]:
     return {name: leaf.grad for name, leaf in leaves.items()}
 
 
+def peer_available() -> str | None:
+    """None when the chunked peer can be loaded, else why not."""
+    try:
+        importlib.import_module(_PEER_MODULE)
+    except Exception as error:  # ImportError, or a transformers that fails on this torch
+        return f"transformers' {_PEER_NAME} cannot be imported ({error})"
+    return None
+
+
+def load_peer(dtype: str) -> Callable[..., Any]:
+    """transformers' ``torch_chunk_gated_delta_rule``, as the installed package defines it.
+
+    The undecorated PyTorch function (the decorator would dispatch to flash-linear-attention's
+    kernels where installed). For ``dtype="float64"``, its source is loaded again (in a copy of
+    its module's namespace) with its cast of the inputs to ``torch.float32`` retargeted to
+    ``torch.float64``; the rest of the source is unchanged.
+    """
+    module = importlib.import_module(_PEER_MODULE)
+    function: Callable[..., Any] = inspect.unwrap(getattr(module, _PEER_NAME))
+    if dtype == "float32":
+        return function
+    if dtype != "float64":
+        raise ValueError(f"no chunked peer in {dtype}")
+    lines = textwrap.dedent(inspect.getsource(function)).splitlines(keepends=True)
+    start = next(i for i, line in enumerate(lines) if line.startswith("def "))  # no decorators
+    source = "".join(lines[start:])
+    casts = source.count("torch.float32")
+    if casts != 1:
+        raise RuntimeError(f"expected one cast to torch.float32 in {_PEER_NAME}, found {casts}")
+    namespace = dict(vars(module))
+    code = compile(
+        source.replace("torch.float32", "torch.float64"), inspect.getfile(function), "exec"
+    )
+    exec(code, namespace)
+    retargeted: Callable[..., Any] = namespace[_PEER_NAME]
+    return retargeted
+
+
+def peer_side(tensors: dict[str, Any], peer: Callable[..., Any]) -> dict[str, Any]:
+    """transformers' chunked forward, then autograd; returns ``{name: gradient}``."""
+    leaves = _leaves(tensors)
+    q, k, v, g, beta = (leaves[name] for name in _NAMES)
+    if g.dim() != 3:
+        raise ValueError("the chunked peer has a per-head gate only")
+    y, final = peer(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        chunk_size=_PEER_CHUNK,
+        initial_state=leaves.get("state"),
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+    )
+    assert final is None
+    (y * tensors["dy"]).sum().backward()
+    return {name: leaf.grad for name, leaf in leaves.items()}
+
+
 def _torch_tensors(inputs: dict[str, Array]) -> dict[str, Any]:
     import torch
 
@@ -145,33 +269,66 @@ def _torch_tensors(inputs: dict[str, Array]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# Pre-flight: the baseline computes the same gradients
+# Pre-flight: the baselines compute the same gradients
 # --------------------------------------------------------------------------------------------
 
 
-def preflight(first: Config) -> None:
-    checks = [
+def _compare(
+    config: Config,
+    side: Callable[[dict[str, Any]], dict[str, Any]],
+    what: str,
+    tolerance: float,
+    reference_dtype: str | None = None,
+) -> None:
+    """Assert ``side``'s gradients equal the reference's within ``tolerance`` (relative)."""
+    inputs = make_inputs(config, seed=1)
+    mine_inputs = inputs
+    if reference_dtype is not None:
+        mine_inputs = {name: value.astype(reference_dtype) for name, value in inputs.items()}
+    flat = numpy_side(mine_inputs)
+    layout = GdnBackwardLayout.from_inputs(
+        mine_inputs["q"], mine_inputs["g"], mine_inputs.get("state")
+    )
+    ours = unpack(flat, layout)
+    theirs = side(_torch_tensors(inputs))
+    worst = []
+    for name, grad in theirs.items():
+        mine = getattr(ours, "d" + name)
+        expected = grad.numpy().astype(mine.dtype)
+        scale = float(np.max(np.abs(expected)))
+        error = float(np.max(np.abs(mine - expected))) / scale
+        assert error <= tolerance, (
+            f"pre-flight failed: {what}: d{name} is off by {error:.3g} relative "
+            f"(tolerance {tolerance:.3g}) for {config.label()}"
+        )
+        worst.append(f"d{name} {error:.1e}")
+    print(f"pre-flight ok: {what}, {config.label()}: {', '.join(worst)}")
+
+
+def preflight(first: Config, with_peer: bool) -> None:
+    small = [
         Config(2, 37, 3, 8, "float64", per_channel, carry, 1)
         for per_channel in (False, True)
         for carry in (False, True)
     ]
-    checks.append(first._replace(dtype="float64"))
-    for config in checks:
-        inputs = make_inputs(config, seed=1)
-        flat = numpy_side(inputs)
-        layout = GdnBackwardLayout.from_inputs(inputs["q"], inputs["g"], inputs.get("state"))
-        ours = unpack(flat, layout)
-        theirs = torch_side(_torch_tensors(inputs))
-        for name, grad in theirs.items():
-            mine = getattr(ours, "d" + name)
-            expected = grad.numpy()
-            scale = float(np.max(np.abs(expected)))
-            error = float(np.max(np.abs(mine - expected)))
-            assert error <= 1e-9 * scale, (
-                f"pre-flight: d{name} differs from PyTorch autograd by {error:.3g} "
-                f"(scale {scale:.3g}) for {config.label()}"
-            )
-        print(f"pre-flight ok: autograd == reference for {config.label()}")
+    for config in [*small, first._replace(dtype="float64")]:
+        _compare(config, torch_side, "autograd == reference", 1e-9)
+    if not with_peer:
+        return
+    peer64, peer32 = load_peer("float64"), load_peer("float32")
+    padded = [Config(2, 150, 3, 8, "float64", False, carry, 1) for carry in (False, True)]
+    for config in [*padded, first._replace(dtype="float64", per_channel=False)]:
+        _compare(
+            config, lambda t: peer_side(t, peer64), "chunked (float64 copy) == reference", 1e-9
+        )
+    for config in padded:
+        _compare(
+            config._replace(dtype="float32"),
+            lambda t: peer_side(t, peer32),
+            "chunked (float32, as packaged) ~ float64 reference",
+            1e-4,
+            reference_dtype="float64",
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,20 +368,42 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def matmul_gflops(dtype: str, size: int = 512, repeats: int = 30) -> float:
+    """GFLOP/s of one ``np.matmul`` of two ``size x size`` matrices, best of ``repeats``."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size)).astype(dtype) for _ in range(2))
+    out = np.empty((size, size), dtype=dtype)
+    np.matmul(a, b, out=out)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best / 1e9
+
+
 def worker(side: str, config: Config) -> dict[str, Any]:
     inputs = make_inputs(config)
     tiny = make_inputs(config._replace(seq=4))
-    if side == "torch":
+    run: Callable[[], object]
+    if side in ("torch", "peer"):
         import torch
 
         torch.set_num_threads(1)
         tensors, tiny_tensors = _torch_tensors(inputs), _torch_tensors(tiny)
         del inputs
+        if side == "torch":
+            compute: Callable[[dict[str, Any]], object] = torch_side
+        else:
+            peer = load_peer(config.dtype)
+
+            def compute(tensors: dict[str, Any]) -> object:
+                return peer_side(tensors, peer)
 
         def run() -> object:
-            return torch_side(tensors)
+            return compute(tensors)
 
-        torch_side(tiny_tensors)
+        compute(tiny_tensors)
     else:
 
         def run() -> object:
@@ -248,22 +427,101 @@ def worker(side: str, config: Config) -> dict[str, Any]:
         start = time.perf_counter()
         run()
         times.append(time.perf_counter() - start)
-    return {"time": min(times), "rss_delta": rss_delta, "traced_peak": traced}
+    matmul = matmul_gflops(config.dtype) if side == "numpy" else None
+    return {
+        "time": min(times),
+        "rss_delta": rss_delta,
+        "traced_peak": traced,
+        "matmul_gflops": matmul,
+    }
 
 
-def measure(side: str, config: Config) -> dict[str, Any]:
+def measure(side: str, config: Config, timeout: float | None = None) -> dict[str, Any]:
+    """Run one side in a fresh one-thread subprocess; raise TimeoutError past ``timeout`` s."""
     env = dict(os.environ)
     env.update(dict.fromkeys(_THREAD_VARS, "1"))
     command = [sys.executable, __file__, "--worker", side, json.dumps(config._asdict())]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, check=False, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as error:
+        raise TimeoutError(f"{side} worker took more than {timeout:.0f} s") from error
     if done.returncode != 0:
         raise RuntimeError(f"{side} worker failed for {config.label()}:\n{done.stderr}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:8.1f} MiB"
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+
+class Row(NamedTuple):
+    """A configuration and, for each baseline not run, why (``{side: reason}``).
+
+    ``autograd_repeats``, when given, replaces ``config.repeats`` for autograd of the
+    recurrence alone (too slow to repeat at long lengths); ``timeout`` bounds each side's
+    subprocess, in seconds.
+    """
+
+    config: Config
+    skip: dict[str, str]
+    autograd_repeats: int | None = None
+    timeout: float | None = None
+
+
+def _mib(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def _time(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3f}s"
+
+
+def _ratio(a: float | None, b: float | None, unit: str = "x") -> str:
+    if a is None or b is None or b == 0:
+        return "n/a"
+    return f"{a / b:.{1 if unit == 'x' else 3}f}{unit}"
+
+
+_COLUMNS = (
+    ("configuration", 45),
+    ("reference", 9),
+    ("autograd", 9),
+    ("chunked", 9),
+    ("ag/ref", 7),
+    ("ch/ref", 7),
+    ("ref peak", 11),
+    ("ag peak", 11),
+    ("ch peak", 11),
+    ("ref/ag", 6),
+    ("ch/ag", 6),
+    ("ref traced", 11),
+    ("GFLOP/s", 7),
+    ("matmul", 7),
+)
+
+
+def _line(cells: list[str]) -> str:
+    first, *rest = zip(cells, _COLUMNS, strict=True)
+    return f"{first[0]:<{first[1][1]}}" + "".join(f" {c:>{w}}" for c, (_, w) in rest)
+
+
+def extrapolate_autograd(row: Row, measured: dict[Config, dict[str, Any]]) -> str:
+    """Autograd's time and peak for ``row``, scaled by B*S*H*N^2 from the largest measured row."""
+    same = [c for c in measured if c.dtype == row.config.dtype and not c.per_channel]
+    if not same:
+        return "not run"
+    base = max(same, key=lambda c: c.flops())
+    factor = row.config.flops() / base.flops()
+    seconds = measured[base]["time"] * factor
+    peak = measured[base]["rss_delta"] * factor
+    return (
+        f"not run: scaled by B*S*H*N^2 from {base.label()}, it would take ~{seconds / 60:.0f} min "
+        f"and ~{peak / 2**30:.0f} GiB"
+    )
 
 
 def main() -> int:
@@ -285,44 +543,110 @@ def main() -> int:
         )
         return 0
 
+    per_channel_skip = {"peer": "per-head gate only"}
     if args.quick:
-        configs = [Config(1, 64, 2, 16, dtype, False, True, 3) for dtype in ("float32", "float64")]
+        rows = [
+            Row(Config(1, 64, 2, 16, dtype, False, True, 3), {}) for dtype in ("float32", "float64")
+        ]
     else:
-        configs = [
-            Config(1, 512, 8, 64, dtype, per_channel, True, 5)
-            for per_channel in (False, True)
+        rows = [
+            Row(Config(1, 512, 8, 64, dtype, False, True, 5), {})
             for dtype in ("float32", "float64")
         ]
-        configs += [
-            Config(1, 4096, 8, 64, dtype, False, True, 1) for dtype in ("float32", "float64")
+        rows += [
+            Row(Config(1, 512, 8, 64, dtype, True, True, 5), per_channel_skip)
+            for dtype in ("float32", "float64")
         ]
+        rows += [
+            Row(Config(1, 4096, 8, 64, dtype, False, True, 3), {}, autograd_repeats=1)
+            for dtype in ("float32", "float64")
+        ]
+        rows.append(
+            Row(Config(1, 8192, 16, 128, "float32", False, True, 2), {"torch": ""}, timeout=400)
+        )
+    missing = peer_available()
+    if missing is not None:
+        for row in rows:
+            row.skip.setdefault("peer", missing)
 
-    print(f"torch {torch.__version__}, numpy {np.__version__}, one thread per side")
-    preflight(configs[0])
+    versions = f"torch {torch.__version__}, numpy {np.__version__}"
+    if missing is None:
+        transformers = importlib.import_module("transformers")
+        versions += f", transformers {transformers.__version__}"
+    else:
+        versions += f"; chunked peer n/a: {missing}"
+    print(f"{versions}; one thread per side")
+    preflight(rows[0].config, with_peer=missing is None)
     print()
-    header = (
-        f"{'configuration':<46} {'autograd':>9} {'reference':>9} {'speed-up':>9}   "
-        f"{'autograd peak':>13} {'reference peak':>14} {'ratio':>6}   {'ref traced':>12}"
-    )
+    header = _line([name for name, _ in _COLUMNS])
     print(header)
     print("-" * len(header))
-    for config in configs:
-        theirs = measure("torch", config)
-        ours = measure("numpy", config)
-        speedup = theirs["time"] / ours["time"]
-        memory = ours["rss_delta"] / theirs["rss_delta"] if theirs["rss_delta"] else float("nan")
+    measured: dict[Config, dict[str, Any]] = {}
+    notes: list[str] = []
+    for row in rows:
+        config = row.config
+        results: dict[str, dict[str, Any] | None] = {}
+        for side in _SIDES:
+            if side in row.skip:
+                results[side] = None
+                reason = row.skip[side]
+                if side == "torch" and not reason:
+                    reason = extrapolate_autograd(row, measured)
+                if side != "peer" or row.skip is not per_channel_skip:
+                    notes.append(f"{config.label()}: {_SIDE_NAMES[side]} {reason}")
+                continue
+            repeats = row.autograd_repeats if side == "torch" else None
+            try:
+                results[side] = measure(
+                    side, config._replace(repeats=repeats or config.repeats), timeout=row.timeout
+                )
+            except TimeoutError as error:
+                results[side] = None
+                notes.append(f"{config.label()}: {_SIDE_NAMES[side]} n/a: {error}")
+        ours, autograd, peer = (results[side] for side in _SIDES)
+        assert ours is not None
+        if autograd is not None:
+            measured[config] = autograd
+
+        def get(side: dict[str, Any] | None, key: str) -> float | None:
+            return None if side is None else side[key]
+
+        t_ours, t_ag, t_peer = (get(r, "time") for r in (ours, autograd, peer))
+        m_ours, m_ag, m_peer = (get(r, "rss_delta") for r in (ours, autograd, peer))
         print(
-            f"{config.label():<46} {theirs['time']:8.3f}s {ours['time']:8.3f}s "
-            f"{speedup:8.1f}x   {_mib(theirs['rss_delta']):>13} {_mib(ours['rss_delta']):>14} "
-            f"{memory:6.3f}   {_mib(ours['traced_peak']):>12}",
+            _line(
+                [
+                    config.label(),
+                    _time(t_ours),
+                    _time(t_ag),
+                    _time(t_peer),
+                    _ratio(t_ag, t_ours),
+                    _ratio(t_peer, t_ours),
+                    _mib(m_ours),
+                    _mib(m_ag),
+                    _mib(m_peer),
+                    _ratio(m_ours, m_ag, ""),
+                    _ratio(m_peer, m_ag, ""),
+                    _mib(ours["traced_peak"]),
+                    f"{config.flops() / ours['time'] / 1e9:.2f}",
+                    f"{ours['matmul_gflops']:.1f}",
+                ]
+            ),
             flush=True,
         )
     print()
     print(
-        "time: best full backward (autograd: forward + backward; reference: backward()). "
-        "peak: growth of peak RSS during the first full backward; ratio = reference/autograd. "
-        "ref traced: tracemalloc peak of the reference backward."
+        "time: best full backward (autograd and chunked: forward + backward under torch "
+        "autograd; reference: backward()). ag/ref, ch/ref: baseline time / reference time.\n"
+        "peak: growth of peak RSS during the first full backward; ref/ag, ch/ag: that peak / "
+        "autograd's. ref traced: tracemalloc peak of the reference backward.\n"
+        "GFLOP/s: recurrence-equivalent rate of the reference, 22*B*S*H*N^2 / time; matmul: "
+        "single-thread np.matmul of 512x512 in the row's dtype, best of 30.\n"
+        "chunked: transformers' torch_chunk_gated_delta_rule (chunk 64, pads S itself); in "
+        "float64 a copy of its source with its float32 cast retargeted to float64."
     )
+    for note in notes:
+        print(note)
     return 0
 
 
