@@ -14,16 +14,10 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, GdnGrads, unpack
-from gdn_layout._render import (
-    grad_stats,
-    grads_html,
-    grads_text,
-    html_table,
-    layout_html,
-    layout_table,
-    layout_text,
-)
+from gdn_layout._stats import grad_stats, grads_html, grads_text
+from gdn_layout._tables import html_table
 from gdn_layout.compare import Comparison, GradComparison, assert_close, compare, error_map
+from gdn_layout.layout import layout_html, layout_table, layout_text
 
 FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
@@ -547,7 +541,7 @@ def test_grad_stats_finite_only_and_empty() -> None:
 
 
 def test_grad_stats_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
-    render = importlib.import_module("gdn_layout._render")
+    render = importlib.import_module("gdn_layout._stats")
 
     values = np.arange(-50, 51, dtype=np.float64)
     whole = grad_stats({"dq": values})[0]

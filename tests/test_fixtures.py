@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 import gdn_layout
+import gdn_layout._safetensors
 from gdn_layout import GdnBackwardLayout, reference, unpack
-from gdn_layout import fixtures as fx
 from gdn_layout.fixtures import (
     REGIMES,
     Fixture,
@@ -189,18 +189,25 @@ def test_load_memory_maps_the_file(saved: Path) -> None:
 
 def test_a_multi_gib_fixture_opens_without_being_read(tmp_path: Path) -> None:
     layout = GdnBackwardLayout(1, 32768, 16, 128, carry_state=True)
-    specs: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
-        shape = (layout.total_elems,) if name == "packed" else _input_shape(layout, name)
-        specs[name] = ("F32", shape, 4 * int(np.prod(shape)))
     meta = _fixture(regime="zero", seed=0).metadata() | {
         "layout": json.dumps(layout.to_dict()),
     }
-    header = fx._encode_header(specs, meta)
+    entries: dict[str, Any] = {"__metadata__": meta}
+    end = 0
+    for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
+        shape = (layout.total_elems,) if name == "packed" else _input_shape(layout, name)
+        nbytes = 4 * int(np.prod(shape))
+        entries[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [end, end + nbytes],
+        }
+        end += nbytes
+    header = _assemble(entries, b"")
     path = tmp_path / "big.safetensors"
     with open(path, "wb") as f:
         f.write(header)
-        f.truncate(len(header) + sum(s[2] for s in specs.values()))  # sparse: no data written
+        f.truncate(len(header) + end)  # sparse: no data written
     assert path.stat().st_size > 2 * 2**30
     start = time.perf_counter()
     fixture = load_fixture(path)
@@ -306,7 +313,9 @@ def test_a_failed_tensor_write_leaves_nothing_behind(
 ) -> None:
     fixture = _fixture()
     # Three tensors are written, then the fourth name is one the fixture does not have.
-    monkeypatch.setattr(fx, "_data_order", lambda tensors: [*sorted(tensors)[:3], "nope"])
+    monkeypatch.setattr(
+        gdn_layout._safetensors, "data_order", lambda codes: [*sorted(codes)[:3], "nope"]
+    )
     with pytest.raises(KeyError, match="nope"):
         save_fixture(tmp_path / "x.safetensors", fixture)
     assert list(tmp_path.iterdir()) == []
@@ -584,9 +593,11 @@ def test_fixture_checks_its_tensors() -> None:
         Fixture(*x[:4], [0.5], *x[5:], y=y, packed=packed)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="regime must be one of"):
         Fixture(*x, y=y, packed=packed, regime="wild")
-    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
         Fixture(*x, y=y, packed=packed, seed=-1)
-    with pytest.raises(TypeError, match="Fixture: seed must be a non-negative int, got '3'"):
+    with pytest.raises(
+        TypeError, match="Fixture: seed must be a non-negative integer, got str '3'"
+    ):
         Fixture(*x, y=y, packed=packed, seed="3")  # type: ignore[arg-type]
     numpy_seed = Fixture(*x, y=y, packed=packed, seed=np.int64(3))  # type: ignore[arg-type]
     assert type(numpy_seed.seed) is int
@@ -692,9 +703,11 @@ def test_draw_inputs_rejects_bad_arguments() -> None:
         draw_inputs(SMALL, dtype=np.int32)
     with pytest.raises(TypeError, match="got 'float17'"):
         draw_inputs(SMALL, dtype="float17")
-    with pytest.raises(ValueError, match="seed must be a non-negative int, got -1"):
+    with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
         draw_inputs(SMALL, seed=-1)
-    with pytest.raises(TypeError, match=r"draw_inputs: seed must be a non-negative int, got 1\.5"):
+    with pytest.raises(
+        TypeError, match=r"draw_inputs: seed must be a non-negative integer, got float 1\.5"
+    ):
         draw_inputs(SMALL, seed=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="layout must be a GdnBackwardLayout, got tuple"):
         draw_inputs((1, 2, 3, 4))  # type: ignore[arg-type]

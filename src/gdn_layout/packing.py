@@ -8,8 +8,10 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from ._checks import not_a_layout
 from ._dtypes import is_floating, resolve
-from .layout import GdnBackwardLayout, Segment, _not_a_layout
+from ._stats import grads_html, grads_text
+from .layout import GdnBackwardLayout, Segment
 
 __all__ = ["GdnGrads", "empty", "pack", "unpack", "zeros"]
 
@@ -34,16 +36,12 @@ class GdnGrads(NamedTuple):
 
     def __str__(self) -> str:
         """Per-gradient statistics: shape, dtype, min, max, mean, RMS, NaN and Inf counts."""
-        from ._render import grads_text  # deferred: _render builds on this module
-
         return grads_text(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        from ._render import grads_html
-
         return grads_html(self)
 
 
@@ -69,10 +67,9 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     if not isinstance(flat, np.ndarray):
         raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "unpack")
+        raise not_a_layout(layout, "unpack")
     shape = flat.shape
-    # The layout's private fields, not its properties: unpack is on every hot path.
-    if not shape or shape[-1] != layout._total:
+    if not shape or shape[-1] != layout.total_elems:
         received = "a 0-d array" if not shape else f"shape {shape}"
         raise ValueError(
             f"unpack: flat must have layout.total_elems = {layout.total_elems} elements "
@@ -81,11 +78,9 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     # Splitting one axis into several is always expressible with strides, so each reshape
     # below returns a view of the slice; it never copies.
     if len(shape) == 1:
-        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in layout._cuts])
+        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in layout.cuts])
     lead = shape[:-1]
-    return GdnGrads(
-        *[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout._cuts]
-    )
+    return GdnGrads(*[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout.cuts])
 
 
 def pack(
@@ -127,7 +122,7 @@ def pack(
         except (TypeError, ValueError) as error:
             raise type(error)(f"pack: {error}") from None
     elif not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "pack")
+        raise not_a_layout(layout, "pack")
     elif (dstate is None) == layout.carry_state:
         wrong = "missing" if layout.carry_state else "given"
         raise ValueError(
@@ -151,7 +146,7 @@ def pack(
             raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
         _check_casts(segments, arrays, target, casting)
         return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
-    _check_out(out, layout, "pack")
+    check_out(out, layout, "pack")
     if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != out.dtype:
         raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={out.dtype}; give one")
     _check_casts(segments, arrays, out.dtype, casting)
@@ -219,11 +214,11 @@ def zeros(
 
 def _total(layout: GdnBackwardLayout) -> int:
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout)
+        raise not_a_layout(layout)
     return layout.total_elems
 
 
-def _check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
+def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
     """``out`` must be a writeable ndarray of shape ``(layout.total_elems,)``."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{func}: out must be a NumPy array, got {type(out).__name__}")

@@ -57,7 +57,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from ._dtypes import is_floating
 from .layout import GdnBackwardLayout
-from .packing import GdnGrads, _check_out, unpack
+from .packing import GdnGrads, check_out, unpack
 
 __all__ = ["Method", "backward", "default_checkpoint_every", "forward"]
 
@@ -238,7 +238,7 @@ def backward(
     if out is None:
         flat = np.empty(layout.total_elems, dtype=inputs.q.dtype)
     else:
-        _check_out(out, layout, "backward")
+        check_out(out, layout, "backward")
         if out.dtype != inputs.q.dtype:
             raise TypeError(
                 f"backward: out must have dtype {inputs.q.dtype} (the computation dtype), "
