@@ -1,8 +1,13 @@
-"""The command line, run as a user runs it: in a subprocess, judged by output and exit status."""
+"""The command line, judged by output and exit status: run in-process through ``main(argv)``,
+and end to end in a subprocess where the process itself matters (the entry point, a terminal,
+a missing optional dependency)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -12,12 +17,30 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, unpack
+from gdn_layout.cli import main
 from gdn_layout.fixtures import load_fixture
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``gdn-layout ARGS`` in this process, with its output captured."""
+    argv = [str(arg) for arg in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse's usage errors and --help
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def run_process(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m gdn_layout ARGS`` in a subprocess."""
     return subprocess.run(
         [sys.executable, "-m", "gdn_layout", *map(str, args)],
         capture_output=True,
@@ -244,21 +267,15 @@ def test_compare_a_raw_kernel_buffer_against_a_wider_fixture(tmp_path: Path) -> 
 
 
 def test_compare_plot_problems_are_found_before_the_work(
-    fixture_path: Path, tmp_path: Path
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert_user_error(
         run("compare", fixture_path, fixture_path, "--plot", tmp_path / "nowhere" / "e.png"),
         "e.png: the folder",
     )
-    code = (
-        "import sys; sys.modules['matplotlib'] = None\n"
-        "from gdn_layout.cli import main\n"
-        f"sys.exit(main(['compare', {str(fixture_path)!r}, {str(fixture_path)!r}, "
-        f"'--plot', {str(tmp_path / 'e.png')!r}]))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
-    )
+    with monkeypatch.context() as patch:
+        patch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+        result = run("compare", fixture_path, fixture_path, "--plot", tmp_path / "e.png")
     assert_user_error(result, "pip install gdn-layout[plot]")
     assert result.stdout == ""
     for bad, message in ((tmp_path / "e.foo", "by its suffix"), (tmp_path, "by its suffix")):
@@ -338,7 +355,6 @@ def test_demo_runs_the_main_job(tmp_path: Path) -> None:
 
 def _stderr_on_a_terminal(*args: str | Path) -> tuple[int, str]:
     """Run with stderr on a pseudo-terminal, as in an interactive shell."""
-    import os
     import pty
 
     leader, follower = pty.openpty()
@@ -371,18 +387,22 @@ def test_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     code, shown = _stderr_on_a_terminal("fixture", *flags, "-o", tmp_path / "b.safetensors", "-q")
     assert code == 0
     assert shown == ""
-    piped = run("fixture", *flags, "-o", tmp_path / "c.safetensors")
+    piped = run("fixture", *flags, "-o", tmp_path / "c.safetensors")  # stderr is no terminal
     assert piped.returncode == 0
     assert piped.stderr == ""
 
 
-def test_bfloat16_without_its_extra_names_the_extra() -> None:
-    code = (
-        "import sys; sys.modules['ml_dtypes'] = None\n"
-        "from gdn_layout.cli import main\n"
-        "sys.exit(main(['describe', '--dtype', 'bfloat16']))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=60
-    )
-    assert_user_error(result, "pip install 'gdn-layout[bfloat16]'")
+def test_bfloat16_without_its_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` fail
+    assert_user_error(run("describe", "--dtype", "bfloat16"), "pip install 'gdn-layout[bfloat16]'")
+
+
+def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
+    # End to end: `python -m gdn_layout`, exit statuses and streams as a shell sees them.
+    assert run_process("describe", "-S", "3").stdout == run("describe", "-S", "3").stdout
+    assert_user_error(run_process("frobnicate"), "invalid choice")
+    result = run_process("fixture", "-B", "1", "-S", "3", "-H", "1", "-N", "2", "-o", "x.st",
+                         cwd=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert load_fixture(tmp_path / "x.st").layout == GdnBackwardLayout(1, 3, 1, 2)
