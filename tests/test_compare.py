@@ -87,8 +87,11 @@ def test_injected_error_is_located_in_each_gradient(per_channel: bool, carry: bo
         else:
             assert emap.shape == (layout.seq, layout.heads)
             assert peak == (where[1], where[2])
-        assert emap.max() == pytest.approx(0.25)
-        np.testing.assert_array_equal(emap, error_map(actual, expected, layout, name))
+        # The map by hand: the one error at its (s, h), or (i, h) for dstate; zero elsewhere.
+        by_hand = np.zeros_like(emap)
+        by_hand[peak] = abs(float(view[where]) - before)
+        np.testing.assert_array_equal(emap, by_hand)
+        np.testing.assert_array_equal(error_map(actual, expected, layout, name), by_hand)
         assert not emap.flags.writeable
 
 

@@ -17,15 +17,7 @@ from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, Segment
 
-layouts = st.builds(
-    GdnBackwardLayout,
-    batch=st.integers(0, 4),
-    seq=st.integers(0, 70),
-    heads=st.integers(0, 5),
-    state_size=st.integers(0, 9),
-    gate_per_channel=st.booleans(),
-    carry_state=st.booleans(),
-)
+layouts = st.from_type(GdnBackwardLayout)  # registered in conftest.py
 
 
 @given(layouts)
@@ -40,6 +32,12 @@ def test_slices_tile_the_buffer_exactly(layout: GdnBackwardLayout) -> None:
 @given(layouts)
 def test_segment_shapes_multiply_to_their_lengths(layout: GdnBackwardLayout) -> None:
     segments = layout.segments()
+    # The lengths from the sizes alone (rlx-ir's gdn.rs), the offsets by adding them up.
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    lengths = [b * s * h * n] * 3 + [b * s * h * (n if layout.gate_per_channel else 1), b * s * h]
+    lengths += [b * h * n * n] if layout.carry_state else []
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    assert layout.slices() == list(zip(offsets, lengths, strict=True))
     assert [(s.offset, s.length) for s in segments] == layout.slices()
     assert tuple(s.name for s in segments) == layout.names
     for seg in segments:

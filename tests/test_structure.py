@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gdn_layout"
 MODULES = sorted(path.stem for path in PACKAGE.glob("*.py"))
 
 
+@functools.cache
 def _tree(module: str) -> ast.Module:
     return ast.parse((PACKAGE / f"{module}.py").read_text())
 
