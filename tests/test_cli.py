@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import gdn_layout.cli
-from gdn_layout import GdnBackwardLayout, unpack
+import gdn_layout.plot
+from gdn_layout import Comparison, GdnBackwardLayout, unpack
 from gdn_layout.cli import main
 from gdn_layout.fixtures import load_fixture
 
@@ -299,9 +300,21 @@ def test_compare_plot_problems_are_found_before_the_work(
     assert_user_error(
         run("compare", fixture_path, fixture_path, "--plot", tmp_path / "folder.png"), "is a folder"
     )
+    # The picture itself is tested in test_plot.py: here, that the report asks for it.
+    drawn: list[tuple[Comparison, object]] = []
+    monkeypatch.setattr(
+        gdn_layout.plot, "plot_errors", lambda result, path: drawn.append((result, path))
+    )
     png = tmp_path / "errors.png"
-    assert run("compare", fixture_path, fixture_path, "--plot", png).returncode == 0
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = run("compare", fixture_path, fixture_path, "--plot", png)
+    assert result.returncode == 0, result.stderr
+    [(comparison, path)] = drawn
+    assert (comparison.passed, comparison.layout, path) == (
+        True,
+        load_fixture(fixture_path).layout,
+        str(png),
+    )
+    assert "compare passed" in result.stdout
 
 
 def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
