@@ -230,6 +230,15 @@ class GdnBackwardLayout:
         return last.offset + last.length
 
     @cached_property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of each gradient, in packing order.
+
+        >>> GdnBackwardLayout(1, 2, 3, 4).shapes[3:]
+        ((1, 2, 3), (1, 2, 3))
+        """
+        return tuple(seg.shape for seg in self._segments)
+
+    @cached_property
     def cuts(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
         """``(slice, shape)`` of each gradient in packing order: ``flat[cut].reshape(shape)``
         is its view of a 1-D packed buffer ``flat``.

@@ -11,9 +11,12 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from ._checks import not_a_layout
 from ._dtypes import is_floating, resolve
 from ._stats import grads_html, grads_text
-from .layout import GdnBackwardLayout, Segment
+from .layout import GdnBackwardLayout
 
 __all__ = ["GdnGrads", "empty", "pack", "unpack", "zeros"]
+
+#: tuple.__new__, to build a GdnGrads from a list of six without its keyword handling.
+_new_tuple = tuple.__new__
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
 _CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
@@ -78,9 +81,27 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     # Splitting one axis into several is always expressible with strides, so each reshape
     # below returns a view of the slice; it never copies.
     if len(shape) == 1:
-        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in layout.cuts])
+        # Written out, as hand slicing would be: a comprehension costs a fifth of the views.
+        cuts = layout.cuts
+        (q, q_shape), (k, k_shape), (v, v_shape), (g, g_shape), (b, b_shape) = cuts[:5]
+        dstate = None
+        if len(cuts) == 6:
+            state, state_shape = cuts[5]
+            dstate = flat[state].reshape(state_shape)
+        return _new_tuple(
+            GdnGrads,
+            (
+                flat[q].reshape(q_shape),
+                flat[k].reshape(k_shape),
+                flat[v].reshape(v_shape),
+                flat[g].reshape(g_shape),
+                flat[b].reshape(b_shape),
+                dstate,
+            ),
+        )
     lead = shape[:-1]
-    return GdnGrads(*[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout.cuts])
+    views = [flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout.cuts]
+    return GdnGrads(*views)
 
 
 def pack(
@@ -113,9 +134,21 @@ def pack(
     >>> pack(*unpack(buf, layout), dtype=np.float32).dtype
     dtype('float32')
     """
-    arrays = [np.asarray(g) for g in (dq, dk, dv, dg, dbeta)]
-    if dstate is not None:
-        arrays.append(np.asarray(dstate))
+    # The checks are written out rather than looped over: on a small buffer each generator,
+    # comprehension or helper call costs as much as a fifth of the copy itself.
+    nd = np.ndarray
+    if not (type(dq) is nd and type(dk) is nd and type(dv) is nd and type(dg) is nd):
+        dq, dk, dv, dg = np.asarray(dq), np.asarray(dk), np.asarray(dv), np.asarray(dg)
+    if type(dbeta) is not nd:
+        dbeta = np.asarray(dbeta)
+    if dstate is None:
+        arrays = [dq, dk, dv, dg, dbeta]
+        shapes: tuple[tuple[int, ...], ...] = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape)
+    else:
+        if type(dstate) is not nd:
+            dstate = np.asarray(dstate)
+        arrays = [dq, dk, dv, dg, dbeta, dstate]
+        shapes = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape, dstate.shape)
     if layout is None:
         try:
             layout = _infer_layout(arrays)
@@ -129,12 +162,8 @@ def pack(
             f"pack: dstate is {wrong}, but the layout has carry_state={layout.carry_state}: "
             f"{layout!r}"
         )
-    segments = layout.segments()
-    for seg, array in zip(segments, arrays, strict=True):
-        if array.shape != seg.shape:
-            raise ValueError(
-                f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
-            )
+    if shapes != layout.shapes:
+        _raise_shape_error(layout, arrays)
     if casting not in _CASTINGS:
         raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
 
@@ -144,21 +173,39 @@ def pack(
         target = resolve(dtype, "pack: dtype") if dtype is not None else np.result_type(*arrays)
         if not (target.kind in "biufc" or is_floating(target)):
             raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
-        _check_casts(segments, arrays, target, casting)
+        _check_casts(layout, arrays, target, casting)
         return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
-    check_out(out, layout, "pack")
-    if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != out.dtype:
-        raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={out.dtype}; give one")
-    _check_casts(segments, arrays, out.dtype, casting)
-    if _may_overlap(arrays, out):
-        destinations = [view for view in unpack(out, layout) if view is not None]
-        sources = _detach_overlaps(destinations, arrays, out)
-        for dest, source in zip(destinations, sources, strict=True):
-            if source is not None:
-                np.copyto(dest, source, casting=casting)
-        return out
+    if type(out) is not nd or out.shape != (layout.total_elems,) or not out.flags.writeable:
+        check_out(out, layout, "pack")  # raises the error that says which
+    target = out.dtype
+    if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != target:
+        raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={target}; give one")
+    # The usual case, fresh gradients of out's dtype, needs neither a cast check nor an
+    # overlap check: a gradient that owns its memory cannot overlap an out that owns its own.
+    usual = out.flags.owndata
+    for array in arrays:
+        if array.dtype is not target or array.base is not None:
+            usual = False
+            break
+    if not usual:
+        _check_casts(layout, arrays, target, casting)
+        if _may_overlap(arrays, out):
+            destinations = [view for view in unpack(out, layout) if view is not None]
+            sources = _detach_overlaps(destinations, arrays, out)
+            for dest, source in zip(destinations, sources, strict=True):
+                if source is not None:
+                    np.copyto(dest, source, casting=casting)
+            return out
     np.concatenate(arrays, axis=None, out=out, casting=casting)
     return out
+
+
+def _raise_shape_error(layout: GdnBackwardLayout, arrays: list[NDArray[Any]]) -> None:
+    for seg, array in zip(layout.segments(), arrays, strict=True):
+        if array.shape != seg.shape:
+            raise ValueError(
+                f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
+            )
 
 
 def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
@@ -231,9 +278,14 @@ def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
 
 
 def _check_casts(
-    segments: tuple[Segment, ...], arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
+    layout: GdnBackwardLayout, arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
 ) -> None:
-    for seg, array in zip(segments, arrays, strict=True):
+    for array in arrays:
+        if array.dtype is not target:
+            break
+    else:
+        return  # the usual case: nothing to cast
+    for seg, array in zip(layout.segments(), arrays, strict=True):
         if array.dtype is not target and not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
             raise TypeError(
                 f"pack: cannot cast {seg.name} from {array.dtype} to {target} "
