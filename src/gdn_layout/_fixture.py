@@ -216,6 +216,29 @@ def save_fixture(
     over ``path``: a reader sees the old file or the new one, never half of one, and a failure
     leaves nothing behind. An existing ``path`` is replaced only with ``overwrite=True``;
     otherwise :class:`FileExistsError` is raised.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The file to write.
+    fixture : Fixture
+        What to write.
+    overwrite : bool
+        Replace an existing file.
+
+    Returns
+    -------
+    pathlib.Path
+        ``path``.
+
+    Raises
+    ------
+    FileExistsError
+        ``path`` exists and ``overwrite`` is false.
+    FileNotFoundError
+        The folder of ``path`` does not exist.
+    TypeError
+        ``fixture`` is not a :class:`Fixture`.
     """
     if not isinstance(fixture, Fixture):
         raise TypeError(f"save_fixture: fixture must be a Fixture, got {type(fixture).__name__}")
@@ -238,6 +261,27 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     at once. With ``mmap=False`` the file is read into memory (still read-only). A file that
     is truncated, corrupt or inconsistent raises :class:`FixtureError` naming it and the
     problem; a bfloat16 file without ml_dtypes raises :class:`ImportError`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The fixture file.
+    mmap : bool
+        Memory-map the tensors rather than read them.
+
+    Returns
+    -------
+    Fixture
+        Its tensors read-only, ``path`` and ``writer_version`` set.
+
+    Raises
+    ------
+    FixtureError
+        The file is truncated, corrupt, not a gdn-layout fixture, or inconsistent.
+    ImportError
+        The file holds bfloat16 and ml_dtypes is not installed.
+    OSError
+        The file cannot be opened.
     """
     path = Path(path)
     header = safetensors.read_header(path)

@@ -85,6 +85,36 @@ def compare(
     1.3e-6/1e-5, float64: 1e-7/1e-7); a gradient with a ``max_rms_ratio`` is judged by it
     instead of elementwise. See the module for how NaN and Inf are judged.
 
+    Parameters
+    ----------
+    actual, expected : numpy.ndarray
+        1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
+        elements; their dtypes may differ.
+    layout : GdnBackwardLayout
+        The layout of both.
+    rtol, atol : float or mapping of str to float, optional
+        Elementwise tolerances, for every gradient or by gradient name; left out, the default
+        of the less precise dtype.
+    max_rms_ratio : float or mapping of str to float, optional
+        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` instead.
+    equal_nan : bool
+        Whether NaN against NaN matches.
+
+    Returns
+    -------
+    Comparison
+        One :class:`GradComparison` per gradient.
+
+    Raises
+    ------
+    TypeError
+        A buffer or ``layout`` has the wrong type or dtype, or a tolerance is not a number.
+    ValueError
+        A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
+        an unknown gradient.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout
     >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
@@ -136,6 +166,38 @@ def assert_close(
 
     Returns the :class:`Comparison` when every gradient passes.
 
+    Parameters
+    ----------
+    actual, expected : numpy.ndarray
+        1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
+        elements; their dtypes may differ.
+    layout : GdnBackwardLayout
+        The layout of both.
+    rtol, atol : float or mapping of str to float, optional
+        Elementwise tolerances, for every gradient or by gradient name; left out, the default
+        of the less precise dtype.
+    max_rms_ratio : float or mapping of str to float, optional
+        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` instead.
+    equal_nan : bool
+        Whether NaN against NaN matches.
+
+    Returns
+    -------
+    Comparison
+        One :class:`GradComparison` per gradient.
+
+    Raises
+    ------
+    AssertionError
+        A gradient fails; the message names each failing gradient and its worst element.
+    TypeError
+        A buffer or ``layout`` has the wrong type or dtype, or a tolerance is not a number.
+    ValueError
+        A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
+        an unknown gradient.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
     >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
@@ -174,6 +236,29 @@ def error_map(
     ``[S, H]`` for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
     ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0.
 
+    Parameters
+    ----------
+    actual, expected : numpy.ndarray
+        1-D float buffers of ``layout.total_elems`` elements.
+    layout : GdnBackwardLayout
+        The layout of both.
+    name : str
+        The gradient, ``"dq"`` to ``"dstate"``.
+
+    Returns
+    -------
+    numpy.ndarray
+        A read-only float64 map, ``[S, H]`` (``[N, H]`` for ``dstate``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`compare`.
+    KeyError
+        The layout has no gradient ``name``.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
     >>> layout = GdnBackwardLayout(batch=2, seq=4, heads=3, state_size=2)

@@ -67,6 +67,31 @@ def draw_inputs(
     mode of a seed, and a layout with ``carry_state`` shares all other inputs with the one
     without it. Values are drawn in float64 and normalised before the cast to ``dtype``.
 
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        Gives every shape, the gate mode and whether a state is drawn.
+    regime : str
+        The gate regime, one of :data:`REGIMES`.
+    seed : int
+        A non-negative integer; NumPy integers work.
+    dtype : dtype_like
+        float64, float32, float16 or bfloat16.
+
+    Returns
+    -------
+    GdnInputs
+        ``q, k, v, g, beta, dy`` and ``state`` (None unless carried).
+
+    Raises
+    ------
+    TypeError
+        ``layout``, ``seed`` or ``dtype`` has the wrong type.
+    ValueError
+        ``regime`` is unknown or ``seed`` negative.
+
+    Examples
+    --------
     >>> import gdn_layout as gl
     >>> x = draw_inputs(gl.GdnBackwardLayout(2, 5, 3, 8), regime="strong", seed=3)
     >>> x.q.shape, x.g.shape, x.state is None, x.q.dtype
@@ -134,6 +159,29 @@ def make_fixture(
     results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
     inputs, up to that final rounding. ``progress`` is passed to the reference backward.
 
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        The case.
+    dtype : dtype_like
+        The dtype of every stored tensor.
+    regime, seed
+        As for :func:`draw_inputs`.
+    progress : callable, optional
+        Called with the fraction of the backward done.
+
+    Returns
+    -------
+    Fixture
+        With ``regime``, ``seed`` and ``compute_dtype="float64"`` recorded.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`draw_inputs`.
+
+    Examples
+    --------
     >>> import gdn_layout as gl
     >>> fx = make_fixture(gl.GdnBackwardLayout(1, 4, 2, 8, carry_state=True), regime="zero")
     >>> fx.packed.shape, fx.grads.dstate.shape, fx.compute_dtype
@@ -216,6 +264,31 @@ def write_suite(
     with its layout, regime, seed, dtype, size and SHA-256. The whole set is a few MiB in
     float32. Existing files are refused unless ``overwrite=True``. Returns the fixture paths.
     ``progress``, when given, is called with the fraction of the files written so far.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        Created when missing.
+    dtype : dtype_like
+        The dtype of every fixture.
+    seed : int
+        The first file's seed.
+    overwrite : bool
+        Replace existing files.
+    progress : callable, optional
+        Called with the fraction of the files written.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The fixture files, in manifest order.
+
+    Raises
+    ------
+    FileExistsError
+        ``manifest.json`` or a fixture exists and ``overwrite`` is false.
+    TypeError, ValueError
+        ``dtype`` or ``seed`` is not usable.
     """
     root = Path(directory)
     target = resolve_dtype(dtype, "write_suite")

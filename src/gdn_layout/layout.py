@@ -9,7 +9,6 @@ agree with.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Final, NamedTuple
@@ -17,7 +16,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._checks import non_negative_int, not_a_layout
+from ._checks import check_shape, dimension, flag, not_a_layout, shape_of, usize_product, usize_sum
 from ._dtypes import resolve
 from ._tables import html_table, text_table
 
@@ -33,9 +32,6 @@ __all__ = [
     "layout_table",
     "layout_text",
 ]
-
-#: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
-_USIZE_LIMIT = 1 << 64
 
 _DIMS = ("batch", "seq", "heads", "state_size")
 _FLAGS = ("gate_per_channel", "carry_state")
@@ -85,36 +81,6 @@ def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
     return _STATE_AXES if name == "dstate" else _SEQUENCE_AXES[:ndim]
 
 
-def _dimension(name: str, value: object) -> int:
-    index = non_negative_int(value, name)
-    if index >= _USIZE_LIMIT:
-        raise ValueError(f"{name} must fit in a 64-bit usize, got {index}")
-    return index
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _usize_product(*factors: int) -> int:
-    """Multiply left to right as Rust does, failing where a debug build would panic."""
-    product = 1
-    for factor in factors:
-        product *= factor
-        if product >= _USIZE_LIMIT:
-            raise OverflowError
-    return product
-
-
-def _usize_sum(*terms: int) -> int:
-    total = sum(terms)
-    if total >= _USIZE_LIMIT:
-        raise OverflowError
-    return total
-
-
 @dataclass(frozen=True)
 class GdnBackwardLayout:
     """The packed-gradient layout of ``GatedDeltaNetBackward``, equal to rlx-ir's.
@@ -140,9 +106,9 @@ class GdnBackwardLayout:
 
     def __post_init__(self) -> None:
         for name in _DIMS:
-            object.__setattr__(self, name, _dimension(name, getattr(self, name)))
+            object.__setattr__(self, name, dimension(name, getattr(self, name)))
         for name in _FLAGS:
-            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+            object.__setattr__(self, name, flag(name, getattr(self, name)))
         try:
             self._segments  # noqa: B018 - computed now, so that an overflow is refused here
         except OverflowError:
@@ -158,14 +124,14 @@ class GdnBackwardLayout:
     def _segments(self) -> tuple[Segment, ...]:
         b, s, h, n = self.batch, self.seq, self.heads, self.state_size
         # Each product in the order gdn.rs evaluates it, so intermediate overflow is caught too.
-        qkv = _usize_product(b, s, h, n)
-        bsh = _usize_product(b, s, h)
+        qkv = usize_product(b, s, h, n)
+        bsh = usize_product(b, s, h)
         gate = qkv if self.gate_per_channel else bsh
-        offsets = [0, qkv, _usize_product(2, qkv), _usize_product(3, qkv)]
-        offsets.append(_usize_sum(offsets[3], gate))
-        offsets.append(_usize_sum(offsets[4], bsh))
-        state = _usize_product(b, h, n, n) if self.carry_state else 0
-        _usize_sum(offsets[5], state)
+        offsets = [0, qkv, usize_product(2, qkv), usize_product(3, qkv)]
+        offsets.append(usize_sum(offsets[3], gate))
+        offsets.append(usize_sum(offsets[4], bsh))
+        state = usize_product(b, h, n, n) if self.carry_state else 0
+        usize_sum(offsets[5], state)
         gate_shape = (b, s, h, n) if self.gate_per_channel else (b, s, h)
         shapes = [(b, s, h, n)] * 3 + [gate_shape, (b, s, h), (b, h, n, n)]
         lengths = [qkv, qkv, qkv, gate, bsh, state]
@@ -264,7 +230,13 @@ class GdnBackwardLayout:
         return self._segments
 
     def segment(self, name: str) -> Segment:
-        """The :class:`Segment` of the gradient called ``name``."""
+        """The :class:`Segment` of the gradient called ``name``.
+
+        Raises
+        ------
+        KeyError
+            No gradient of that name in this layout (``dstate`` without ``carry_state``).
+        """
         for seg in self._segments:
             if seg.name == name:
                 return seg
@@ -289,6 +261,23 @@ class GdnBackwardLayout:
     def nbytes(self, dtype: DTypeLike) -> int:
         """Bytes of a packed buffer of this layout in ``dtype``.
 
+        Parameters
+        ----------
+        dtype : dtype_like
+            Any NumPy dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
+
+        Returns
+        -------
+        int
+            ``total_elems`` times the dtype's item size.
+
+        Raises
+        ------
+        TypeError
+            ``dtype`` is not a dtype.
+
+        Examples
+        --------
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
         """
@@ -312,6 +301,25 @@ class GdnBackwardLayout:
     def from_dict(cls, data: Any) -> GdnBackwardLayout:
         """A layout from :meth:`to_dict`'s output, validated like the constructor.
 
+        Parameters
+        ----------
+        data : dict
+            The keys ``batch``, ``seq``, ``heads``, ``state_size`` and optionally
+            ``gate_per_channel`` and ``carry_state``.
+
+        Returns
+        -------
+        GdnBackwardLayout
+
+        Raises
+        ------
+        TypeError
+            ``data`` is not a dict, or a value has the wrong type.
+        ValueError
+            A key is missing or unknown, or a value is out of range.
+
+        Examples
+        --------
         >>> layout = GdnBackwardLayout(2, 3, 4, 8, carry_state=True)
         >>> GdnBackwardLayout.from_dict(layout.to_dict()) == layout
         True
@@ -335,6 +343,28 @@ class GdnBackwardLayout:
         ``q`` gives ``[B, S, H, N]``; ``g``'s rank gives the gate mode; a ``state`` that is
         not None means it is carried. Arrays or plain shapes are accepted.
 
+        Parameters
+        ----------
+        q : array or shape
+            ``[B, S, H, N]``.
+        g : array or shape
+            ``[B, S, H]``, or ``[B, S, H, N]`` for a per-channel gate.
+        state : array or shape, optional
+            ``[B, H, N, N]`` when the state is carried.
+
+        Returns
+        -------
+        GdnBackwardLayout
+
+        Raises
+        ------
+        TypeError
+            An argument is neither an array nor a shape.
+        ValueError
+            A shape does not fit the others.
+
+        Examples
+        --------
         >>> layout = GdnBackwardLayout.from_inputs(q=(1, 16, 2, 4), g=(1, 16, 2), state=None)
         >>> layout.gate_per_channel, layout.carry_state, layout.total_elems
         (False, False, 448)
@@ -345,22 +375,37 @@ class GdnBackwardLayout:
     def from_grads(
         cls, dq: Any, dk: Any, dv: Any, dg: Any, dbeta: Any, dstate: Any = None
     ) -> GdnBackwardLayout:
-        """The layout that packs these gradients (arrays or shapes); every shape is checked."""
+        """The layout that packs these gradients (arrays or shapes); every shape is checked.
+
+        Parameters
+        ----------
+        dq, dk, dv, dg, dbeta, dstate : array or shape
+            The gradients, ``dstate`` None when the state is not carried.
+
+        Returns
+        -------
+        GdnBackwardLayout
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :meth:`from_inputs`.
+        """
         layout = cls._infer(("dq", dq), ("dg", dg), ("dstate", dstate))
         for name, grad in zip(("dk", "dv", "dbeta"), (dk, dv, dbeta), strict=True):
-            _check_shape(name, _shape_of(name, grad), layout.shape(name), layout)
+            check_shape(name, shape_of(name, grad), layout.shape(name), layout)
         return layout
 
     @classmethod
     def _infer(
         cls, first: tuple[str, Any], gate: tuple[str, Any], state: tuple[str, Any]
     ) -> GdnBackwardLayout:
-        first_shape = _shape_of(*first)
+        first_shape = shape_of(*first)
         if len(first_shape) != 4:
             raise ValueError(
                 f"{first[0]} must have 4 dimensions [B, S, H, N], got shape {first_shape}"
             )
-        gate_shape = _shape_of(*gate)
+        gate_shape = shape_of(*gate)
         if len(gate_shape) not in (3, 4):
             raise ValueError(
                 f"{gate[0]} must have shape [B, S, H] or [B, S, H, N], got {gate_shape}"
@@ -368,25 +413,10 @@ class GdnBackwardLayout:
         layout = cls(
             *first_shape, gate_per_channel=len(gate_shape) == 4, carry_state=state[1] is not None
         )
-        _check_shape(gate[0], gate_shape, layout.shape("dg"), layout)
+        check_shape(gate[0], gate_shape, layout.shape("dg"), layout)
         if state[1] is not None:
-            _check_shape(state[0], _shape_of(*state), layout.shape("dstate"), layout)
+            check_shape(state[0], shape_of(*state), layout.shape("dstate"), layout)
         return layout
-
-
-def _shape_of(name: str, value: Any) -> tuple[int, ...]:
-    shape = getattr(value, "shape", value)
-    try:
-        return tuple(operator.index(d) for d in shape)
-    except TypeError:
-        raise TypeError(f"{name} must be an array or a shape, got {type(value).__name__}") from None
-
-
-def _check_shape(
-    name: str, received: tuple[int, ...], expected: tuple[int, ...], layout: GdnBackwardLayout
-) -> None:
-    if received != expected:
-        raise ValueError(f"{name} has shape {received}, expected {expected} for {layout!r}")
 
 
 # -- the layout as a table ---------------------------------------------------------------

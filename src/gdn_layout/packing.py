@@ -56,6 +56,27 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     Any dtype and any strides work. Leading axes are kept: a ``(..., total_elems)`` input gives
     fields of shape ``(..., *shape)``.
 
+    Parameters
+    ----------
+    flat : numpy.ndarray
+        The packed buffer, ``(..., layout.total_elems)``.
+    layout : GdnBackwardLayout
+        Where each gradient sits.
+
+    Returns
+    -------
+    GdnGrads
+        Views of ``flat``; ``dstate`` is None when the state is not carried.
+
+    Raises
+    ------
+    TypeError
+        ``flat`` is not an ndarray, or ``layout`` not a :class:`GdnBackwardLayout`.
+    ValueError
+        The last axis of ``flat`` is not ``layout.total_elems`` long.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2, carry_state=True)
     >>> flat = np.arange(layout.total_elems, dtype=np.float32)
@@ -126,6 +147,37 @@ def pack(
     Inputs may overlap ``out``, as views from ``unpack(out, ...)`` do: each is read before
     its memory is written. Nothing is written unless every check passes.
 
+    Parameters
+    ----------
+    dq, dk, dv, dg, dbeta : array_like
+        The gradients, shaped as the layout says.
+    dstate : array_like, optional
+        The state's gradient: given exactly when the state is carried.
+    layout : GdnBackwardLayout, optional
+        The layout to pack into; inferred from ``dq``, ``dg`` and ``dstate`` when omitted.
+    out : numpy.ndarray, optional
+        A writeable 1-D array of ``layout.total_elems`` elements to write into.
+    dtype : dtype_like, optional
+        The packed dtype; must equal ``out.dtype`` when both are given.
+    casting : {"no", "equiv", "safe", "same_kind", "unsafe"}
+        How each gradient may be cast, as for :func:`numpy.copyto`.
+
+    Returns
+    -------
+    numpy.ndarray
+        The packed buffer: ``out`` when given.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` or ``out`` has the wrong type, a cast is not allowed by ``casting``, ``dtype``
+        conflicts with ``out``, or the packed dtype is not numeric.
+    ValueError
+        A shape does not match the layout, ``dstate`` does not match ``carry_state``, ``out``
+        has the wrong shape or is read-only, or ``casting`` is unknown.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)
     >>> buf = np.arange(layout.total_elems, dtype=np.float64)
@@ -236,6 +288,27 @@ def empty(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """An uninitialised packed buffer and its views, for a backward to write in place.
 
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        The layout of the buffer.
+    dtype : dtype_like
+        Its dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
+
+    Returns
+    -------
+    flat : numpy.ndarray
+        The uninitialised 1-D buffer of ``layout.total_elems`` elements.
+    grads : GdnGrads
+        ``unpack(flat, layout)``.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> flat, grads = empty(GdnBackwardLayout(1, 4, 2, 8), dtype=np.float64)
     >>> grads.dq[...] = 1.0  # writes into flat
@@ -251,6 +324,27 @@ def zeros(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """A zeroed packed buffer and its views, for a backward that accumulates in place.
 
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        The layout of the buffer.
+    dtype : dtype_like
+        Its dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
+
+    Returns
+    -------
+    flat : numpy.ndarray
+        The zeroed 1-D buffer of ``layout.total_elems`` elements.
+    grads : GdnGrads
+        ``unpack(flat, layout)``.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
+
+    Examples
+    --------
     >>> flat, grads = zeros(GdnBackwardLayout(1, 4, 2, 8, carry_state=True))
     >>> grads.dstate.shape, float(flat.sum())
     ((1, 2, 8, 8), 0.0)
