@@ -702,6 +702,47 @@ def test_draw_inputs_regimes(dtype: np.dtype[Any], per_channel: bool) -> None:
     fractions = [np.mean(mixed == 0), np.mean((mixed < 0) & (mixed > -1)), np.mean(mixed <= -3)]
     assert sum(fractions) == pytest.approx(1.0)
     assert all(0.25 < f < 0.42 for f in fractions), fractions
+    extreme = gates["extreme"]
+    assert extreme.max() <= -10.0 + tol * 30
+    assert extreme.min() >= -30.0 - tol * 30
+    assert extreme.std() > 5.0  # spread over the range, not stuck at one end
+    # qwen: g = -exp(A_log) * softplus(a + dt_bias), exp(A_log) in [1, 16] per head, so
+    # g / -softplus is one constant per head; with a ~ N(0, 1) and |dt_bias| <= 1, softplus
+    # lies in (0, 7) and the gates in (-112, 0).
+    qwen = gates["qwen"]
+    assert qwen.max() < 0.0
+    assert qwen.min() > -112.0
+    if dtype.itemsize == 8:
+        heads = np.moveaxis(qwen, 2, 0).reshape(layout.heads, -1)
+        ranges = heads.max(axis=1) - heads.min(axis=1)
+        assert (ranges > 0.5).all()  # a varies per step (and per channel)
+
+
+def test_qwen_gates_decay_at_a_rate_per_head() -> None:
+    # -g = exp(A_log) * softplus(a + dt_bias): positive, below 16 * softplus(max a + 1), and
+    # with exp(A_log) and dt_bias drawn per head, the heads' typical rates differ.
+    for per_channel in (False, True):
+        layout = GdnBackwardLayout(3, 40, 4, 4, gate_per_channel=per_channel)
+        g = draw_inputs(layout, regime="qwen", seed=2, dtype=np.float64).g
+        rates = -np.moveaxis(g, 2, 0).reshape(layout.heads, -1)
+        assert (rates > 0).all()
+        assert (rates < 16 * 7).all()
+        medians = np.median(rates, axis=1)
+        assert medians.max() / medians.min() > 1.5
+
+
+def test_the_suite_keeps_the_files_of_the_first_four_regimes(
+    suite: tuple[Path, list[Path]],
+) -> None:
+    # The first 112 entries (name, regime) and their seeds, as gdn-layout 0.1.0 numbered
+    # them: new regimes are appended after them, so old files keep their seeds and bytes.
+    root, _ = suite
+    entries = json.loads((root / "manifest.json").read_text())["fixtures"]
+    lines = [f"{e['seed'] - 100} {e['file']} {e['regime']}" for e in entries[:112]]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    assert digest == "8a3b5453f5f9c13efff53ab232b766e2de1e84e3047a76435c8fd5996b2f1b6a"
+    assert {e["regime"] for e in entries[112:]} == {"qwen", "extreme"}
+    assert len(entries) == 7 * 2 * 2 * len(REGIMES)
 
 
 def test_draw_inputs_streams_are_independent() -> None:
@@ -719,7 +760,7 @@ def test_draw_inputs_streams_are_independent() -> None:
 
 
 def test_draw_inputs_rejects_bad_arguments() -> None:
-    regimes = r"\('zero', 'mild', 'strong', 'mixed'\)"
+    regimes = r"\('zero', 'mild', 'strong', 'mixed', 'qwen', 'extreme'\)"
     with pytest.raises(
         ValueError, match=rf"draw_inputs: regime must be one of {regimes}, got 'hot'"
     ):
@@ -781,10 +822,10 @@ def test_suite_coverage_and_size(suite: tuple[Path, list[Path]]) -> None:
     assert any(s % 64 != 0 and s > 64 for _, s, _, _ in shapes)
     assert any(s % 64 == 1 and s > 64 for _, s, _, _ in shapes)
     total = sum(p.stat().st_size for p in paths)
-    assert total < 20 * 2**20
-    # The same set in float64 would still fit: every tensor byte doubles.
+    assert total < 16 * 2**20
+    # The same set in float64 stays small too: every tensor byte doubles.
     tensor_bytes = sum(sum(a.nbytes for a in f.tensors().values()) for f in fixtures)
-    assert total + tensor_bytes < 20 * 2**20
+    assert total + tensor_bytes < 32 * 2**20
 
 
 def test_suite_refuses_to_overwrite(suite: tuple[Path, list[Path]]) -> None:

@@ -41,7 +41,8 @@ FORMAT: Final = "gdn-layout-fixture"
 #: The ``format_version`` this module writes and the only one it reads.
 FORMAT_VERSION: Final = 1
 #: The gate regimes a fixture can record; :func:`gdn_layout.generate.draw_inputs` draws each.
-REGIMES: Final = ("zero", "mild", "strong", "mixed")
+#: New regimes go at the end: the standard suite numbers its files (and seeds) in this order.
+REGIMES: Final = ("zero", "mild", "strong", "mixed", "qwen", "extreme")
 #: The tensors of a fixture file, in the reference's argument order then ``y`` and ``packed``.
 TENSOR_NAMES: Final = ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed")
 

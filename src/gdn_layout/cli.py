@@ -101,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
         "--gate-regime",
         choices=REGIMES,
         help="zero: no decay, where state-path bugs show most; mild: exp(g) near 1; "
-        "strong: exp(g) near 0; mixed: all three (default)",
+        "strong: exp(g) near 0; mixed: those three (default); qwen: Qwen3-Next's gates, "
+        "-exp(A_log)*softplus(a+dt_bias); extreme: g in [-30, -10]",
     )
     target = fixture.add_mutually_exclusive_group(required=True)
     target.add_argument("-o", "--output", metavar="PATH", help="the fixture file to write")

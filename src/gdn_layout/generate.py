@@ -61,7 +61,15 @@ def draw_inputs(
     ``"strong"``
         ``g`` uniform in ``[-8, -3]``: ``exp(g)`` near 0.
     ``"mixed"``
-        each element of ``g`` drawn from one of the three, at random.
+        each element of ``g`` drawn from one of the three above, at random.
+    ``"qwen"``
+        as Qwen3-Next computes its gates: ``g = -exp(A_log) * softplus(a + dt_bias)``, with
+        ``exp(A_log)`` uniform in ``[1, 16]`` and ``dt_bias`` uniform in ``[-1, 1]`` per head
+        (model parameters, shared by the batch), and ``a`` standard normal per step (per step
+        and key channel for a per-channel gate). ``g`` lies in about ``[-80, -0.01]``.
+    ``"extreme"``
+        ``g`` uniform in ``[-30, -10]``: ``exp(g)`` below ``5e-5``, down to ``1e-13``, where
+        a kernel that divides by cumulative decays overflows.
 
     Each tensor has its own random stream, so ``q`` is the same for every regime and gate
     mode of a seed, and a layout with ``carry_state`` shares all other inputs with the one
@@ -132,6 +140,15 @@ def draw_inputs(
 
 
 def _gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:
+    if regime == "qwen":
+        # Per head, broadcast over the batch, the steps and (per channel) the key channels.
+        per_head = shape[2:3] + (1,) * (len(shape) - 3)
+        decay = rng.uniform(1.0, 16.0, per_head)  # exp(A_log)
+        dt_bias = rng.uniform(-1.0, 1.0, per_head)
+        a = rng.standard_normal(shape)
+        return -decay * np.logaddexp(0.0, a + dt_bias)  # softplus(x) = log(1 + exp(x))
+    if regime == "extreme":
+        return rng.uniform(-30.0, -10.0, shape)
     # The bounds keep every regime apart after a cast to bfloat16 too: mild never rounds to 0.
     mild = rng.uniform(-0.1, -0.001, shape)
     strong = rng.uniform(-8.0, -3.0, shape)
@@ -227,7 +244,17 @@ _SUITE_SHAPES: Final = (
 )
 
 
+#: The regimes of the first suite, then those added since: every file of an older suite keeps
+#: its place, and so its seed and its bytes.
+_SUITE_REGIMES: Final = (REGIMES[:4], REGIMES[4:])
+
+
 def _suite_cases() -> Iterator[tuple[str, GdnBackwardLayout, str]]:
+    for regimes in _SUITE_REGIMES:
+        yield from _suite_cases_of(regimes)
+
+
+def _suite_cases_of(regimes: tuple[str, ...]) -> Iterator[tuple[str, GdnBackwardLayout, str]]:
     for case in _SUITE_SHAPES:
         for per_channel in (False, True):
             for carry in (False, True):
@@ -239,7 +266,7 @@ def _suite_cases() -> Iterator[tuple[str, GdnBackwardLayout, str]]:
                     gate_per_channel=per_channel,
                     carry_state=carry,
                 )
-                for regime in REGIMES:
+                for regime in regimes:
                     name = (
                         f"{case.tag}-b{case.batch}s{case.seq}h{case.heads}n{case.state_size}"
                         f"-{'channel' if per_channel else 'scalar'}"
@@ -260,10 +287,12 @@ def write_suite(
 
     Every combination of gate mode (scalar, per channel), state mode (carried or not), gate
     regime (:data:`REGIMES`) and edge shape (S=1, N=1, B and H above 1, S = 64, 65, 100 and
-    N=128) is one file; file ``i`` uses seed ``seed + i``. ``manifest.json`` lists each file
-    with its layout, regime, seed, dtype, size and SHA-256. The whole set is a few MiB in
-    float32. Existing files are refused unless ``overwrite=True``. Returns the fixture paths.
-    ``progress``, when given, is called with the fraction of the files written so far.
+    N=128) is one file (168 files); file ``i`` uses seed ``seed + i``, the files of the first
+    four regimes first, so that adding a regime never renumbers an existing file.
+    ``manifest.json`` lists each file with its layout, regime, seed, dtype, size and SHA-256.
+    The whole set is about 12 MiB in float32. Existing files are refused unless
+    ``overwrite=True``. Returns the fixture paths. ``progress``, when given, is called with
+    the fraction of the files written so far.
 
     Parameters
     ----------
