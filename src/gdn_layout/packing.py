@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -202,10 +201,18 @@ def pack(
         arrays = [dq, dk, dv, dg, dbeta, dstate]
         shapes = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape, dstate.shape)
     if layout is None:
-        try:
-            layout = _infer_layout(arrays)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"pack: {error}") from None
+        # The layouts of recent calls by (dq's shape, gate rank, state): pack checks every
+        # shape against the layout next.
+        key = (shapes[0], len(shapes[3]), dstate is not None)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            try:
+                layout = _infer_layout(arrays)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"pack: {error}") from None
+            if len(_LAYOUTS) >= 64:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
     elif not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "pack")
     elif (dstate is None) == layout.carry_state:
@@ -227,14 +234,17 @@ def pack(
             raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
         _check_casts(layout, arrays, target, casting)
         return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
-    if type(out) is not nd or out.shape != (layout.total_elems,) or not out.flags.writeable:
+    if type(out) is not nd or out.shape != (layout.total_elems,):
         check_out(out, layout, "pack")  # raises the error that says which
+    flags = out.flags
+    if not flags.writeable:
+        check_out(out, layout, "pack")
     target = out.dtype
     if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != target:
         raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={target}; give one")
     # The usual case, fresh gradients of out's dtype, needs neither a cast check nor an
     # overlap check: a gradient that owns its memory cannot overlap an out that owns its own.
-    usual = out.flags.owndata
+    usual = flags.owndata
     for array in arrays:
         if array.dtype is not target or array.base is not None:
             usual = False
@@ -267,19 +277,14 @@ def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
     return any(np.may_share_memory(a, out) for a in arrays)
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_layout(
-    shape: tuple[int, ...], gate_per_channel: bool, carry_state: bool
-) -> GdnBackwardLayout:
-    batch, seq, heads, state_size = shape
-    return GdnBackwardLayout(batch, seq, heads, state_size, gate_per_channel, carry_state)
+_LAYOUTS: dict[tuple[tuple[int, ...], int, bool], GdnBackwardLayout] = {}
 
 
 def _infer_layout(arrays: list[NDArray[Any]]) -> GdnBackwardLayout:
     dq, dg = arrays[0], arrays[3]
     if dq.ndim == 4 and dg.ndim in (3, 4):
-        # pack checks every shape against the layout next; only the common case is cached.
-        return _cached_layout(dq.shape, dg.ndim == 4, len(arrays) == 6)
+        batch, seq, heads, state_size = dq.shape
+        return GdnBackwardLayout(batch, seq, heads, state_size, dg.ndim == 4, len(arrays) == 6)
     return GdnBackwardLayout.from_grads(*arrays)
 
 
