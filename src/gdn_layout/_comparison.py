@@ -19,31 +19,48 @@ __all__ = ["Comparison", "GradComparison"]
 class GradComparison:
     """How one gradient of an actual buffer compares with the expected one.
 
-    Attributes:
-        name: ``"dq"``, ..., ``"dstate"``.
-        shape: the gradient's shape.
-        actual_dtype, expected_dtype: the two buffers' dtype names.
-        size: number of elements.
-        rtol, atol: the elementwise tolerances used for ``mismatches``.
-        max_rms_ratio: the RMS criterion, or None when the gradient is judged elementwise.
-        max_abs_error: max ``|a - e|`` over pairs that are both finite (0.0 when none).
-        max_rel_error: max ``|a - e| / |e|`` over those pairs; ``inf`` when some ``e == 0``
-            has ``a != 0``.
-        rms_ratio: ``rms(a - e) / rms(e)`` over those pairs; 0.0 when both are zero, ``inf``
-            when only the reference is.
-        mismatches: elements out of elementwise tolerance, non-finite mismatches included.
-        nonfinite_mismatches: pairs with a non-finite side that do not match (see the module).
-        nan_actual, inf_actual, nan_expected, inf_expected: NaN/Inf counts on each side.
-        worst: coordinates (in :attr:`axes` order) of the element furthest out of tolerance
-            (elementwise: largest ``|a - e| - (atol + rtol * |e|)``; RMS: largest ``|a - e|``);
-            a non-finite mismatch outranks any finite error, and ties go to the first element
-            in C order. None for an empty gradient.
-        worst_actual, worst_expected: the two values there.
-        passed: whether the gradient meets its criterion.
-        error_map: read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
-            mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
-            head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-            ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
+    Attributes
+    ----------
+    name
+        ``"dq"``, ..., ``"dstate"``.
+    shape
+        The gradient's shape.
+    actual_dtype, expected_dtype
+        The two buffers' dtype names.
+    size
+        Number of elements.
+    rtol, atol
+        The elementwise tolerances used for ``mismatches``.
+    max_rms_ratio
+        The RMS criterion, or None when the gradient is judged elementwise.
+    max_abs_error
+        Max ``|a - e|`` over pairs that are both finite (0.0 when none).
+    max_rel_error
+        Max ``|a - e| / |e|`` over those pairs; ``inf`` when some ``e == 0``
+        has ``a != 0``.
+    rms_ratio
+        ``rms(a - e) / rms(e)`` over those pairs; 0.0 when both are zero, ``inf``
+        when only the reference is.
+    mismatches
+        Elements out of elementwise tolerance, non-finite mismatches included.
+    nonfinite_mismatches
+        Pairs with a non-finite side that do not match (see the module).
+    nan_actual, inf_actual, nan_expected, inf_expected
+        NaN/Inf counts on each side.
+    worst
+        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance
+        (elementwise: largest ``|a - e| - (atol + rtol * |e|)``; RMS: largest ``|a - e|``);
+        a non-finite mismatch outranks any finite error, and ties go to the first element
+        in C order. None for an empty gradient.
+    worst_actual, worst_expected
+        The two values there.
+    passed
+        Whether the gradient meets its criterion.
+    error_map
+        Read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
+        mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
+        head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
+        ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
     """
 
     name: str
