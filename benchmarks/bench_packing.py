@@ -14,6 +14,10 @@ baseline's time to gdn-layout's (above 1: gdn-layout is faster):
 
 Targets: unpack >= 0.67 (within 1.5x of hand slicing) at every size, with a time that does not
 grow with size; pack(out=) >= 0.9 of the floor's throughput; pack() >= 1.0.
+
+First, the fixed costs on a small (1.3 KiB) buffer, as time ratios (below 1: gdn-layout is
+faster): ``pack(out=)`` against the hand-written ``np.concatenate(grads, axis=None, out=out)``
+of the same arrays (target: at most 2), and ``unpack`` against hand slicing (at most 1.3).
 Each figure is the best of several repeats, interleaved, since the machine is shared.
 """
 
@@ -109,6 +113,27 @@ def measure(nbytes: int, quick: bool) -> dict[str, float]:
     return best
 
 
+def fixed_costs(quick: bool) -> tuple[float, float, float, float]:
+    """Best microseconds of pack(out=), np.concatenate(out=), unpack and hand slicing on the
+    1344-byte buffer of B=1 S=4 H=2 N=8 with a carried state, interleaved."""
+    layout = GdnBackwardLayout(1, 4, 2, 8, carry_state=True)
+    flat = np.random.default_rng(0).standard_normal(layout.total_elems, dtype=np.float32)
+    grads = [g.copy() for g in unpack(flat, layout) if g is not None]
+    out = np.empty_like(flat)
+    candidates: list[Callable[[], object]] = [
+        lambda: pack(*grads, out=out),
+        lambda: np.concatenate(grads, axis=None, out=out),
+        lambda: unpack(flat, layout),
+        lambda: hand_unpack(flat, layout),
+    ]
+    best = [float("inf")] * len(candidates)
+    for _ in range(10 if quick else 60):
+        for i, fn in enumerate(candidates):
+            best[i] = min(best[i], best_time(fn, 500, 1))
+    pack_out, concatenate, unpacked, hand = (t * 1e6 for t in best)
+    return pack_out, concatenate, unpacked, hand
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, sizes to 16 MiB")
@@ -118,6 +143,17 @@ def main() -> None:
     while sizes[-1] < top:
         sizes.append(sizes[-1] * 4)
 
+    pack_out, concatenate, unpacked, hand = fixed_costs(args.quick)
+    print(f"NumPy {np.__version__}; fixed costs on a 1.3 KiB float32 buffer:")
+    print(
+        f"  pack(out=) {pack_out:.2f} us / np.concatenate(out=) {concatenate:.2f} us = "
+        f"{pack_out / concatenate:.2f} (target <= 2)"
+    )
+    print(
+        f"  unpack {unpacked:.2f} us / hand slicing {hand:.2f} us = "
+        f"{unpacked / hand:.2f} (target <= 1.3)"
+    )
+    print()
     print(f"NumPy {np.__version__}; float32; ratio = baseline time / gdn-layout time")
     header = (
         f"{'size':>9} {'unpack us':>9} {'vs hand':>8} {'pack(out=) GB/s':>15} "

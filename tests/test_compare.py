@@ -14,16 +14,10 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, GdnGrads, unpack
-from gdn_layout._render import (
-    grad_stats,
-    grads_html,
-    grads_text,
-    html_table,
-    layout_html,
-    layout_table,
-    layout_text,
-)
+from gdn_layout._stats import grad_stats, grads_html, grads_text
+from gdn_layout._tables import html_table
 from gdn_layout.compare import Comparison, GradComparison, assert_close, compare, error_map
+from gdn_layout.layout import layout_html, layout_table, layout_text
 
 FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
@@ -93,8 +87,11 @@ def test_injected_error_is_located_in_each_gradient(per_channel: bool, carry: bo
         else:
             assert emap.shape == (layout.seq, layout.heads)
             assert peak == (where[1], where[2])
-        assert emap.max() == pytest.approx(0.25)
-        np.testing.assert_array_equal(emap, error_map(actual, expected, layout, name))
+        # The map by hand: the one error at its (s, h), or (i, h) for dstate; zero elsewhere.
+        by_hand = np.zeros_like(emap)
+        by_hand[peak] = abs(float(view[where]) - before)
+        np.testing.assert_array_equal(emap, by_hand)
+        np.testing.assert_array_equal(error_map(actual, expected, layout, name), by_hand)
         assert not emap.flags.writeable
 
 
@@ -547,7 +544,7 @@ def test_grad_stats_finite_only_and_empty() -> None:
 
 
 def test_grad_stats_chunked(monkeypatch: pytest.MonkeyPatch) -> None:
-    render = importlib.import_module("gdn_layout._render")
+    render = importlib.import_module("gdn_layout._stats")
 
     values = np.arange(-50, 51, dtype=np.float64)
     whole = grad_stats({"dq": values})[0]

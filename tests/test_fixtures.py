@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 import gdn_layout
-from gdn_layout import GdnBackwardLayout, reference, unpack
-from gdn_layout import fixtures as fx
+import gdn_layout._safetensors
+from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.fixtures import (
     REGIMES,
     Fixture,
@@ -189,18 +189,25 @@ def test_load_memory_maps_the_file(saved: Path) -> None:
 
 def test_a_multi_gib_fixture_opens_without_being_read(tmp_path: Path) -> None:
     layout = GdnBackwardLayout(1, 32768, 16, 128, carry_state=True)
-    specs: dict[str, tuple[str, tuple[int, ...], int]] = {}
-    for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
-        shape = (layout.total_elems,) if name == "packed" else _input_shape(layout, name)
-        specs[name] = ("F32", shape, 4 * int(np.prod(shape)))
     meta = _fixture(regime="zero", seed=0).metadata() | {
         "layout": json.dumps(layout.to_dict()),
     }
-    header = fx._encode_header(specs, meta)
+    entries: dict[str, Any] = {"__metadata__": meta}
+    end = 0
+    for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
+        shape = (layout.total_elems,) if name == "packed" else _input_shape(layout, name)
+        nbytes = 4 * int(np.prod(shape))
+        entries[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [end, end + nbytes],
+        }
+        end += nbytes
+    header = _assemble(entries, b"")
     path = tmp_path / "big.safetensors"
     with open(path, "wb") as f:
         f.write(header)
-        f.truncate(len(header) + sum(s[2] for s in specs.values()))  # sparse: no data written
+        f.truncate(len(header) + end)  # sparse: no data written
     assert path.stat().st_size > 2 * 2**30
     start = time.perf_counter()
     fixture = load_fixture(path)
@@ -306,7 +313,9 @@ def test_a_failed_tensor_write_leaves_nothing_behind(
 ) -> None:
     fixture = _fixture()
     # Three tensors are written, then the fourth name is one the fixture does not have.
-    monkeypatch.setattr(fx, "_data_order", lambda tensors: [*sorted(tensors)[:3], "nope"])
+    monkeypatch.setattr(
+        gdn_layout._safetensors, "data_order", lambda codes: [*sorted(codes)[:3], "nope"]
+    )
     with pytest.raises(KeyError, match="nope"):
         save_fixture(tmp_path / "x.safetensors", fixture)
     assert list(tmp_path.iterdir()) == []
@@ -549,8 +558,12 @@ def test_corrupt_headers_give_a_fixture_error_or_a_consistent_fixture(
         loaded = load_fixture(path)
     except FixtureError as err:
         message = str(err)
-    else:  # a change the format cannot see (e.g. in the seed); the result is still coherent
-        assert loaded.layout.total_elems == loaded.packed.shape[0]
+    else:  # a change the format cannot see (e.g. in the seed): the official reader agrees
+        official = safetensors.numpy.load_file(str(path))
+        tensors = loaded.tensors()
+        assert set(official) == set(tensors)
+        for name, array in tensors.items():
+            assert _same(official[name], np.asarray(array)), name
         return
     assert message.startswith(f"{path}: ")
 
@@ -584,9 +597,11 @@ def test_fixture_checks_its_tensors() -> None:
         Fixture(*x[:4], [0.5], *x[5:], y=y, packed=packed)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="regime must be one of"):
         Fixture(*x, y=y, packed=packed, regime="wild")
-    with pytest.raises(ValueError, match="seed must be a non-negative int"):
+    with pytest.raises(ValueError, match="seed must be a non-negative integer"):
         Fixture(*x, y=y, packed=packed, seed=-1)
-    with pytest.raises(TypeError, match="Fixture: seed must be a non-negative int, got '3'"):
+    with pytest.raises(
+        TypeError, match="Fixture: seed must be a non-negative integer, got str '3'"
+    ):
         Fixture(*x, y=y, packed=packed, seed="3")  # type: ignore[arg-type]
     numpy_seed = Fixture(*x, y=y, packed=packed, seed=np.int64(3))  # type: ignore[arg-type]
     assert type(numpy_seed.seed) is int
@@ -605,22 +620,44 @@ def test_fixture_checks_its_tensors() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
 @pytest.mark.parametrize(("per_channel", "carry"), FLAGS)
-def test_make_fixture_matches_the_reference_on_its_stored_inputs(
+def test_make_fixture_stores_the_answer_for_its_stored_inputs(
     dtype: np.dtype[Any], per_channel: bool, carry: bool
 ) -> None:
-    layout = GdnBackwardLayout(2, 7, 2, 4, gate_per_channel=per_channel, carry_state=carry)
-    fixture = make_fixture(layout, dtype=dtype, regime="mixed", seed=11)
+    # One step has a closed form (gated-delta-net.md: c = 1/sqrt(N), S_1 = A*S_0 + outer(k, u) with
+    # u = beta * (v - k @ (A*S_0))), computed here from the stored inputs in float64: the
+    # fixture must hold it up to the final rounding to its dtype.
+    layout = GdnBackwardLayout(2, 1, 3, 4, gate_per_channel=per_channel, carry_state=carry)
+    fixture = make_fixture(layout, dtype=dtype, regime="strong", seed=11)
     assert fixture.dtype == dtype
     assert fixture.compute_dtype == "float64"
-    assert (fixture.regime, fixture.seed) == ("mixed", 11)
+    assert (fixture.regime, fixture.seed) == ("strong", 11)
     assert all(a.dtype == dtype for a in fixture.tensors().values())
-    wide: list[Any] = [None if a is None else a.astype(np.float64) for a in fixture.inputs]
-    q, k, v, g, beta, dy, state = wide
-    packed = reference.backward(q, k, v, g, beta, dy, state)
-    out = reference.forward(q, k, v, g, beta, state)
-    y = out[0] if isinstance(out, tuple) else out
-    assert _same(fixture.packed, packed.astype(dtype))
-    assert _same(fixture.y, y.astype(dtype))
+    q, k, v, g, beta, dy = (np.asarray(a, dtype=np.float64) for a in fixture.inputs[:6])
+    c, b = 1 / np.sqrt(layout.state_size), beta[..., None]
+    decay = np.exp(g)[..., None] if per_channel else np.exp(g)[..., None, None]
+    if carry:
+        assert fixture.state is not None
+        prior = decay[:, 0] * np.asarray(fixture.state, dtype=np.float64)  # [B, H, N, N]
+        m = np.einsum("bhi,bhij->bhj", k[:, 0], prior)
+        u = (v[:, 0] - m) * b[:, 0]
+        state = prior + k[:, 0, :, :, None] * u[:, :, None, :]
+        y = c * np.einsum("bhi,bhij->bhj", q[:, 0], state)[:, None]
+    else:
+        y = c * b * v * (k * q).sum(-1, keepdims=True)
+    eps = float(ml_dtypes.finfo(dtype).eps)  # type: ignore[no-untyped-call]
+    np.testing.assert_allclose(np.asarray(fixture.y, np.float64), y, rtol=eps, atol=eps)
+    if not carry:  # and the gradients of sum(y * dy), by hand
+        kq, dyv = (k * q).sum(-1, keepdims=True), (dy * v).sum(-1, keepdims=True)
+        expected = {
+            "dq": c * b * dyv * k,
+            "dk": c * b * dyv * q,
+            "dv": c * b * kq * dy,
+            "dg": np.zeros(layout.shape("dg")),  # no state before the one step to decay
+            "dbeta": c * (dyv * kq)[..., 0],
+        }
+        for name, value in expected.items():
+            got = np.asarray(getattr(fixture.grads, name), np.float64)
+            np.testing.assert_allclose(got, value, rtol=eps, atol=eps, err_msg=name)
 
 
 def test_make_fixture_is_deterministic(tmp_path: Path) -> None:
@@ -665,6 +702,47 @@ def test_draw_inputs_regimes(dtype: np.dtype[Any], per_channel: bool) -> None:
     fractions = [np.mean(mixed == 0), np.mean((mixed < 0) & (mixed > -1)), np.mean(mixed <= -3)]
     assert sum(fractions) == pytest.approx(1.0)
     assert all(0.25 < f < 0.42 for f in fractions), fractions
+    extreme = gates["extreme"]
+    assert extreme.max() <= -10.0 + tol * 30
+    assert extreme.min() >= -30.0 - tol * 30
+    assert extreme.std() > 5.0  # spread over the range, not stuck at one end
+    # qwen: g = -exp(A_log) * softplus(a + dt_bias), exp(A_log) in [1, 16] per head, so
+    # g / -softplus is one constant per head; with a ~ N(0, 1) and |dt_bias| <= 1, softplus
+    # lies in (0, 7) and the gates in (-112, 0).
+    qwen = gates["qwen"]
+    assert qwen.max() < 0.0
+    assert qwen.min() > -112.0
+    if dtype.itemsize == 8:
+        heads = np.moveaxis(qwen, 2, 0).reshape(layout.heads, -1)
+        ranges = heads.max(axis=1) - heads.min(axis=1)
+        assert (ranges > 0.5).all()  # a varies per step (and per channel)
+
+
+def test_qwen_gates_decay_at_a_rate_per_head() -> None:
+    # -g = exp(A_log) * softplus(a + dt_bias): positive, below 16 * softplus(max a + 1), and
+    # with exp(A_log) and dt_bias drawn per head, the heads' typical rates differ.
+    for per_channel in (False, True):
+        layout = GdnBackwardLayout(3, 40, 4, 4, gate_per_channel=per_channel)
+        g = draw_inputs(layout, regime="qwen", seed=2, dtype=np.float64).g
+        rates = -np.moveaxis(g, 2, 0).reshape(layout.heads, -1)
+        assert (rates > 0).all()
+        assert (rates < 16 * 7).all()
+        medians = np.median(rates, axis=1)
+        assert medians.max() / medians.min() > 1.5
+
+
+def test_the_suite_keeps_the_files_of_the_first_four_regimes(
+    suite: tuple[Path, list[Path]],
+) -> None:
+    # The first 112 entries (name, regime) and their seeds, as gdn-layout 0.1.0 numbered
+    # them: new regimes are appended after them, so old files keep their seeds and bytes.
+    root, _ = suite
+    entries = json.loads((root / "manifest.json").read_text())["fixtures"]
+    lines = [f"{e['seed'] - 100} {e['file']} {e['regime']}" for e in entries[:112]]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    assert digest == "8a3b5453f5f9c13efff53ab232b766e2de1e84e3047a76435c8fd5996b2f1b6a"
+    assert {e["regime"] for e in entries[112:]} == {"qwen", "extreme"}
+    assert len(entries) == 7 * 2 * 2 * len(REGIMES)
 
 
 def test_draw_inputs_streams_are_independent() -> None:
@@ -682,7 +760,7 @@ def test_draw_inputs_streams_are_independent() -> None:
 
 
 def test_draw_inputs_rejects_bad_arguments() -> None:
-    regimes = r"\('zero', 'mild', 'strong', 'mixed'\)"
+    regimes = r"\('zero', 'mild', 'strong', 'mixed', 'qwen', 'extreme'\)"
     with pytest.raises(
         ValueError, match=rf"draw_inputs: regime must be one of {regimes}, got 'hot'"
     ):
@@ -692,24 +770,17 @@ def test_draw_inputs_rejects_bad_arguments() -> None:
         draw_inputs(SMALL, dtype=np.int32)
     with pytest.raises(TypeError, match="got 'float17'"):
         draw_inputs(SMALL, dtype="float17")
-    with pytest.raises(ValueError, match="seed must be a non-negative int, got -1"):
+    with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
         draw_inputs(SMALL, seed=-1)
-    with pytest.raises(TypeError, match=r"draw_inputs: seed must be a non-negative int, got 1\.5"):
+    with pytest.raises(
+        TypeError, match=r"draw_inputs: seed must be a non-negative integer, got float 1\.5"
+    ):
         draw_inputs(SMALL, seed=1.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="layout must be a GdnBackwardLayout, got tuple"):
         draw_inputs((1, 2, 3, 4))  # type: ignore[arg-type]
 
 
 # -- the suite -----------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
-    root = tmp_path_factory.mktemp("suite")
-    fractions: list[float] = []
-    paths = write_suite(root, seed=100, progress=fractions.append)
-    assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
-    return root, paths
 
 
 def test_suite_manifest_lists_every_file(suite: tuple[Path, list[Path]]) -> None:
@@ -751,10 +822,10 @@ def test_suite_coverage_and_size(suite: tuple[Path, list[Path]]) -> None:
     assert any(s % 64 != 0 and s > 64 for _, s, _, _ in shapes)
     assert any(s % 64 == 1 and s > 64 for _, s, _, _ in shapes)
     total = sum(p.stat().st_size for p in paths)
-    assert total < 20 * 2**20
-    # The same set in float64 would still fit: every tensor byte doubles.
+    assert total < 16 * 2**20
+    # The same set in float64 stays small too: every tensor byte doubles.
     tensor_bytes = sum(sum(a.nbytes for a in f.tensors().values()) for f in fixtures)
-    assert total + tensor_bytes < 20 * 2**20
+    assert total + tensor_bytes < 32 * 2**20
 
 
 def test_suite_refuses_to_overwrite(suite: tuple[Path, list[Path]]) -> None:

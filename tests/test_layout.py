@@ -5,6 +5,7 @@ Parity of every number with rlx-ir is guarded separately, by the golden table (t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import pickle
@@ -17,15 +18,7 @@ from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, Segment
 
-layouts = st.builds(
-    GdnBackwardLayout,
-    batch=st.integers(0, 4),
-    seq=st.integers(0, 70),
-    heads=st.integers(0, 5),
-    state_size=st.integers(0, 9),
-    gate_per_channel=st.booleans(),
-    carry_state=st.booleans(),
-)
+layouts = st.from_type(GdnBackwardLayout)  # registered in conftest.py
 
 
 @given(layouts)
@@ -40,6 +33,12 @@ def test_slices_tile_the_buffer_exactly(layout: GdnBackwardLayout) -> None:
 @given(layouts)
 def test_segment_shapes_multiply_to_their_lengths(layout: GdnBackwardLayout) -> None:
     segments = layout.segments()
+    # The lengths from the sizes alone (rlx-ir's gdn.rs), the offsets by adding them up.
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    lengths = [b * s * h * n] * 3 + [b * s * h * (n if layout.gate_per_channel else 1), b * s * h]
+    lengths += [b * h * n * n] if layout.carry_state else []
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    assert layout.slices() == list(zip(offsets, lengths, strict=True))
     assert [(s.offset, s.length) for s in segments] == layout.slices()
     assert tuple(s.name for s in segments) == layout.names
     for seg in segments:
@@ -82,7 +81,7 @@ def test_value_semantics() -> None:
     with pytest.raises(AttributeError):
         a.batch = 3  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        a.total_elems = 3  # type: ignore[misc]
+        a.total_elems = 3
 
 
 def test_nbytes() -> None:
@@ -218,3 +217,44 @@ def _literal(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_only_the_six_fields_are_dataclass_fields() -> None:
+    layout = GdnBackwardLayout(2, 3, 4, 8, gate_per_channel=True, carry_state=True)
+    _ = layout.total_elems, layout.cuts, layout.shapes  # computed and kept
+    assert dataclasses.asdict(layout) == {
+        "batch": 2,
+        "seq": 3,
+        "heads": 4,
+        "state_size": 8,
+        "gate_per_channel": True,
+        "carry_state": True,
+    }
+    assert (
+        dataclasses.replace(layout, seq=5).total_elems
+        == GdnBackwardLayout(2, 5, 4, 8, gate_per_channel=True, carry_state=True).total_elems
+    )
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_axes_and_input_shapes(per_channel: bool) -> None:
+    b, s, h, n = 2, 3, 4, 5
+    layout = GdnBackwardLayout(b, s, h, n, gate_per_channel=per_channel, carry_state=True)
+    gate_axes = ("b", "s", "h", "n") if per_channel else ("b", "s", "h")
+    expected = {
+        "dq": ("b", "s", "h", "n"),
+        "dk": ("b", "s", "h", "n"),
+        "dv": ("b", "s", "h", "n"),
+        "dg": gate_axes,
+        "dbeta": ("b", "s", "h"),
+        "dstate": ("b", "h", "i", "j"),
+    }
+    assert {seg.name: seg.axes for seg in layout.segments()} == expected
+    sizes = {"b": b, "s": s, "h": h, "n": n, "i": n, "j": n}
+    for seg in layout.segments():
+        assert seg.shape == tuple(sizes[axis] for axis in seg.axes)
+    inputs = {"q": "dq", "k": "dk", "v": "dv", "g": "dg", "beta": "dbeta", "state": "dstate"}
+    for name, grad in {**inputs, "dy": "dv", "y": "dv"}.items():
+        assert layout.input_shape(name) == tuple(sizes[a] for a in expected[grad])
+    with pytest.raises(KeyError, match="no input 'dq'"):
+        layout.input_shape("dq")

@@ -22,15 +22,7 @@ DTYPES = [
     np.dtype(ml_dtypes.bfloat16),
 ]
 
-layouts = st.builds(
-    GdnBackwardLayout,
-    batch=st.integers(0, 3),
-    seq=st.integers(0, 9),
-    heads=st.integers(0, 3),
-    state_size=st.integers(0, 5),
-    gate_per_channel=st.booleans(),
-    carry_state=st.booleans(),
-)
+layouts = st.from_type(GdnBackwardLayout)  # registered in conftest.py
 dtypes = st.sampled_from(DTYPES)
 
 

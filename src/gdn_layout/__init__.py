@@ -4,8 +4,8 @@ The layout and its views (:class:`GdnBackwardLayout`, :func:`unpack`, :func:`pac
 :func:`empty`, :func:`zeros`), the comparison of a kernel's packed gradient with a reference
 (:func:`compare`, :func:`assert_close`) and fixture files (:func:`load_fixture`,
 :func:`save_fixture`) are here; the float64 reference forward and backward are in
-:mod:`gdn_layout.reference`, fixture generation in :mod:`gdn_layout.fixtures`, pictures in
-:mod:`gdn_layout.plot`.
+:mod:`gdn_layout.reference`, fixture generation in :mod:`gdn_layout.generate` (gathered with
+the files in :mod:`gdn_layout.fixtures`), pictures in :mod:`gdn_layout.plot`.
 
 >>> import numpy as np
 >>> import gdn_layout as gl
@@ -15,13 +15,7 @@ The layout and its views (:class:`GdnBackwardLayout`, :func:`unpack`, :func:`pac
 ((1, 4, 2), 208)
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("gdn-layout")
-except PackageNotFoundError:  # pragma: no cover - running from a source tree
-    __version__ = "0+unknown"
-
+from ._version import __version__
 from .compare import Comparison, GradComparison, assert_close, compare
 from .fixtures import Fixture, FixtureError, load_fixture, save_fixture
 from .layout import GdnBackwardLayout, Segment

@@ -13,16 +13,18 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
-from numpy.typing import NDArray
 
-from . import _render, reference
+from . import reference
+from ._checks import require_matplotlib
 from ._dtypes import resolve
+from ._fixture import REGIMES, PackedFile, load_fixture, open_packed, save_fixture
+from ._stats import grad_stats, grads_text
 from .compare import compare
-from .fixtures import REGIMES, load_fixture, make_fixture, save_fixture, write_suite
-from .layout import GdnBackwardLayout
+from .generate import make_fixture, write_suite
+from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
 
 __all__ = ["main"]
@@ -99,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
         "--gate-regime",
         choices=REGIMES,
         help="zero: no decay, where state-path bugs show most; mild: exp(g) near 1; "
-        "strong: exp(g) near 0; mixed: all three (default)",
+        "strong: exp(g) near 0; mixed: those three (default); qwen: Qwen3-Next's gates, "
+        "-exp(A_log)*softplus(a+dt_bias); extreme: g in [-30, -10]",
     )
     target = fixture.add_mutually_exclusive_group(required=True)
     target.add_argument("-o", "--output", metavar="PATH", help="the fixture file to write")
@@ -234,7 +237,7 @@ def _describe(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
     dtype = resolve(args.dtype, "--dtype")
     if args.json:
-        rows = _render.layout_table(layout, dtype)
+        rows = layout_table(layout, dtype)
         document: dict[str, Any] = {
             "layout": layout.to_dict(),
             "dtype": args.dtype,
@@ -244,7 +247,7 @@ def _describe(args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2))
     else:
-        print(_render.layout_text(layout, dtype))
+        print(layout_text(layout, dtype))
     return 0
 
 
@@ -284,11 +287,11 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    source = _open_packed(args.path, args)
+    source = open_packed(args.path, args.dtype)
     layout = _resolve_layout([source], args)
     grads = _unpack(source, layout)
     if args.json:
-        rows = _render.grad_stats(grads)
+        rows = grad_stats(grads)
         document = {
             "path": args.path,
             "kind": source.kind,
@@ -298,16 +301,14 @@ def _inspect(args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2))
     else:
-        print(
-            f"{args.path}: {source.kind}, {source.packed.dtype}, {_render.layout_caption(layout)}"
-        )
-        print(_render.grads_text(grads))
+        print(f"{args.path}: {source.kind}, {source.packed.dtype}, {layout_caption(layout)}")
+        print(grads_text(grads))
     return 0
 
 
 def _compare(args: argparse.Namespace) -> int:
-    actual = _open_packed(args.actual, args)
-    expected = _open_packed(args.expected, args)
+    actual = open_packed(args.actual, args.dtype)
+    expected = open_packed(args.expected, args.dtype)
     layout = _resolve_layout([actual, expected], args)
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
@@ -337,8 +338,8 @@ def _demo(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
     with tempfile.TemporaryDirectory(prefix="gdn-layout-demo-") as folder:
         path = Path(folder) / "demo.safetensors"
-        print(f"1. the layout of the backward, {_render.layout_caption(layout)}:")
-        print(_render.layout_text(layout, np.float64))
+        print(f"1. the layout of the backward, {layout_caption(layout)}:")
+        print(layout_text(layout, np.float64))
         stdout = sys.stdout
         stdout.flush()  # the table first, then any progress bar on stderr
         bar = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
@@ -351,7 +352,7 @@ def _demo(args: argparse.Namespace) -> int:
         loaded = load_fixture(path)
         mapped = all(isinstance(a, np.memmap) for a in loaded.tensors().values())
         print(f"   reloaded memory-mapped: {mapped}; its gradients, unpacked without a copy:")
-        print(_render.grads_text(loaded.grads))
+        print(grads_text(loaded.grads))
         stdout.flush()
         bar.label = "float32 recomputation"
         recomputed = reference.backward(*loaded.inputs, dtype=np.float32, progress=bar.update)
@@ -363,9 +364,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check_plot_path(path: str) -> None:
-    from .plot import _require_matplotlib
-
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib.figure import Figure
 
     target = Path(path)
@@ -381,60 +380,7 @@ def _check_plot_path(path: str) -> None:
         raise UsageError(f"{path}: the folder {target.parent} does not exist")
 
 
-class _Packed(NamedTuple):
-    path: str
-    kind: str
-    packed: NDArray[Any]
-    layout: GdnBackwardLayout | None
-
-
-def _open_packed(path: str, args: argparse.Namespace) -> _Packed:
-    """Read a packed buffer lazily (memory-mapped) from a fixture, a .npy or a raw file."""
-    if not Path(path).exists():
-        raise UsageError(f"{path}: no such file")
-    if not Path(path).is_file():
-        raise UsageError(f"{path}: not a file")
-    kind = _sniff(path)
-    if kind == "fixture":
-        fixture = load_fixture(path)
-        return _Packed(path, kind, fixture.packed, fixture.layout)
-    if kind == ".npy":
-        with open(path, "rb") as file:
-            if file.read(6) != b"\x93NUMPY":
-                raise UsageError(f"{path}: not a .npy file: it has no NumPy header")
-        try:
-            packed = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as error:  # one of Python objects, or a damaged header
-            raise UsageError(f"{path}: cannot be read as a packed buffer: {error}") from None
-        return _Packed(path, kind, packed, None)
-    if args.dtype is None:
-        raise UsageError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
-    dtype = resolve(args.dtype, "--dtype")
-    size = Path(path).stat().st_size
-    if size % dtype.itemsize:
-        raise UsageError(f"{path}: {size} bytes is not a whole number of {args.dtype} elements")
-    packed = np.memmap(path, dtype=dtype, mode="r") if size else np.empty(0, dtype)
-    return _Packed(path, kind, packed, None)
-
-
-def _sniff(path: str) -> str:
-    """What a file holds, from its first bytes; a damaged fixture or .npy by its name."""
-    with open(path, "rb") as file:
-        head = file.read(9)
-    name = path.lower()
-    if head.startswith(b"\x93NUMPY") or name.endswith(".npy"):
-        return ".npy"
-    # safetensors: a little-endian u64 header length that fits the file, then a JSON object.
-    size = Path(path).stat().st_size
-    header = int.from_bytes(head[:8], "little")
-    if (len(head) == 9 and head[8:] == b"{" and 2 <= header <= size - 8) or name.endswith(
-        ".safetensors"
-    ):
-        return "fixture"
-    return "raw"
-
-
-def _resolve_layout(sources: list[_Packed], args: argparse.Namespace) -> GdnBackwardLayout:
+def _resolve_layout(sources: list[PackedFile], args: argparse.Namespace) -> GdnBackwardLayout:
     """The layout the files state, checked against the flags; else the one the flags give."""
     dims = (args.batch, args.seq, args.heads, args.state_size)
     flagged = None
@@ -460,7 +406,7 @@ def _resolve_layout(sources: list[_Packed], args: argparse.Namespace) -> GdnBack
     return layout
 
 
-def _unpack(source: _Packed, layout: GdnBackwardLayout) -> GdnGrads:
+def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:
     if source.packed.ndim != 1:
         raise UsageError(
             f"{source.path}: expected a 1-D packed buffer, got shape {source.packed.shape}"

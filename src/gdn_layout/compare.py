@@ -35,15 +35,16 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ._checks import not_a_layout
+from ._comparison import Comparison, GradComparison
 from ._dtypes import is_floating
-from ._render import CHUNK_ELEMENTS, fmt_float, html_table, layout_caption, text_table
-from .layout import GRADIENT_NAMES, GdnBackwardLayout, _not_a_layout
+from ._stats import CHUNK_ELEMENTS
+from .layout import GRADIENT_NAMES, GdnBackwardLayout, Segment, layout_caption
 
 __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
 
@@ -62,259 +63,6 @@ _DEFAULT_TOLERANCES = {
 }
 #: Less precise first.
 _PRECISION_RANK = ("bfloat16", "float16", "float32", "float64", "longdouble")
-
-#: The axes each gradient's coordinates are given in.
-AXES = {
-    "dq": ("b", "s", "h", "n"),
-    "dk": ("b", "s", "h", "n"),
-    "dv": ("b", "s", "h", "n"),
-    "dg": ("b", "s", "h"),  # ("b", "s", "h", "n") when the gate is per channel
-    "dbeta": ("b", "s", "h"),
-    "dstate": ("b", "h", "i", "j"),
-}
-
-
-@dataclass(frozen=True)
-class GradComparison:
-    """How one gradient of an actual buffer compares with the expected one.
-
-    Attributes:
-        name: ``"dq"``, ..., ``"dstate"``.
-        shape: the gradient's shape.
-        actual_dtype, expected_dtype: the two buffers' dtype names.
-        size: number of elements.
-        rtol, atol: the elementwise tolerances used for ``mismatches``.
-        max_rms_ratio: the RMS criterion, or None when the gradient is judged elementwise.
-        max_abs_error: max ``|a - e|`` over pairs that are both finite (0.0 when none).
-        max_rel_error: max ``|a - e| / |e|`` over those pairs; ``inf`` when some ``e == 0``
-            has ``a != 0``.
-        rms_ratio: ``rms(a - e) / rms(e)`` over those pairs; 0.0 when both are zero, ``inf``
-            when only the reference is.
-        mismatches: elements out of elementwise tolerance, non-finite mismatches included.
-        nonfinite_mismatches: pairs with a non-finite side that do not match (see the module).
-        nan_actual, inf_actual, nan_expected, inf_expected: NaN/Inf counts on each side.
-        worst: coordinates (in :data:`AXES` order) of the element furthest out of tolerance
-            (elementwise: largest ``|a - e| - (atol + rtol * |e|)``; RMS: largest ``|a - e|``);
-            a non-finite mismatch outranks any finite error, and ties go to the first element
-            in C order. None for an empty gradient.
-        worst_actual, worst_expected: the two values there.
-        passed: whether the gradient meets its criterion.
-        error_map: read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
-            mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
-            head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-            ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    actual_dtype: str
-    expected_dtype: str
-    size: int
-    rtol: float
-    atol: float
-    max_rms_ratio: float | None
-    max_abs_error: float
-    max_rel_error: float
-    rms_ratio: float
-    mismatches: int
-    nonfinite_mismatches: int
-    nan_actual: int
-    inf_actual: int
-    nan_expected: int
-    inf_expected: int
-    worst: tuple[int, ...] | None
-    worst_actual: float | None
-    worst_expected: float | None
-    passed: bool
-    error_map: NDArray[np.float64] = field(compare=False, repr=False)
-
-    @property
-    def mode(self) -> Literal["elementwise", "rms"]:
-        """How ``passed`` was judged: ``"rms"`` when ``max_rms_ratio`` is set."""
-        return "elementwise" if self.max_rms_ratio is None else "rms"
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        """The names of the axes ``worst`` indexes, e.g. ``("b", "s", "h", "n")``."""
-        names = AXES[self.name]
-        return ("b", "s", "h", "n") if len(self.shape) == 4 and self.name == "dg" else names
-
-    @property
-    def criterion(self) -> str:
-        """The pass criterion in words, e.g. ``"rtol=1e-05 atol=1e-08"``."""
-        if self.max_rms_ratio is not None:
-            return f"rms ratio<={self.max_rms_ratio:.3g}"
-        return f"rtol={self.rtol:.3g} atol={self.atol:.3g}"
-
-    @property
-    def exact(self) -> bool:
-        """Every element equal, or both non-finite in the same way: no element is "worst"."""
-        return self.max_abs_error == 0 and self.nonfinite_mismatches == 0
-
-    def where(self) -> str:
-        """The worst element as an index expression, e.g. ``"dk[0, 17, 3, 5]"``."""
-        if self.worst is None:
-            return f"{self.name}[]"
-        return f"{self.name}[{', '.join(map(str, self.worst))}]"
-
-    def summary(self) -> str:
-        """One line: the worst element, its values and why the gradient passes or fails."""
-        if self.worst is None:
-            return f"{self.name}: empty"
-        a, e = self.worst_actual, self.worst_expected
-        head = f"{self.where()}: actual {_value(a)} expected {_value(e)}"
-        facts = []
-        if self.max_rms_ratio is None:
-            assert e is not None
-            allowed = self.atol + self.rtol * abs(e) if math.isfinite(e) else 0.0
-            facts.append(
-                f"{self.mismatches} of {self.size} out of tolerance "
-                f"(|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|; here {allowed:.3g})"
-            )
-        else:
-            verb = "<=" if self.rms_ratio <= self.max_rms_ratio else ">"
-            facts.append(f"rms ratio {self.rms_ratio:.3g} {verb} {self.max_rms_ratio:.3g}")
-        if self.nonfinite_mismatches:
-            n = self.nonfinite_mismatches
-            facts.append(f"{n} non-finite mismatch{'' if n == 1 else 'es'}")
-        if self.nan_actual or self.nan_expected or self.inf_actual or self.inf_expected:
-            facts.append(
-                f"nan {self.nan_actual}/{self.nan_expected}, "
-                f"inf {self.inf_actual}/{self.inf_expected} (actual/expected)"
-            )
-        facts.append(
-            f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}, "
-            f"rms ratio {self.rms_ratio:.3g}"
-        )
-        return f"{head}; " + "; ".join(facts)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-safe fields (no error map); a non-finite float becomes ``"inf"``/``"nan"``."""
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "axes": list(self.axes),
-            "actual_dtype": self.actual_dtype,
-            "expected_dtype": self.expected_dtype,
-            "size": self.size,
-            "mode": self.mode,
-            "rtol": _json_float(self.rtol),
-            "atol": _json_float(self.atol),
-            "max_rms_ratio": _json_float(self.max_rms_ratio),
-            "max_abs_error": _json_float(self.max_abs_error),
-            "max_rel_error": _json_float(self.max_rel_error),
-            "rms_ratio": _json_float(self.rms_ratio),
-            "mismatches": self.mismatches,
-            "nonfinite_mismatches": self.nonfinite_mismatches,
-            "nan_actual": self.nan_actual,
-            "inf_actual": self.inf_actual,
-            "nan_expected": self.nan_expected,
-            "inf_expected": self.inf_expected,
-            "worst": None if self.worst is None else list(self.worst),
-            "worst_actual": _json_float(self.worst_actual),
-            "worst_expected": _json_float(self.worst_expected),
-            "passed": self.passed,
-        }
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The result of :func:`compare`: one :class:`GradComparison` per gradient, in order.
-
-    ``str(comparison)`` is a fixed-width table, ``comparison._repr_html_()`` an HTML one and
-    ``comparison.to_dict()`` a JSON-safe dict. Index by name: ``comparison["dk"]``.
-    """
-
-    layout: GdnBackwardLayout
-    grads: tuple[GradComparison, ...]
-
-    @property
-    def passed(self) -> bool:
-        """Whether every gradient passed."""
-        return all(g.passed for g in self.grads)
-
-    @property
-    def failed(self) -> tuple[str, ...]:
-        """The names of the gradients that failed, in packing order."""
-        return tuple(g.name for g in self.grads if not g.passed)
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(g.name for g in self.grads)
-
-    def __getitem__(self, name: str) -> GradComparison:
-        for grad in self.grads:
-            if grad.name == name:
-                return grad
-        raise KeyError(f"no gradient {name!r} in this comparison; it has {', '.join(self.names)}")
-
-    def error_map(self, name: str) -> NDArray[np.float64]:
-        """The :attr:`GradComparison.error_map` of the gradient called ``name``."""
-        return self[name].error_map
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-safe dict (``json.dumps(..., allow_nan=False)`` accepts it)."""
-        return {
-            "passed": self.passed,
-            "failed": list(self.failed),
-            "layout": self.layout.to_dict(),
-            "grads": [g.to_dict() for g in self.grads],
-        }
-
-    def _title(self) -> str:
-        verdict = "passed" if self.passed else f"FAILED ({', '.join(self.failed)})"
-        return f"compare {verdict}: {layout_caption(self.layout)}"
-
-    def _cells(self) -> list[list[str]]:
-        return [
-            [
-                g.name,
-                str(g.shape),
-                f"{g.actual_dtype}/{g.expected_dtype}",
-                fmt_float(g.max_abs_error),
-                fmt_float(g.max_rel_error),
-                fmt_float(g.rms_ratio),
-                f"{g.mismatches}/{g.size}",
-                f"{g.nan_actual}/{g.nan_expected}",
-                f"{g.inf_actual}/{g.inf_expected}",
-                "-" if g.exact or g.worst is None else str(list(g.worst)),
-                g.criterion,
-                "ok" if g.passed else "FAIL",
-            ]
-            for g in self.grads
-        ]
-
-    def __str__(self) -> str:
-        return f"{self._title()}\n{text_table(_HEADERS, self._cells(), align=_ALIGN)}"
-
-    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
-        printer.text(str(self))
-
-    def _repr_html_(self) -> str:
-        return html_table(
-            _HEADERS,
-            self._cells(),
-            align=_ALIGN,
-            caption=self._title(),
-            row_styles=["" if g.passed else "background:#fdd" for g in self.grads],
-        )
-
-
-_HEADERS = [
-    "grad",
-    "shape",
-    "dtypes",
-    "max abs",
-    "max rel",
-    "rms ratio",
-    "out/size",
-    "nan a/e",
-    "inf a/e",
-    "worst",
-    "criterion",
-    "result",
-]
-_ALIGN = "lllrrrrrrlll"
 
 
 def compare(
@@ -337,6 +85,36 @@ def compare(
     1.3e-6/1e-5, float64: 1e-7/1e-7); a gradient with a ``max_rms_ratio`` is judged by it
     instead of elementwise. See the module for how NaN and Inf are judged.
 
+    Parameters
+    ----------
+    actual, expected : numpy.ndarray
+        1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
+        elements; their dtypes may differ.
+    layout : GdnBackwardLayout
+        The layout of both.
+    rtol, atol : float or mapping of str to float, optional
+        Elementwise tolerances, for every gradient or by gradient name; left out, the default
+        of the less precise dtype.
+    max_rms_ratio : float or mapping of str to float, optional
+        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` instead.
+    equal_nan : bool
+        Whether NaN against NaN matches.
+
+    Returns
+    -------
+    Comparison
+        One :class:`GradComparison` per gradient.
+
+    Raises
+    ------
+    TypeError
+        A buffer or ``layout`` has the wrong type or dtype, or a tolerance is not a number.
+    ValueError
+        A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
+        an unknown gradient.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout
     >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
@@ -350,7 +128,7 @@ def compare(
     ('dq', 'dk', 'dv')
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "compare")
+        raise not_a_layout(layout, "compare")
     _check_buffer("actual", actual, layout)
     _check_buffer("expected", expected, layout)
     if not isinstance(equal_nan, (bool, np.bool_)):
@@ -361,8 +139,7 @@ def compare(
     rms_limits = _per_grad("max_rms_ratio", max_rms_ratio)
     grads = tuple(
         _compare_grad(
-            seg.name,
-            seg.shape,
+            seg,
             actual[seg.offset : seg.offset + seg.length],
             expected[seg.offset : seg.offset + seg.length],
             rtols.get(seg.name, default_rtol),
@@ -389,6 +166,38 @@ def assert_close(
 
     Returns the :class:`Comparison` when every gradient passes.
 
+    Parameters
+    ----------
+    actual, expected : numpy.ndarray
+        1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
+        elements; their dtypes may differ.
+    layout : GdnBackwardLayout
+        The layout of both.
+    rtol, atol : float or mapping of str to float, optional
+        Elementwise tolerances, for every gradient or by gradient name; left out, the default
+        of the less precise dtype.
+    max_rms_ratio : float or mapping of str to float, optional
+        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` instead.
+    equal_nan : bool
+        Whether NaN against NaN matches.
+
+    Returns
+    -------
+    Comparison
+        One :class:`GradComparison` per gradient.
+
+    Raises
+    ------
+    AssertionError
+        A gradient fails; the message names each failing gradient and its worst element.
+    TypeError
+        A buffer or ``layout`` has the wrong type or dtype, or a tolerance is not a number.
+    ValueError
+        A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
+        an unknown gradient.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
     >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
@@ -427,6 +236,29 @@ def error_map(
     ``[S, H]`` for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
     ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0.
 
+    Parameters
+    ----------
+    actual, expected : numpy.ndarray
+        1-D float buffers of ``layout.total_elems`` elements.
+    layout : GdnBackwardLayout
+        The layout of both.
+    name : str
+        The gradient, ``"dq"`` to ``"dstate"``.
+
+    Returns
+    -------
+    numpy.ndarray
+        A read-only float64 map, ``[S, H]`` (``[N, H]`` for ``dstate``).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`compare`.
+    KeyError
+        The layout has no gradient ``name``.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
     >>> layout = GdnBackwardLayout(batch=2, seq=4, heads=3, state_size=2)
@@ -439,14 +271,12 @@ def error_map(
            [0.  , 0.  , 0.  ]])
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "error_map")
+        raise not_a_layout(layout, "error_map")
     _check_buffer("actual", actual, layout, "error_map")
     _check_buffer("expected", expected, layout, "error_map")
     seg = layout.segment(name)
     span = slice(seg.offset, seg.offset + seg.length)
-    return _compare_grad(
-        seg.name, seg.shape, actual[span], expected[span], 0.0, 0.0, None, False
-    ).error_map
+    return _compare_grad(seg, actual[span], expected[span], 0.0, 0.0, None, False).error_map
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -503,8 +333,7 @@ def _per_grad(what: str, value: Tolerance | None) -> dict[str, float]:
 
 
 def _compare_grad(
-    name: str,
-    shape: tuple[int, ...],
+    seg: Segment,
     actual: NDArray[Any],
     expected: NDArray[Any],
     rtol: float,
@@ -512,14 +341,15 @@ def _compare_grad(
     max_rms_ratio: float | None,
     equal_nan: bool,
 ) -> GradComparison:
+    name, shape = seg.name, seg.shape
     # Work on [rows, cols] with rows over the first two axes ((b, s), or (b, h) for dstate),
-    # so that chunks are whole rows and each row lands in one line of the error map.
+    # so that chunks are whole rows and each row lands in one line of the error map: the map
+    # is over the second and third axes, (s, h), or (h, i) for dstate, turned into (i, h).
     rows = shape[0] * shape[1]
     cols = math.prod(shape[2:])
     a2 = actual.reshape(rows, cols)
     e2 = expected.reshape(rows, cols)
-    is_state = name == "dstate"
-    # dstate [B, H, N, N] maps to [H, N] (transposed at the end), the others to [S, H].
+    transpose = seg.axes[1] == "h"
     period = shape[1]
     width = shape[2]
     accum = np.zeros((period, width), dtype=np.float64)
@@ -586,7 +416,7 @@ def _compare_grad(
     worst = (
         None if worst_index is None else tuple(int(i) for i in np.unravel_index(worst_index, shape))
     )
-    emap = accum.T.copy() if is_state else accum
+    emap = accum.T.copy() if transpose else accum
     emap.flags.writeable = False
     return GradComparison(
         name=name,
@@ -645,13 +475,3 @@ def _rms_ratio(norm_diff: float, norm_exp: float) -> float:
     if norm_exp > 0:
         return norm_diff / norm_exp
     return 0.0 if norm_diff == 0 else math.inf
-
-
-def _value(x: float | None) -> str:
-    return "-" if x is None else f"{x:.6g}"
-
-
-def _json_float(x: float | None) -> float | str | None:
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)  # "inf", "-inf" or "nan": strict JSON has no non-finite numbers

@@ -9,74 +9,76 @@ agree with.
 
 from __future__ import annotations
 
-import operator
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike
 
+from ._checks import check_shape, dimension, flag, not_a_layout, shape_of, usize_product, usize_sum
 from ._dtypes import resolve
+from ._tables import html_table, text_table
 
-__all__ = ["GRADIENT_NAMES", "GdnBackwardLayout", "Segment"]
-
-#: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
-_USIZE_LIMIT = 1 << 64
+__all__ = [
+    "GRADIENT_NAMES",
+    "INPUT_NAMES",
+    "GdnBackwardLayout",
+    "LayoutRow",
+    "Segment",
+    "gradient_axes",
+    "layout_caption",
+    "layout_html",
+    "layout_table",
+    "layout_text",
+]
 
 _DIMS = ("batch", "seq", "heads", "state_size")
 _FLAGS = ("gate_per_channel", "carry_state")
 #: Every gradient's name, in packing order; ``dstate`` is packed only when the state is carried.
-GRADIENT_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+GRADIENT_NAMES: Final = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+#: The op's inputs and the cotangent ``dy``, each named with the gradient whose shape it has
+#: (the forward output ``y`` has ``v``'s shape, like ``dy``).
+INPUT_NAMES: Final = {
+    "q": "dq",
+    "k": "dk",
+    "v": "dv",
+    "g": "dg",
+    "beta": "dbeta",
+    "state": "dstate",
+    "dy": "dv",
+    "y": "dv",
+}
+#: The axes of the gradients over the sequence; ``dg`` has ``n`` only with a per-channel gate.
+_SEQUENCE_AXES: Final = ("b", "s", "h", "n")
+#: The axes of ``dstate`` ``[B, H, N, N]``: key row ``i``, value column ``j``.
+_STATE_AXES: Final = ("b", "h", "i", "j")
 
 
 class Segment(NamedTuple):
-    """One gradient's place in the packed buffer: ``flat[offset : offset + length]``."""
+    """One gradient's place in the packed buffer: ``flat[offset : offset + length]``.
+
+    >>> GdnBackwardLayout(1, 2, 3, 4, carry_state=True).segment("dstate").axes
+    ('b', 'h', 'i', 'j')
+    """
 
     name: str
     offset: int
     length: int
     shape: tuple[int, ...]
 
-
-def _dimension(name: str, value: object) -> int:
-    # bool is an int subclass, and operator.index accepts NumPy integers: refuse the first,
-    # keep the second, and reject everything that is not an integer at all.
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a non-negative integer, got bool {value!r}")
-    try:
-        index = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(
-            f"{name} must be a non-negative integer, got {type(value).__name__} {value!r}"
-        ) from None
-    if index < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {index}")
-    if index >= _USIZE_LIMIT:
-        raise ValueError(f"{name} must fit in a 64-bit usize, got {index}")
-    return index
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The name of each axis of :attr:`shape`: ``("b", "s", "h", "n")`` for ``dq``,
+        ``("b", "s", "h")`` for ``dbeta`` and a per-head ``dg``, ``("b", "h", "i", "j")``
+        (key row, value column) for ``dstate``."""
+        return gradient_axes(self.name, len(self.shape))
 
 
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return bool(value)
-
-
-def _usize_product(*factors: int) -> int:
-    """Multiply left to right as Rust does, failing where a debug build would panic."""
-    product = 1
-    for factor in factors:
-        product *= factor
-        if product >= _USIZE_LIMIT:
-            raise OverflowError
-    return product
-
-
-def _usize_sum(*terms: int) -> int:
-    total = sum(terms)
-    if total >= _USIZE_LIMIT:
-        raise OverflowError
-    return total
+def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
+    """The axis names of the gradient ``name`` with ``ndim`` dimensions (see
+    :attr:`Segment.axes`)."""
+    return _STATE_AXES if name == "dstate" else _SEQUENCE_AXES[:ndim]
 
 
 @dataclass(frozen=True)
@@ -101,39 +103,35 @@ class GdnBackwardLayout:
     state_size: int
     gate_per_channel: bool = False
     carry_state: bool = False
-    # Derived once, so that unpack and pack on a hot path do no arithmetic.
-    _segments: tuple[Segment, ...] = field(init=False, repr=False, compare=False)
-    _cuts: tuple[tuple[slice, tuple[int, ...]], ...] = field(init=False, repr=False, compare=False)
-    _total: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in _DIMS:
-            object.__setattr__(self, name, _dimension(name, getattr(self, name)))
+            object.__setattr__(self, name, dimension(name, getattr(self, name)))
         for name in _FLAGS:
-            object.__setattr__(self, name, _flag(name, getattr(self, name)))
+            object.__setattr__(self, name, flag(name, getattr(self, name)))
         try:
-            segments = self._compute_segments()
+            self._segments  # noqa: B018 - computed now, so that an overflow is refused here
         except OverflowError:
             raise ValueError(
                 f"{self!r} does not fit in a 64-bit usize: its element counts or offsets "
                 "overflow, and rlx-ir's arithmetic would panic"
             ) from None
-        object.__setattr__(self, "_segments", segments)
-        cuts = tuple((slice(seg.offset, seg.offset + seg.length), seg.shape) for seg in segments)
-        object.__setattr__(self, "_cuts", cuts)
-        object.__setattr__(self, "_total", segments[-1].offset + segments[-1].length)
 
-    def _compute_segments(self) -> tuple[Segment, ...]:
+    # Derived once and kept in the instance (not as dataclass fields, so that equality, repr
+    # and dataclasses.asdict see the six fields only): unpack and pack do no arithmetic.
+
+    @cached_property
+    def _segments(self) -> tuple[Segment, ...]:
         b, s, h, n = self.batch, self.seq, self.heads, self.state_size
         # Each product in the order gdn.rs evaluates it, so intermediate overflow is caught too.
-        qkv = _usize_product(b, s, h, n)
-        bsh = _usize_product(b, s, h)
+        qkv = usize_product(b, s, h, n)
+        bsh = usize_product(b, s, h)
         gate = qkv if self.gate_per_channel else bsh
-        offsets = [0, qkv, _usize_product(2, qkv), _usize_product(3, qkv)]
-        offsets.append(_usize_sum(offsets[3], gate))
-        offsets.append(_usize_sum(offsets[4], bsh))
-        state = _usize_product(b, h, n, n) if self.carry_state else 0
-        _usize_sum(offsets[5], state)
+        offsets = [0, qkv, usize_product(2, qkv), usize_product(3, qkv)]
+        offsets.append(usize_sum(offsets[3], gate))
+        offsets.append(usize_sum(offsets[4], bsh))
+        state = usize_product(b, h, n, n) if self.carry_state else 0
+        usize_sum(offsets[5], state)
         gate_shape = (b, s, h, n) if self.gate_per_channel else (b, s, h)
         shapes = [(b, s, h, n)] * 3 + [gate_shape, (b, s, h), (b, h, n, n)]
         lengths = [qkv, qkv, qkv, gate, bsh, state]
@@ -191,10 +189,30 @@ class GdnBackwardLayout:
         beta = self._segments[4]
         return beta.offset + beta.length
 
-    @property
+    @cached_property
     def total_elems(self) -> int:
         """Length of the packed buffer."""
-        return self._total
+        last = self._segments[-1]
+        return last.offset + last.length
+
+    @cached_property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        """The shape of each gradient, in packing order.
+
+        >>> GdnBackwardLayout(1, 2, 3, 4).shapes[3:]
+        ((1, 2, 3), (1, 2, 3))
+        """
+        return tuple(seg.shape for seg in self._segments)
+
+    @cached_property
+    def cuts(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
+        """``(slice, shape)`` of each gradient in packing order: ``flat[cut].reshape(shape)``
+        is its view of a 1-D packed buffer ``flat``.
+
+        >>> GdnBackwardLayout(1, 2, 1, 2).cuts[3]
+        (slice(12, 14, None), (1, 2, 1))
+        """
+        return tuple((slice(s.offset, s.offset + s.length), s.shape) for s in self._segments)
 
     def slices(self) -> list[tuple[int, int]]:
         """``(offset, length)`` for each gradient in packing order, as rlx-ir's ``slices()``."""
@@ -212,7 +230,13 @@ class GdnBackwardLayout:
         return self._segments
 
     def segment(self, name: str) -> Segment:
-        """The :class:`Segment` of the gradient called ``name``."""
+        """The :class:`Segment` of the gradient called ``name``.
+
+        Raises
+        ------
+        KeyError
+            No gradient of that name in this layout (``dstate`` without ``carry_state``).
+        """
         for seg in self._segments:
             if seg.name == name:
                 return seg
@@ -222,9 +246,38 @@ class GdnBackwardLayout:
         """The shape of the gradient called ``name`` (``"dq"``, ..., ``"dstate"``)."""
         return self.segment(name).shape
 
+    def input_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of the op's input ``name`` (``"q"``, ``"k"``, ``"v"``, ``"g"``,
+        ``"beta"``, ``"state"``), of the cotangent ``"dy"`` or of the output ``"y"``.
+
+        >>> GdnBackwardLayout(2, 3, 4, 8).input_shape("beta")
+        (2, 3, 4)
+        """
+        gradient = INPUT_NAMES.get(name)
+        if gradient is None:
+            raise KeyError(f"no input {name!r}; the inputs are {', '.join(INPUT_NAMES)}")
+        return self.shape(gradient)
+
     def nbytes(self, dtype: DTypeLike) -> int:
         """Bytes of a packed buffer of this layout in ``dtype``.
 
+        Parameters
+        ----------
+        dtype : dtype_like
+            Any NumPy dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
+
+        Returns
+        -------
+        int
+            ``total_elems`` times the dtype's item size.
+
+        Raises
+        ------
+        TypeError
+            ``dtype`` is not a dtype.
+
+        Examples
+        --------
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
         """
@@ -232,16 +285,12 @@ class GdnBackwardLayout:
 
     def __str__(self) -> str:
         """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
-        from ._render import layout_text  # deferred: _render builds on this module
-
         return layout_text(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        from ._render import layout_html
-
         return layout_html(self)
 
     def to_dict(self) -> dict[str, int | bool]:
@@ -252,6 +301,25 @@ class GdnBackwardLayout:
     def from_dict(cls, data: Any) -> GdnBackwardLayout:
         """A layout from :meth:`to_dict`'s output, validated like the constructor.
 
+        Parameters
+        ----------
+        data : dict
+            The keys ``batch``, ``seq``, ``heads``, ``state_size`` and optionally
+            ``gate_per_channel`` and ``carry_state``.
+
+        Returns
+        -------
+        GdnBackwardLayout
+
+        Raises
+        ------
+        TypeError
+            ``data`` is not a dict, or a value has the wrong type.
+        ValueError
+            A key is missing or unknown, or a value is out of range.
+
+        Examples
+        --------
         >>> layout = GdnBackwardLayout(2, 3, 4, 8, carry_state=True)
         >>> GdnBackwardLayout.from_dict(layout.to_dict()) == layout
         True
@@ -275,6 +343,28 @@ class GdnBackwardLayout:
         ``q`` gives ``[B, S, H, N]``; ``g``'s rank gives the gate mode; a ``state`` that is
         not None means it is carried. Arrays or plain shapes are accepted.
 
+        Parameters
+        ----------
+        q : array or shape
+            ``[B, S, H, N]``.
+        g : array or shape
+            ``[B, S, H]``, or ``[B, S, H, N]`` for a per-channel gate.
+        state : array or shape, optional
+            ``[B, H, N, N]`` when the state is carried.
+
+        Returns
+        -------
+        GdnBackwardLayout
+
+        Raises
+        ------
+        TypeError
+            An argument is neither an array nor a shape.
+        ValueError
+            A shape does not fit the others.
+
+        Examples
+        --------
         >>> layout = GdnBackwardLayout.from_inputs(q=(1, 16, 2, 4), g=(1, 16, 2), state=None)
         >>> layout.gate_per_channel, layout.carry_state, layout.total_elems
         (False, False, 448)
@@ -285,22 +375,37 @@ class GdnBackwardLayout:
     def from_grads(
         cls, dq: Any, dk: Any, dv: Any, dg: Any, dbeta: Any, dstate: Any = None
     ) -> GdnBackwardLayout:
-        """The layout that packs these gradients (arrays or shapes); every shape is checked."""
+        """The layout that packs these gradients (arrays or shapes); every shape is checked.
+
+        Parameters
+        ----------
+        dq, dk, dv, dg, dbeta, dstate : array or shape
+            The gradients, ``dstate`` None when the state is not carried.
+
+        Returns
+        -------
+        GdnBackwardLayout
+
+        Raises
+        ------
+        TypeError, ValueError
+            As :meth:`from_inputs`.
+        """
         layout = cls._infer(("dq", dq), ("dg", dg), ("dstate", dstate))
         for name, grad in zip(("dk", "dv", "dbeta"), (dk, dv, dbeta), strict=True):
-            _check_shape(name, _shape_of(name, grad), layout.shape(name), layout)
+            check_shape(name, shape_of(name, grad), layout.shape(name), layout)
         return layout
 
     @classmethod
     def _infer(
         cls, first: tuple[str, Any], gate: tuple[str, Any], state: tuple[str, Any]
     ) -> GdnBackwardLayout:
-        first_shape = _shape_of(*first)
+        first_shape = shape_of(*first)
         if len(first_shape) != 4:
             raise ValueError(
                 f"{first[0]} must have 4 dimensions [B, S, H, N], got shape {first_shape}"
             )
-        gate_shape = _shape_of(*gate)
+        gate_shape = shape_of(*gate)
         if len(gate_shape) not in (3, 4):
             raise ValueError(
                 f"{gate[0]} must have shape [B, S, H] or [B, S, H, N], got {gate_shape}"
@@ -308,28 +413,87 @@ class GdnBackwardLayout:
         layout = cls(
             *first_shape, gate_per_channel=len(gate_shape) == 4, carry_state=state[1] is not None
         )
-        _check_shape(gate[0], gate_shape, layout.shape("dg"), layout)
+        check_shape(gate[0], gate_shape, layout.shape("dg"), layout)
         if state[1] is not None:
-            _check_shape(state[0], _shape_of(*state), layout.shape("dstate"), layout)
+            check_shape(state[0], shape_of(*state), layout.shape("dstate"), layout)
         return layout
 
 
-def _not_a_layout(value: object, where: str = "") -> TypeError:
-    """The error for a ``layout`` argument that is not a :class:`GdnBackwardLayout`."""
-    prefix = f"{where}: " if where else ""
-    return TypeError(f"{prefix}layout must be a GdnBackwardLayout, got {type(value).__name__}")
+# -- the layout as a table ---------------------------------------------------------------
 
 
-def _shape_of(name: str, value: Any) -> tuple[int, ...]:
-    shape = getattr(value, "shape", value)
-    try:
-        return tuple(operator.index(d) for d in shape)
-    except TypeError:
-        raise TypeError(f"{name} must be an array or a shape, got {type(value).__name__}") from None
+class LayoutRow(NamedTuple):
+    """One gradient's place in a packed buffer, with its size in bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    nbytes: int
 
 
-def _check_shape(
-    name: str, received: tuple[int, ...], expected: tuple[int, ...], layout: GdnBackwardLayout
-) -> None:
-    if received != expected:
-        raise ValueError(f"{name} has shape {received}, expected {expected} for {layout!r}")
+def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> list[LayoutRow]:
+    """One :class:`LayoutRow` ``(name, shape, offset, length, nbytes)`` per gradient.
+
+    >>> layout_table(GdnBackwardLayout(1, 2, 1, 2), dtype=np.float64)[3]
+    LayoutRow(name='dg', shape=(1, 2, 1), offset=12, length=2, nbytes=16)
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout)
+    itemsize = resolve(dtype, "dtype").itemsize
+    return [
+        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * itemsize)
+        for seg in layout.segments()
+    ]
+
+
+def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
+    """The layout as a fixed-width table with a total line, headed by its caption.
+
+    >>> print(layout_text(GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)))
+    B=1 S=2 H=1 N=2, per-head gate, no state; float32
+    grad   shape         offset  length  bytes
+    -----  ------------  ------  ------  -----
+    dq     (1, 2, 1, 2)       0       4     16
+    dk     (1, 2, 1, 2)       4       4     16
+    dv     (1, 2, 1, 2)       8       4     16
+    dg     (1, 2, 1)         12       2      8
+    dbeta  (1, 2, 1)         14       2      8
+    total                            16     64
+    """
+    rows = layout_table(layout, dtype)
+    body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
+    body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
+    table = text_table(["grad", "shape", "offset", "length", "bytes"], body, align="llrrr")
+    return f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}\n{table}"
+
+
+def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
+    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``).
+
+    >>> "<td" in layout_html(GdnBackwardLayout(1, 2, 1, 2))
+    True
+    """
+    rows = layout_table(layout, dtype)
+    body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
+    body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
+    return html_table(
+        ["grad", "shape", "offset", "length", "bytes"],
+        body,
+        align="llrrr",
+        caption=f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}",
+        row_styles=[""] * len(rows) + ["font-weight:bold"],
+    )
+
+
+def layout_caption(layout: GdnBackwardLayout) -> str:
+    """A one-line description of a layout, short enough for a table caption.
+
+    >>> layout_caption(GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True))
+    'B=2 S=5 H=3 N=8, per-channel gate, carried state'
+    """
+    gate = "per-channel gate" if layout.gate_per_channel else "per-head gate"
+    state = "carried state" if layout.carry_state else "no state"
+    return (
+        f"B={layout.batch} S={layout.seq} H={layout.heads} N={layout.state_size}, {gate}, {state}"
+    )

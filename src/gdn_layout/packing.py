@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from ._checks import not_a_layout
 from ._dtypes import is_floating, resolve
-from .layout import GdnBackwardLayout, Segment, _not_a_layout
+from ._stats import grads_html, grads_text
+from .layout import GdnBackwardLayout
 
 __all__ = ["GdnGrads", "empty", "pack", "unpack", "zeros"]
+
+#: tuple.__new__, to build a GdnGrads from a list of six without its keyword handling.
+_new_tuple = tuple.__new__
 
 Casting = Literal["no", "equiv", "safe", "same_kind", "unsafe"]
 _CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
@@ -34,16 +38,12 @@ class GdnGrads(NamedTuple):
 
     def __str__(self) -> str:
         """Per-gradient statistics: shape, dtype, min, max, mean, RMS, NaN and Inf counts."""
-        from ._render import grads_text  # deferred: _render builds on this module
-
         return grads_text(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
-        from ._render import grads_html
-
         return grads_html(self)
 
 
@@ -55,6 +55,27 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     Any dtype and any strides work. Leading axes are kept: a ``(..., total_elems)`` input gives
     fields of shape ``(..., *shape)``.
 
+    Parameters
+    ----------
+    flat : numpy.ndarray
+        The packed buffer, ``(..., layout.total_elems)``.
+    layout : GdnBackwardLayout
+        Where each gradient sits.
+
+    Returns
+    -------
+    GdnGrads
+        Views of ``flat``; ``dstate`` is None when the state is not carried.
+
+    Raises
+    ------
+    TypeError
+        ``flat`` is not an ndarray, or ``layout`` not a :class:`GdnBackwardLayout`.
+    ValueError
+        The last axis of ``flat`` is not ``layout.total_elems`` long.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2, carry_state=True)
     >>> flat = np.arange(layout.total_elems, dtype=np.float32)
@@ -69,10 +90,9 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     if not isinstance(flat, np.ndarray):
         raise TypeError(f"unpack: flat must be a NumPy array, got {type(flat).__name__}")
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "unpack")
+        raise not_a_layout(layout, "unpack")
     shape = flat.shape
-    # The layout's private fields, not its properties: unpack is on every hot path.
-    if not shape or shape[-1] != layout._total:
+    if not shape or shape[-1] != layout.total_elems:
         received = "a 0-d array" if not shape else f"shape {shape}"
         raise ValueError(
             f"unpack: flat must have layout.total_elems = {layout.total_elems} elements "
@@ -81,11 +101,27 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     # Splitting one axis into several is always expressible with strides, so each reshape
     # below returns a view of the slice; it never copies.
     if len(shape) == 1:
-        return GdnGrads(*[flat[cut].reshape(grad_shape) for cut, grad_shape in layout._cuts])
+        # Written out, as hand slicing would be: a comprehension costs a fifth of the views.
+        cuts = layout.cuts
+        (q, q_shape), (k, k_shape), (v, v_shape), (g, g_shape), (b, b_shape) = cuts[:5]
+        dstate = None
+        if len(cuts) == 6:
+            state, state_shape = cuts[5]
+            dstate = flat[state].reshape(state_shape)
+        return _new_tuple(
+            GdnGrads,
+            (
+                flat[q].reshape(q_shape),
+                flat[k].reshape(k_shape),
+                flat[v].reshape(v_shape),
+                flat[g].reshape(g_shape),
+                flat[b].reshape(b_shape),
+                dstate,
+            ),
+        )
     lead = shape[:-1]
-    return GdnGrads(
-        *[flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout._cuts]
-    )
+    views = [flat[..., cut].reshape(lead + grad_shape) for cut, grad_shape in layout.cuts]
+    return GdnGrads(*views)
 
 
 def pack(
@@ -110,6 +146,37 @@ def pack(
     Inputs may overlap ``out``, as views from ``unpack(out, ...)`` do: each is read before
     its memory is written. Nothing is written unless every check passes.
 
+    Parameters
+    ----------
+    dq, dk, dv, dg, dbeta : array_like
+        The gradients, shaped as the layout says.
+    dstate : array_like, optional
+        The state's gradient: given exactly when the state is carried.
+    layout : GdnBackwardLayout, optional
+        The layout to pack into; inferred from ``dq``, ``dg`` and ``dstate`` when omitted.
+    out : numpy.ndarray, optional
+        A writeable 1-D array of ``layout.total_elems`` elements to write into.
+    dtype : dtype_like, optional
+        The packed dtype; must equal ``out.dtype`` when both are given.
+    casting : {"no", "equiv", "safe", "same_kind", "unsafe"}
+        How each gradient may be cast, as for :func:`numpy.copyto`.
+
+    Returns
+    -------
+    numpy.ndarray
+        The packed buffer: ``out`` when given.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` or ``out`` has the wrong type, a cast is not allowed by ``casting``, ``dtype``
+        conflicts with ``out``, or the packed dtype is not numeric.
+    ValueError
+        A shape does not match the layout, ``dstate`` does not match ``carry_state``, ``out``
+        has the wrong shape or is read-only, or ``casting`` is unknown.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)
     >>> buf = np.arange(layout.total_elems, dtype=np.float64)
@@ -118,28 +185,44 @@ def pack(
     >>> pack(*unpack(buf, layout), dtype=np.float32).dtype
     dtype('float32')
     """
-    arrays = [np.asarray(g) for g in (dq, dk, dv, dg, dbeta)]
-    if dstate is not None:
-        arrays.append(np.asarray(dstate))
+    # The checks are written out rather than looped over: on a small buffer each generator,
+    # comprehension or helper call costs as much as a fifth of the copy itself.
+    nd = np.ndarray
+    if not (type(dq) is nd and type(dk) is nd and type(dv) is nd and type(dg) is nd):
+        dq, dk, dv, dg = np.asarray(dq), np.asarray(dk), np.asarray(dv), np.asarray(dg)
+    if type(dbeta) is not nd:
+        dbeta = np.asarray(dbeta)
+    if dstate is None:
+        arrays = [dq, dk, dv, dg, dbeta]
+        shapes: tuple[tuple[int, ...], ...] = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape)
+    else:
+        if type(dstate) is not nd:
+            dstate = np.asarray(dstate)
+        arrays = [dq, dk, dv, dg, dbeta, dstate]
+        shapes = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape, dstate.shape)
     if layout is None:
-        try:
-            layout = _infer_layout(arrays)
-        except (TypeError, ValueError) as error:
-            raise type(error)(f"pack: {error}") from None
+        # The layouts of recent calls by (dq's shape, gate rank, state): pack checks every
+        # shape against the layout next.
+        key = (shapes[0], len(shapes[3]), dstate is not None)
+        layout = _LAYOUTS.get(key)
+        if layout is None:
+            try:
+                layout = _infer_layout(arrays)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"pack: {error}") from None
+            if len(_LAYOUTS) >= 64:
+                _LAYOUTS.clear()
+            _LAYOUTS[key] = layout
     elif not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "pack")
+        raise not_a_layout(layout, "pack")
     elif (dstate is None) == layout.carry_state:
         wrong = "missing" if layout.carry_state else "given"
         raise ValueError(
             f"pack: dstate is {wrong}, but the layout has carry_state={layout.carry_state}: "
             f"{layout!r}"
         )
-    segments = layout.segments()
-    for seg, array in zip(segments, arrays, strict=True):
-        if array.shape != seg.shape:
-            raise ValueError(
-                f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
-            )
+    if shapes != layout.shapes:
+        _raise_shape_error(layout, arrays)
     if casting not in _CASTINGS:
         raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
 
@@ -149,21 +232,42 @@ def pack(
         target = resolve(dtype, "pack: dtype") if dtype is not None else np.result_type(*arrays)
         if not (target.kind in "biufc" or is_floating(target)):
             raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
-        _check_casts(segments, arrays, target, casting)
+        _check_casts(layout, arrays, target, casting)
         return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
-    _check_out(out, layout, "pack")
-    if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != out.dtype:
-        raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={out.dtype}; give one")
-    _check_casts(segments, arrays, out.dtype, casting)
-    if _may_overlap(arrays, out):
-        destinations = [view for view in unpack(out, layout) if view is not None]
-        sources = _detach_overlaps(destinations, arrays, out)
-        for dest, source in zip(destinations, sources, strict=True):
-            if source is not None:
-                np.copyto(dest, source, casting=casting)
-        return out
+    if type(out) is not nd or out.shape != (layout.total_elems,):
+        check_out(out, layout, "pack")  # raises the error that says which
+    flags = out.flags
+    if not flags.writeable:
+        check_out(out, layout, "pack")
+    target = out.dtype
+    if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != target:
+        raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={target}; give one")
+    # The usual case, fresh gradients of out's dtype, needs neither a cast check nor an
+    # overlap check: a gradient that owns its memory cannot overlap an out that owns its own.
+    usual = flags.owndata
+    for array in arrays:
+        if array.dtype is not target or array.base is not None:
+            usual = False
+            break
+    if not usual:
+        _check_casts(layout, arrays, target, casting)
+        if _may_overlap(arrays, out):
+            destinations = [view for view in unpack(out, layout) if view is not None]
+            sources = _detach_overlaps(destinations, arrays, out)
+            for dest, source in zip(destinations, sources, strict=True):
+                if source is not None:
+                    np.copyto(dest, source, casting=casting)
+            return out
     np.concatenate(arrays, axis=None, out=out, casting=casting)
     return out
+
+
+def _raise_shape_error(layout: GdnBackwardLayout, arrays: list[NDArray[Any]]) -> None:
+    for seg, array in zip(layout.segments(), arrays, strict=True):
+        if array.shape != seg.shape:
+            raise ValueError(
+                f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
+            )
 
 
 def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
@@ -173,19 +277,14 @@ def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
     return any(np.may_share_memory(a, out) for a in arrays)
 
 
-@functools.lru_cache(maxsize=64)
-def _cached_layout(
-    shape: tuple[int, ...], gate_per_channel: bool, carry_state: bool
-) -> GdnBackwardLayout:
-    batch, seq, heads, state_size = shape
-    return GdnBackwardLayout(batch, seq, heads, state_size, gate_per_channel, carry_state)
+_LAYOUTS: dict[tuple[tuple[int, ...], int, bool], GdnBackwardLayout] = {}
 
 
 def _infer_layout(arrays: list[NDArray[Any]]) -> GdnBackwardLayout:
     dq, dg = arrays[0], arrays[3]
     if dq.ndim == 4 and dg.ndim in (3, 4):
-        # pack checks every shape against the layout next; only the common case is cached.
-        return _cached_layout(dq.shape, dg.ndim == 4, len(arrays) == 6)
+        batch, seq, heads, state_size = dq.shape
+        return GdnBackwardLayout(batch, seq, heads, state_size, dg.ndim == 4, len(arrays) == 6)
     return GdnBackwardLayout.from_grads(*arrays)
 
 
@@ -194,6 +293,27 @@ def empty(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """An uninitialised packed buffer and its views, for a backward to write in place.
 
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        The layout of the buffer.
+    dtype : dtype_like
+        Its dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
+
+    Returns
+    -------
+    flat : numpy.ndarray
+        The uninitialised 1-D buffer of ``layout.total_elems`` elements.
+    grads : GdnGrads
+        ``unpack(flat, layout)``.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> flat, grads = empty(GdnBackwardLayout(1, 4, 2, 8), dtype=np.float64)
     >>> grads.dq[...] = 1.0  # writes into flat
@@ -209,6 +329,27 @@ def zeros(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """A zeroed packed buffer and its views, for a backward that accumulates in place.
 
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        The layout of the buffer.
+    dtype : dtype_like
+        Its dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
+
+    Returns
+    -------
+    flat : numpy.ndarray
+        The zeroed 1-D buffer of ``layout.total_elems`` elements.
+    grads : GdnGrads
+        ``unpack(flat, layout)``.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
+
+    Examples
+    --------
     >>> flat, grads = zeros(GdnBackwardLayout(1, 4, 2, 8, carry_state=True))
     >>> grads.dstate.shape, float(flat.sum())
     ((1, 2, 8, 8), 0.0)
@@ -219,11 +360,11 @@ def zeros(
 
 def _total(layout: GdnBackwardLayout) -> int:
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout)
+        raise not_a_layout(layout)
     return layout.total_elems
 
 
-def _check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
+def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
     """``out`` must be a writeable ndarray of shape ``(layout.total_elems,)``."""
     if not isinstance(out, np.ndarray):
         raise TypeError(f"{func}: out must be a NumPy array, got {type(out).__name__}")
@@ -236,9 +377,14 @@ def _check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
 
 
 def _check_casts(
-    segments: tuple[Segment, ...], arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
+    layout: GdnBackwardLayout, arrays: list[NDArray[Any]], target: np.dtype[Any], casting: str
 ) -> None:
-    for seg, array in zip(segments, arrays, strict=True):
+    for array in arrays:
+        if array.dtype is not target:
+            break
+    else:
+        return  # the usual case: nothing to cast
+    for seg, array in zip(layout.segments(), arrays, strict=True):
         if array.dtype is not target and not np.can_cast(array.dtype, target, casting=casting):  # type: ignore[arg-type]
             raise TypeError(
                 f"pack: cannot cast {seg.name} from {array.dtype} to {target} "

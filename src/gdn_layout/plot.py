@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._render import fmt_float, layout_caption
+from ._checks import not_a_layout, require_matplotlib
+from ._dtypes import resolve
+from ._tables import fmt_float
 from .compare import Comparison
-from .layout import GdnBackwardLayout, _not_a_layout
+from .layout import GdnBackwardLayout, layout_caption
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -39,21 +41,10 @@ if TYPE_CHECKING:
 
 __all__ = ["plot_errors", "plot_layout"]
 
-_INSTALL_HINT = "pip install gdn-layout[plot]"
 #: Colour of a non-finite mismatch in an error map.
 _BAD_COLOUR = "magenta"
 #: Spans narrower than this fraction of the buffer get their label above the bar.
 _NARROW = 0.07
-
-
-def _require_matplotlib() -> None:
-    try:
-        import matplotlib
-        import matplotlib.figure  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            f"gdn_layout.plot needs matplotlib, which is not installed: {_INSTALL_HINT}"
-        ) from err
 
 
 def plot_layout(
@@ -71,8 +62,8 @@ def plot_layout(
     ``ax.figure``.
     """
     if not isinstance(layout, GdnBackwardLayout):
-        raise _not_a_layout(layout, "plot_layout")
-    _require_matplotlib()
+        raise not_a_layout(layout, "plot_layout")
+    require_matplotlib()
     from matplotlib import colormaps
     from matplotlib.figure import Figure
 
@@ -80,7 +71,7 @@ def plot_layout(
         ax = Figure(figsize=(8, 1.8), dpi=100, layout="constrained").add_subplot()
     total = layout.total_elems
     colours = colormaps["tab10"]
-    ax.set_title(f"{layout_caption(layout)}; {np.dtype(dtype).name}")
+    ax.set_title(f"{layout_caption(layout)}; {resolve(dtype, 'plot_layout: dtype').name}")
     ax.set_yticks([])
     ax.set_ylim(-0.6, 1.3)
     for side in ("left", "right", "top"):
@@ -152,7 +143,7 @@ def plot_errors(
             f"plot_errors: names must be a non-empty selection of {', '.join(result.names)}; "
             f"got {chosen}"
         )
-    _require_matplotlib()
+    require_matplotlib()
     from matplotlib.figure import Figure
 
     ncols = min(3, len(chosen))

@@ -59,7 +59,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from ..packing import _check_out, unpack
+from ..packing import check_out, unpack
 from . import _chunked, _recurrent
 from ._inputs import validate
 
@@ -212,7 +212,7 @@ def backward(
     if out is None:
         flat = np.empty(layout.total_elems, dtype=inputs.q.dtype)
     else:
-        _check_out(out, layout, "backward")
+        check_out(out, layout, "backward")
         if out.dtype != inputs.q.dtype:
             raise TypeError(
                 f"backward: out must have dtype {inputs.q.dtype} (the computation dtype), "

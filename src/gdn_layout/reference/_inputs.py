@@ -28,6 +28,16 @@ class Inputs(NamedTuple):
     scale: float
 
 
+#: How the shape of each input is named in errors; the shapes themselves are the layout's.
+_SHAPES = {
+    "k": "[B, S, H, N] of q",
+    "v": "[B, S, H, N] of q",
+    "dy": "[B, S, H, N] of q",
+    "beta": "[B, S, H]",
+    "state": "[B, H, N, N]",
+}
+
+
 def _computation_dtype(dtype: DTypeLike) -> np.dtype[Any]:
     try:
         resolved = np.dtype(dtype)
@@ -88,18 +98,18 @@ def validate(
     if qa.ndim != 4:
         raise ValueError(f"q must have shape [B, S, H, N] (4 dimensions), got {qa.shape}")
     b, s, h, n = qa.shape
-    for name in ("k", "v", "dy"):
-        if name in arrays:
-            _expect_shape(name, arrays[name], qa.shape, "[B, S, H, N] of q")
     ga = arrays["g"]
     if ga.shape not in ((b, s, h), (b, s, h, n)):
         raise ValueError(
             f"g must have shape [B, S, H] = {(b, s, h)} or [B, S, H, N] = {(b, s, h, n)}, "
             f"got {ga.shape}"
         )
-    _expect_shape("beta", arrays["beta"], (b, s, h), "[B, S, H]")
-    if "state" in arrays:
-        _expect_shape("state", arrays["state"], (b, h, n, n), "[B, H, N, N]")
+    layout = GdnBackwardLayout(
+        b, s, h, n, gate_per_channel=ga.ndim == 4, carry_state="state" in arrays
+    )
+    for name, what in _SHAPES.items():
+        if name in arrays:
+            _expect_shape(name, arrays[name], layout.input_shape(name), what)
 
     seq_axes = (0, 2, 1, 3)
     gate = _converted("g", ga, compute, seq_axes if ga.ndim == 4 else (0, 2, 1))
@@ -117,8 +127,6 @@ def validate(
             else None
         ),
         dy=_converted("dy", arrays["dy"], compute, seq_axes) if "dy" in arrays else None,
-        layout=GdnBackwardLayout(
-            b, s, h, n, gate_per_channel=ga.ndim == 4, carry_state="state" in arrays
-        ),
+        layout=layout,
         scale=1.0 / math.sqrt(n) if n else 1.0,
     )

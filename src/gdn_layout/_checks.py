@@ -1,0 +1,113 @@
+"""Validators shared by several modules; each raises the error a caller would have raised."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "check_shape",
+    "dimension",
+    "flag",
+    "non_negative_int",
+    "not_a_layout",
+    "require_matplotlib",
+    "shape_of",
+    "usize_product",
+    "usize_sum",
+]
+
+PLOT_HINT = "pip install gdn-layout[plot]"
+#: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
+USIZE_LIMIT = 1 << 64
+
+
+def non_negative_int(value: object, what: str) -> int:
+    """``value`` as a Python int: any integer, NumPy's included, but not a bool.
+
+    >>> non_negative_int(np.int64(3), "seed")
+    3
+    >>> non_negative_int(True, "seed")
+    Traceback (most recent call last):
+    TypeError: seed must be a non-negative integer, got bool True
+    """
+    # bool is an int subclass, and operator.index accepts NumPy integers: refuse the first,
+    # keep the second, and reject everything that is not an integer at all.
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{what} must be a non-negative integer, got bool {value!r}")
+    try:
+        index = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(
+            f"{what} must be a non-negative integer, got {type(value).__name__} {value!r}"
+        ) from None
+    if index < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {index}")
+    return index
+
+
+def not_a_layout(value: object, where: str = "") -> TypeError:
+    """The error for a ``layout`` argument that is not a ``GdnBackwardLayout``."""
+    prefix = f"{where}: " if where else ""
+    return TypeError(f"{prefix}layout must be a GdnBackwardLayout, got {type(value).__name__}")
+
+
+def require_matplotlib() -> None:
+    """Import matplotlib, or raise an ImportError that names the extra to install."""
+    try:
+        import matplotlib
+        import matplotlib.figure  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"gdn_layout.plot needs matplotlib, which is not installed: {PLOT_HINT}"
+        ) from err
+
+
+# -- the layout's arguments, and Rust's usize arithmetic ----------------------------------
+
+
+def dimension(name: str, value: object) -> int:
+    index = non_negative_int(value, name)
+    if index >= USIZE_LIMIT:
+        raise ValueError(f"{name} must fit in a 64-bit usize, got {index}")
+    return index
+
+
+def flag(name: str, value: object) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return bool(value)
+
+
+def usize_product(*factors: int) -> int:
+    """Multiply left to right as Rust does, failing where a debug build would panic."""
+    product = 1
+    for factor in factors:
+        product *= factor
+        if product >= USIZE_LIMIT:
+            raise OverflowError
+    return product
+
+
+def usize_sum(*terms: int) -> int:
+    total = sum(terms)
+    if total >= USIZE_LIMIT:
+        raise OverflowError
+    return total
+
+
+def shape_of(name: str, value: Any) -> tuple[int, ...]:
+    shape = getattr(value, "shape", value)
+    try:
+        return tuple(operator.index(d) for d in shape)
+    except TypeError:
+        raise TypeError(f"{name} must be an array or a shape, got {type(value).__name__}") from None
+
+
+def check_shape(
+    name: str, received: tuple[int, ...], expected: tuple[int, ...], layout: object
+) -> None:
+    if received != expected:
+        raise ValueError(f"{name} has shape {received}, expected {expected} for {layout!r}")

@@ -1,0 +1,284 @@
+"""The records a comparison returns, and their text, HTML and JSON views."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ._tables import fmt_float, html_table, text_table
+from .layout import GdnBackwardLayout, gradient_axes, layout_caption
+
+__all__ = ["Comparison", "GradComparison"]
+
+
+@dataclass(frozen=True)
+class GradComparison:
+    """How one gradient of an actual buffer compares with the expected one.
+
+    Attributes
+    ----------
+    name
+        ``"dq"``, ..., ``"dstate"``.
+    shape
+        The gradient's shape.
+    actual_dtype, expected_dtype
+        The two buffers' dtype names.
+    size
+        Number of elements.
+    rtol, atol
+        The elementwise tolerances used for ``mismatches``.
+    max_rms_ratio
+        The RMS criterion, or None when the gradient is judged elementwise.
+    max_abs_error
+        Max ``|a - e|`` over pairs that are both finite (0.0 when none).
+    max_rel_error
+        Max ``|a - e| / |e|`` over those pairs; ``inf`` when some ``e == 0``
+        has ``a != 0``.
+    rms_ratio
+        ``rms(a - e) / rms(e)`` over those pairs; 0.0 when both are zero, ``inf``
+        when only the reference is.
+    mismatches
+        Elements out of elementwise tolerance, non-finite mismatches included.
+    nonfinite_mismatches
+        Pairs with a non-finite side that do not match (see the module).
+    nan_actual, inf_actual, nan_expected, inf_expected
+        NaN/Inf counts on each side.
+    worst
+        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance
+        (elementwise: largest ``|a - e| - (atol + rtol * |e|)``; RMS: largest ``|a - e|``);
+        a non-finite mismatch outranks any finite error, and ties go to the first element
+        in C order. None for an empty gradient.
+    worst_actual, worst_expected
+        The two values there.
+    passed
+        Whether the gradient meets its criterion.
+    error_map
+        Read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
+        mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
+        head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
+        ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    actual_dtype: str
+    expected_dtype: str
+    size: int
+    rtol: float
+    atol: float
+    max_rms_ratio: float | None
+    max_abs_error: float
+    max_rel_error: float
+    rms_ratio: float
+    mismatches: int
+    nonfinite_mismatches: int
+    nan_actual: int
+    inf_actual: int
+    nan_expected: int
+    inf_expected: int
+    worst: tuple[int, ...] | None
+    worst_actual: float | None
+    worst_expected: float | None
+    passed: bool
+    error_map: NDArray[np.float64] = field(compare=False, repr=False)
+
+    @property
+    def mode(self) -> Literal["elementwise", "rms"]:
+        """How ``passed`` was judged: ``"rms"`` when ``max_rms_ratio`` is set."""
+        return "elementwise" if self.max_rms_ratio is None else "rms"
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The names of the axes ``worst`` indexes, e.g. ``("b", "s", "h", "n")``."""
+        return gradient_axes(self.name, len(self.shape))
+
+    @property
+    def criterion(self) -> str:
+        """The pass criterion in words, e.g. ``"rtol=1e-05 atol=1e-08"``."""
+        if self.max_rms_ratio is not None:
+            return f"rms ratio<={self.max_rms_ratio:.3g}"
+        return f"rtol={self.rtol:.3g} atol={self.atol:.3g}"
+
+    @property
+    def exact(self) -> bool:
+        """Every element equal, or both non-finite in the same way: no element is "worst"."""
+        return self.max_abs_error == 0 and self.nonfinite_mismatches == 0
+
+    def where(self) -> str:
+        """The worst element as an index expression, e.g. ``"dk[0, 17, 3, 5]"``."""
+        if self.worst is None:
+            return f"{self.name}[]"
+        return f"{self.name}[{', '.join(map(str, self.worst))}]"
+
+    def summary(self) -> str:
+        """One line: the worst element, its values and why the gradient passes or fails."""
+        if self.worst is None:
+            return f"{self.name}: empty"
+        a, e = self.worst_actual, self.worst_expected
+        head = f"{self.where()}: actual {_value(a)} expected {_value(e)}"
+        facts = []
+        if self.max_rms_ratio is None:
+            assert e is not None
+            allowed = self.atol + self.rtol * abs(e) if math.isfinite(e) else 0.0
+            facts.append(
+                f"{self.mismatches} of {self.size} out of tolerance "
+                f"(|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|; here {allowed:.3g})"
+            )
+        else:
+            verb = "<=" if self.rms_ratio <= self.max_rms_ratio else ">"
+            facts.append(f"rms ratio {self.rms_ratio:.3g} {verb} {self.max_rms_ratio:.3g}")
+        if self.nonfinite_mismatches:
+            n = self.nonfinite_mismatches
+            facts.append(f"{n} non-finite mismatch{'' if n == 1 else 'es'}")
+        if self.nan_actual or self.nan_expected or self.inf_actual or self.inf_expected:
+            facts.append(
+                f"nan {self.nan_actual}/{self.nan_expected}, "
+                f"inf {self.inf_actual}/{self.inf_expected} (actual/expected)"
+            )
+        facts.append(
+            f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}, "
+            f"rms ratio {self.rms_ratio:.3g}"
+        )
+        return f"{head}; " + "; ".join(facts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe fields (no error map); a non-finite float becomes ``"inf"``/``"nan"``."""
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "axes": list(self.axes),
+            "actual_dtype": self.actual_dtype,
+            "expected_dtype": self.expected_dtype,
+            "size": self.size,
+            "mode": self.mode,
+            "rtol": _json_float(self.rtol),
+            "atol": _json_float(self.atol),
+            "max_rms_ratio": _json_float(self.max_rms_ratio),
+            "max_abs_error": _json_float(self.max_abs_error),
+            "max_rel_error": _json_float(self.max_rel_error),
+            "rms_ratio": _json_float(self.rms_ratio),
+            "mismatches": self.mismatches,
+            "nonfinite_mismatches": self.nonfinite_mismatches,
+            "nan_actual": self.nan_actual,
+            "inf_actual": self.inf_actual,
+            "nan_expected": self.nan_expected,
+            "inf_expected": self.inf_expected,
+            "worst": None if self.worst is None else list(self.worst),
+            "worst_actual": _json_float(self.worst_actual),
+            "worst_expected": _json_float(self.worst_expected),
+            "passed": self.passed,
+        }
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The result of :func:`compare`: one :class:`GradComparison` per gradient, in order.
+
+    ``str(comparison)`` is a fixed-width table, ``comparison._repr_html_()`` an HTML one and
+    ``comparison.to_dict()`` a JSON-safe dict. Index by name: ``comparison["dk"]``.
+    """
+
+    layout: GdnBackwardLayout
+    grads: tuple[GradComparison, ...]
+
+    @property
+    def passed(self) -> bool:
+        """Whether every gradient passed."""
+        return all(g.passed for g in self.grads)
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        """The names of the gradients that failed, in packing order."""
+        return tuple(g.name for g in self.grads if not g.passed)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.grads)
+
+    def __getitem__(self, name: str) -> GradComparison:
+        for grad in self.grads:
+            if grad.name == name:
+                return grad
+        raise KeyError(f"no gradient {name!r} in this comparison; it has {', '.join(self.names)}")
+
+    def error_map(self, name: str) -> NDArray[np.float64]:
+        """The :attr:`GradComparison.error_map` of the gradient called ``name``."""
+        return self[name].error_map
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (``json.dumps(..., allow_nan=False)`` accepts it)."""
+        return {
+            "passed": self.passed,
+            "failed": list(self.failed),
+            "layout": self.layout.to_dict(),
+            "grads": [g.to_dict() for g in self.grads],
+        }
+
+    def _title(self) -> str:
+        verdict = "passed" if self.passed else f"FAILED ({', '.join(self.failed)})"
+        return f"compare {verdict}: {layout_caption(self.layout)}"
+
+    def _cells(self) -> list[list[str]]:
+        return [
+            [
+                g.name,
+                str(g.shape),
+                f"{g.actual_dtype}/{g.expected_dtype}",
+                fmt_float(g.max_abs_error),
+                fmt_float(g.max_rel_error),
+                fmt_float(g.rms_ratio),
+                f"{g.mismatches}/{g.size}",
+                f"{g.nan_actual}/{g.nan_expected}",
+                f"{g.inf_actual}/{g.inf_expected}",
+                "-" if g.exact or g.worst is None else str(list(g.worst)),
+                g.criterion,
+                "ok" if g.passed else "FAIL",
+            ]
+            for g in self.grads
+        ]
+
+    def __str__(self) -> str:
+        return f"{self._title()}\n{text_table(_HEADERS, self._cells(), align=_ALIGN)}"
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return html_table(
+            _HEADERS,
+            self._cells(),
+            align=_ALIGN,
+            caption=self._title(),
+            row_styles=["" if g.passed else "background:#fdd" for g in self.grads],
+        )
+
+
+_HEADERS = [
+    "grad",
+    "shape",
+    "dtypes",
+    "max abs",
+    "max rel",
+    "rms ratio",
+    "out/size",
+    "nan a/e",
+    "inf a/e",
+    "worst",
+    "criterion",
+    "result",
+]
+_ALIGN = "lllrrrrrrlll"
+
+
+def _value(x: float | None) -> str:
+    return "-" if x is None else f"{x:.6g}"
+
+
+def _json_float(x: float | None) -> float | str | None:
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)  # "inf", "-inf" or "nan": strict JSON has no non-finite numbers

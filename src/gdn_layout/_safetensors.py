@@ -1,0 +1,295 @@
+"""The safetensors format, read and written with NumPy alone.
+
+One header encoder and one parser, one table of dtype codes, the official writer's data order,
+and recognising a safetensors file by its first bytes. Only the dtypes a fixture holds are
+supported: ``F64``, ``F32``, ``F16`` and ``BF16`` (which needs ml_dtypes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import IO, Any, Final, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ._dtypes import BF16_HINT, bfloat16
+
+__all__ = [
+    "DTYPE_NAMES",
+    "Entry",
+    "FixtureError",
+    "Header",
+    "check_tiling",
+    "dtype_code",
+    "dtype_of_code",
+    "looks_like_safetensors",
+    "read_header",
+    "write",
+]
+
+#: The official implementation's limit; a larger "header" is a corrupt length, not a header.
+_MAX_HEADER: Final = 100_000_000
+#: Each supported code: the NumPy dtype name and the item size.
+_CODES: Final = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+}
+_CODE_OF_NAME: Final = {name: code for code, (name, _) in _CODES.items()}
+#: The dtypes a fixture can hold, by name.
+DTYPE_NAMES: Final = tuple(_CODE_OF_NAME)
+# Valid safetensors codes that a fixture never holds, to tell "unsupported" from "unknown".
+_OTHER_CODES: Final = frozenset(
+    (
+        "BOOL",
+        "U8",
+        "I8",
+        "U16",
+        "I16",
+        "U32",
+        "I32",
+        "U64",
+        "I64",
+        "C64",
+        "F8_E5M2",
+        "F8_E4M3",
+        "F8_E8M0",
+        "F6_E2M3",
+        "F6_E3M2",
+        "F4",
+    )
+)
+
+
+class FixtureError(ValueError):
+    """A fixture file that is truncated, corrupt or inconsistent; the message names the file."""
+
+
+class Entry(NamedTuple):
+    """One tensor of a header: its dtype, shape and byte range in the data section."""
+
+    name: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class Header(NamedTuple):
+    """A parsed header: the raw ``__metadata__`` (None when absent), the tensors, where the
+    data section starts and the file's size."""
+
+    metadata: object
+    entries: list[Entry]
+    data_start: int
+    size: int
+
+
+# -- dtypes -------------------------------------------------------------------------------------
+
+
+def dtype_code(dtype: np.dtype[Any], where: str) -> str:
+    """The safetensors code of ``dtype``; a TypeError naming ``where`` for any other dtype."""
+    code = _CODE_OF_NAME.get(dtype.name)
+    # The name alone could come from any extension dtype; bfloat16 must be ml_dtypes' own.
+    if code is None or (code == "BF16" and dtype != bfloat16()):
+        raise TypeError(
+            f"{where}: dtype must be float64, float32, float16 or bfloat16, got {dtype}"
+        )
+    if dtype.byteorder == ">" or (dtype.byteorder == "=" and sys.byteorder != "little"):
+        raise TypeError(f"{where}: safetensors is little-endian; got big-endian {dtype}")
+    return code
+
+
+def dtype_of_code(code: str, name: str, path: Path) -> np.dtype[Any]:
+    """The little-endian NumPy dtype of a code read from the file at ``path``."""
+    if code == "BF16":
+        try:
+            return bfloat16()
+        except ImportError:
+            raise ImportError(f"{path}: tensor {name!r} is BF16; {BF16_HINT}") from None
+    if code in _CODES:
+        little: np.dtype[Any] = np.dtype(_CODES[code][0]).newbyteorder("<")
+        return little
+    if code in _OTHER_CODES:
+        raise FixtureError(
+            f"{path}: tensor {name!r} has dtype {code}; a fixture holds F64, F32, F16 or BF16"
+        )
+    raise FixtureError(f"{path}: tensor {name!r} has unknown dtype {code!r}")
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def data_order(codes: Mapping[str, str]) -> list[str]:
+    """The official writer's order of tensors ``name -> code``: wider dtypes first, then by
+    name, so that every tensor stays aligned."""
+    return sorted(codes, key=lambda name: (-_CODES[codes[name]][1], name))
+
+
+def encode_header(
+    specs: Mapping[str, tuple[str, tuple[int, ...], int]],
+    metadata: Mapping[str, str],
+    order: list[str],
+) -> bytes:
+    """The 8-byte length and the JSON header for tensors ``name -> (code, shape, nbytes)``
+    stored in ``order``."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    start = 0
+    for name in order:
+        code, shape, nbytes = specs[name]
+        header[name] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [start, start + nbytes],
+        }
+        start += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    # Spaces up to a multiple of 8, as the official writer pads, so the data section is aligned.
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def write(out: IO[bytes], tensors: Mapping[str, NDArray[Any]], metadata: Mapping[str, str]) -> None:
+    """Write ``tensors`` and string ``metadata`` to ``out`` as one safetensors file.
+
+    Every dtype is checked (:func:`dtype_code`) before anything is written.
+    """
+    codes = {name: dtype_code(array.dtype, name) for name, array in tensors.items()}
+    order = data_order(codes)
+    specs = {name: (codes[name], a.shape, a.nbytes) for name, a in tensors.items()}
+    out.write(encode_header(specs, metadata, order))
+    for name in order:
+        flat = np.ascontiguousarray(tensors[name]).reshape(-1)
+        out.write(flat.view(np.uint8).data)
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    """Whether a file of ``size`` bytes that starts with ``head`` (at least 9 bytes when the
+    file has them) starts like safetensors: a little-endian u64 header length that fits the
+    file, then a JSON object."""
+    length = int.from_bytes(head[:8], "little")
+    return len(head) >= 9 and head[8:9] == b"{" and 2 <= length <= size - 8
+
+
+def read_header(path: Path) -> Header:
+    """Read and check the header of the safetensors file at ``path``.
+
+    Raises
+    ------
+    FixtureError
+        The length, the JSON or an entry is malformed.
+    ImportError
+        A tensor is BF16 and ml_dtypes is not installed.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 8:
+            raise FixtureError(
+                f"{path}: truncated: {size} bytes, shorter than the 8-byte header length"
+            )
+        length = int.from_bytes(f.read(8), "little")
+        if length < 2 or length > _MAX_HEADER or length > size - 8:
+            raise FixtureError(
+                f"{path}: bad header length {length}: expected 2 to "
+                f"{min(_MAX_HEADER, size - 8)} for a file of {size} bytes"
+            )
+        raw = f.read(length)
+    header = _parse_json(raw, path)
+    metadata = header.pop("__metadata__", None)
+    entries = [_parse_entry(name, spec, path) for name, spec in header.items()]
+    return Header(metadata, entries, 8 + length, size)
+
+
+def check_tiling(entries: list[Entry], data_size: int, path: Path) -> None:
+    """As the official reader: the tensors tile the data section exactly, in offset order."""
+    end, previous = 0, None
+    for entry in sorted(entries, key=lambda e: (e.start, e.end)):
+        if entry.end > data_size:
+            raise FixtureError(
+                f"{path}: tensor {entry.name!r} occupies bytes [{entry.start}, {entry.end}) of "
+                f"the data section, which has only {data_size} bytes (truncated file?)"
+            )
+        if entry.start < end:
+            raise FixtureError(
+                f"{path}: tensor {entry.name!r} at bytes [{entry.start}, {entry.end}) overlaps "
+                f"tensor {previous!r}, which ends at {end}"
+            )
+        if entry.start > end:
+            raise FixtureError(
+                f"{path}: gap in the data section: bytes [{end}, {entry.start}) before tensor "
+                f"{entry.name!r} belong to no tensor"
+            )
+        end, previous = entry.end, entry.name
+    if end != data_size:
+        raise FixtureError(
+            f"{path}: {data_size - end} bytes after the last tensor: the data section has "
+            f"{data_size} bytes, the tensors cover {end}"
+        )
+
+
+def _parse_json(raw: bytes, path: Path) -> dict[str, Any]:
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [key for key, _ in pairs]
+        duplicates = sorted({key for key in keys if keys.count(key) > 1})
+        if duplicates:
+            raise FixtureError(f"{path}: header has duplicate keys {duplicates}")
+        return dict(pairs)
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise FixtureError(f"{path}: header is not UTF-8 JSON: {err}") from None
+    except RecursionError:
+        raise FixtureError(f"{path}: header is not usable JSON: nested too deeply") from None
+    if not isinstance(header, dict):
+        raise FixtureError(f"{path}: header must be a JSON object, got {type(header).__name__}")
+    return header
+
+
+def _is_uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_entry(name: str, spec: object, path: Path) -> Entry:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise FixtureError(
+            f"{where} must be an object with exactly dtype, shape and data_offsets, "
+            f"got {spec!r:.200}"
+        )
+    code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    if not isinstance(code, str):
+        raise FixtureError(f"{where}: dtype must be a string, got {code!r:.100}")
+    if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+        raise FixtureError(
+            f"{where}: shape must be a list of non-negative integers, got {shape!r:.100}"
+        )
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_uint(o) for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise FixtureError(
+            f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
+            f"got {offsets!r:.100}"
+        )
+    dtype = dtype_of_code(code, name, path)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if offsets[1] - offsets[0] != nbytes:
+        raise FixtureError(
+            f"{where}: data_offsets {offsets} span {offsets[1] - offsets[0]} bytes, but "
+            f"{code} {tuple(shape)} needs {nbytes}"
+        )
+    return Entry(name, dtype, tuple(shape), offsets[0], offsets[1])

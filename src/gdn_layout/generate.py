@@ -1,0 +1,363 @@
+"""Random inputs, fixtures computed by the reference, and the standard suite of fixtures.
+
+>>> import gdn_layout as gl
+>>> x = draw_inputs(gl.GdnBackwardLayout(1, 4, 2, 8), regime="mild", seed=1)
+>>> x.g.shape, bool((x.g < 0).all())
+((1, 4, 2), True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any, Final, NamedTuple
+
+import numpy as np
+from numpy.typing import DTypeLike, NDArray
+
+from . import reference
+from ._checks import not_a_layout
+from ._files import atomic_write
+from ._fixture import (
+    FORMAT,
+    FORMAT_VERSION,
+    REGIMES,
+    Fixture,
+    GdnInputs,
+    check_seed,
+    resolve_dtype,
+    save_fixture,
+)
+from ._safetensors import dtype_code
+from ._version import __version__
+from .layout import GdnBackwardLayout
+
+__all__ = ["REGIMES", "draw_inputs", "make_fixture", "write_suite"]
+
+#: The child of ``SeedSequence(seed).spawn(7)`` each tensor is drawn from, by name: a
+#: tensor's stream never depends on the order of any tuple of names.
+_STREAMS: Final = {"q": 0, "k": 1, "v": 2, "g": 3, "beta": 4, "state": 5, "dy": 6}
+
+
+def draw_inputs(
+    layout: GdnBackwardLayout,
+    *,
+    regime: str = "mixed",
+    seed: int = 0,
+    dtype: DTypeLike = np.float32,
+) -> GdnInputs:
+    """Random inputs for ``layout`` as the op expects them, in ``dtype``.
+
+    ``q`` and ``k`` are L2-normalised over ``N``; ``v``, ``dy`` and ``state`` are standard
+    normal; ``beta`` is uniform in ``[0.05, 0.95]``. The log-gate ``g`` depends on ``regime``:
+
+    ``"zero"``
+        ``g = 0``: no decay.
+    ``"mild"``
+        ``g`` uniform in ``[-0.1, -0.001]``: ``exp(g)`` near 1.
+    ``"strong"``
+        ``g`` uniform in ``[-8, -3]``: ``exp(g)`` near 0.
+    ``"mixed"``
+        each element of ``g`` drawn from one of the three above, at random.
+    ``"qwen"``
+        as Qwen3-Next computes its gates: ``g = -exp(A_log) * softplus(a + dt_bias)``, with
+        ``exp(A_log)`` uniform in ``[1, 16]`` and ``dt_bias`` uniform in ``[-1, 1]`` per head
+        (model parameters, shared by the batch), and ``a`` standard normal per step (per step
+        and key channel for a per-channel gate). ``g`` lies in about ``[-80, -0.01]``.
+    ``"extreme"``
+        ``g`` uniform in ``[-30, -10]``: ``exp(g)`` below ``5e-5``, down to ``1e-13``, where
+        a kernel that divides by cumulative decays overflows.
+
+    Each tensor has its own random stream, so ``q`` is the same for every regime and gate
+    mode of a seed, and a layout with ``carry_state`` shares all other inputs with the one
+    without it. Values are drawn in float64 and normalised before the cast to ``dtype``.
+
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        Gives every shape, the gate mode and whether a state is drawn.
+    regime : str
+        The gate regime, one of :data:`REGIMES`.
+    seed : int
+        A non-negative integer; NumPy integers work.
+    dtype : dtype_like
+        float64, float32, float16 or bfloat16.
+
+    Returns
+    -------
+    GdnInputs
+        ``q, k, v, g, beta, dy`` and ``state`` (None unless carried).
+
+    Raises
+    ------
+    TypeError
+        ``layout``, ``seed`` or ``dtype`` has the wrong type.
+    ValueError
+        ``regime`` is unknown or ``seed`` negative.
+
+    Examples
+    --------
+    >>> import gdn_layout as gl
+    >>> x = draw_inputs(gl.GdnBackwardLayout(2, 5, 3, 8), regime="strong", seed=3)
+    >>> x.q.shape, x.g.shape, x.state is None, x.q.dtype
+    ((2, 5, 3, 8), (2, 5, 3), True, dtype('float32'))
+    >>> bool(np.allclose(np.linalg.norm(x.k, axis=-1), 1.0)), float(x.g.max()) <= -3.0
+    (True, True)
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "draw_inputs")
+    if regime not in REGIMES:
+        raise ValueError(f"draw_inputs: regime must be one of {REGIMES}, got {regime!r}")
+    seed = check_seed(seed, "draw_inputs")
+    target = resolve_dtype(dtype, "draw_inputs")
+    children = np.random.SeedSequence(seed).spawn(len(_STREAMS))
+    streams = {name: np.random.default_rng(children[i]) for name, i in _STREAMS.items()}
+    qkv = layout.input_shape("q")
+
+    def unit(rng: np.random.Generator) -> NDArray[np.float64]:
+        x = rng.standard_normal(qkv)
+        norm = np.linalg.norm(x, axis=-1, keepdims=True)
+        return x / np.where(norm > 0, norm, 1.0)
+
+    drawn: dict[str, NDArray[Any] | None] = {
+        "q": unit(streams["q"]),
+        "k": unit(streams["k"]),
+        "v": streams["v"].standard_normal(qkv),
+        "g": _gate(streams["g"], layout.input_shape("g"), regime),
+        "beta": streams["beta"].uniform(0.05, 0.95, layout.input_shape("beta")),
+        "dy": streams["dy"].standard_normal(layout.input_shape("dy")),
+        "state": (
+            streams["state"].standard_normal(layout.input_shape("state"))
+            if layout.carry_state
+            else None
+        ),
+    }
+    cast = {n: None if a is None else a.astype(target) for n, a in drawn.items()}
+    return GdnInputs(**cast)  # type: ignore[arg-type]
+
+
+def _gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:
+    if regime == "qwen":
+        # Per head, broadcast over the batch, the steps and (per channel) the key channels.
+        per_head = shape[2:3] + (1,) * (len(shape) - 3)
+        decay = rng.uniform(1.0, 16.0, per_head)  # exp(A_log)
+        dt_bias = rng.uniform(-1.0, 1.0, per_head)
+        a = rng.standard_normal(shape)
+        return -decay * np.logaddexp(0.0, a + dt_bias)  # softplus(x) = log(1 + exp(x))
+    if regime == "extreme":
+        return rng.uniform(-30.0, -10.0, shape)
+    # The bounds keep every regime apart after a cast to bfloat16 too: mild never rounds to 0.
+    mild = rng.uniform(-0.1, -0.001, shape)
+    strong = rng.uniform(-8.0, -3.0, shape)
+    if regime == "zero":
+        return np.zeros(shape)
+    if regime == "mild":
+        return mild
+    if regime == "strong":
+        return strong
+    pick = rng.integers(0, 3, shape)
+    return np.select([pick == 1, pick == 2], [mild, strong], 0.0)
+
+
+def make_fixture(
+    layout: GdnBackwardLayout,
+    *,
+    dtype: DTypeLike = np.float32,
+    regime: str = "mixed",
+    seed: int = 0,
+    progress: Callable[[float], object] | None = None,
+) -> Fixture:
+    """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
+
+    The reference runs in float64 on the inputs as stored (already cast to ``dtype``), and its
+    results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
+    inputs, up to that final rounding. ``progress`` is passed to the reference backward.
+
+    Parameters
+    ----------
+    layout : GdnBackwardLayout
+        The case.
+    dtype : dtype_like
+        The dtype of every stored tensor.
+    regime, seed
+        As for :func:`draw_inputs`.
+    progress : callable, optional
+        Called with the fraction of the backward done.
+
+    Returns
+    -------
+    Fixture
+        With ``regime``, ``seed`` and ``compute_dtype="float64"`` recorded.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`draw_inputs`.
+
+    Examples
+    --------
+    >>> import gdn_layout as gl
+    >>> fx = make_fixture(gl.GdnBackwardLayout(1, 4, 2, 8, carry_state=True), regime="zero")
+    >>> fx.packed.shape, fx.grads.dstate.shape, fx.compute_dtype
+    ((336,), (1, 2, 8, 8), 'float64')
+    """
+    x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
+    state = None if x.state is None else x.state.astype(np.float64)
+    q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
+    wide = GdnInputs(q, k, v, g, beta, dy, state)
+    y = reference.forward(*wide[:5], state=wide.state, dtype=np.float64)
+    if isinstance(y, tuple):  # (y, final_state) when the state is carried
+        y = y[0]
+    packed = reference.backward(*wide, dtype=np.float64, progress=progress)
+    target = x.q.dtype
+    return Fixture(
+        *x,
+        y=np.asarray(y).astype(target),
+        packed=np.asarray(packed).astype(target),
+        regime=regime,
+        seed=int(seed),
+        compute_dtype="float64",
+    )
+
+
+class _Case(NamedTuple):
+    tag: str
+    batch: int
+    seq: int
+    heads: int
+    state_size: int
+
+
+#: Edge shapes of :func:`write_suite`: S=1, N=1, the shape RLX tests with (B, H > 1), S a
+#: multiple of 64, S not one, S just past one, and the largest N of RLX's CPU kernels.
+_SUITE_SHAPES: Final = (
+    _Case("s1", 1, 1, 1, 8),
+    _Case("n1", 1, 7, 2, 1),
+    _Case("rlx", 2, 5, 3, 8),
+    _Case("s64", 1, 64, 2, 16),
+    _Case("s65", 2, 65, 2, 16),
+    _Case("s100", 1, 100, 3, 16),
+    _Case("n128", 1, 3, 1, 128),
+)
+
+
+#: The regimes of the first suite, then those added since: every file of an older suite keeps
+#: its place, and so its seed and its bytes.
+_SUITE_REGIMES: Final = (REGIMES[:4], REGIMES[4:])
+
+
+def _suite_cases() -> Iterator[tuple[str, GdnBackwardLayout, str]]:
+    for regimes in _SUITE_REGIMES:
+        yield from _suite_cases_of(regimes)
+
+
+def _suite_cases_of(regimes: tuple[str, ...]) -> Iterator[tuple[str, GdnBackwardLayout, str]]:
+    for case in _SUITE_SHAPES:
+        for per_channel in (False, True):
+            for carry in (False, True):
+                layout = GdnBackwardLayout(
+                    case.batch,
+                    case.seq,
+                    case.heads,
+                    case.state_size,
+                    gate_per_channel=per_channel,
+                    carry_state=carry,
+                )
+                for regime in regimes:
+                    name = (
+                        f"{case.tag}-b{case.batch}s{case.seq}h{case.heads}n{case.state_size}"
+                        f"-{'channel' if per_channel else 'scalar'}"
+                        f"-{'state' if carry else 'nostate'}-{regime}.safetensors"
+                    )
+                    yield name, layout, regime
+
+
+def write_suite(
+    directory: str | os.PathLike[str],
+    *,
+    dtype: DTypeLike = np.float32,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: Callable[[float], object] | None = None,
+) -> list[Path]:
+    """Write the standard fixture set for a kernel test-suite into ``directory``.
+
+    Every combination of gate mode (scalar, per channel), state mode (carried or not), gate
+    regime (:data:`REGIMES`) and edge shape (S=1, N=1, B and H above 1, S = 64, 65, 100 and
+    N=128) is one file (168 files); file ``i`` uses seed ``seed + i``, the files of the first
+    four regimes first, so that adding a regime never renumbers an existing file.
+    ``manifest.json`` lists each file with its layout, regime, seed, dtype, size and SHA-256.
+    The whole set is about 12 MiB in float32. Existing files are refused unless
+    ``overwrite=True``. Returns the fixture paths. ``progress``, when given, is called with
+    the fraction of the files written so far.
+
+    Parameters
+    ----------
+    directory : str or os.PathLike
+        Created when missing.
+    dtype : dtype_like
+        The dtype of every fixture.
+    seed : int
+        The first file's seed.
+    overwrite : bool
+        Replace existing files.
+    progress : callable, optional
+        Called with the fraction of the files written.
+
+    Returns
+    -------
+    list of pathlib.Path
+        The fixture files, in manifest order.
+
+    Raises
+    ------
+    FileExistsError
+        ``manifest.json`` or a fixture exists and ``overwrite`` is false.
+    TypeError, ValueError
+        ``dtype`` or ``seed`` is not usable.
+    """
+    root = Path(directory)
+    target = resolve_dtype(dtype, "write_suite")
+    seed = check_seed(seed, "write_suite")
+    root.mkdir(parents=True, exist_ok=True)
+    manifest = root / "manifest.json"
+    if not overwrite and manifest.exists():
+        raise FileExistsError(f"{manifest} exists; pass overwrite=True to replace the suite")
+    paths: list[Path] = []
+    entries: list[dict[str, Any]] = []
+    cases = list(_suite_cases())
+    for index, (name, layout, regime) in enumerate(cases):
+        fixture = make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
+        path = save_fixture(root / name, fixture, overwrite=overwrite)
+        paths.append(path)
+        if progress is not None:
+            progress((index + 1) / len(cases))
+        entries.append(
+            {
+                "file": name,
+                "layout": layout.to_dict(),
+                "regime": regime,
+                "seed": seed + index,
+                "dtype": dtype_code(target, "write_suite"),
+                "bytes": path.stat().st_size,
+                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+            }
+        )
+    document = {
+        "format": FORMAT + "-suite",
+        "format_version": FORMAT_VERSION,
+        "gdn_layout_version": __version__,
+        "dtype": dtype_code(target, "write_suite"),
+        "seed": seed,
+        "fixtures": entries,
+    }
+    text = (json.dumps(document, indent=1) + "\n").encode()
+
+    def write(out: IO[bytes]) -> None:
+        out.write(text)
+
+    atomic_write(manifest, write, overwrite=overwrite)
+    return paths

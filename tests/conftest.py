@@ -1,0 +1,39 @@
+"""Shared test strategies and fixtures.
+
+``st.from_type(GdnBackwardLayout)`` draws small layouts of every gate and state mode, zero
+sizes included; registered here so that every test module draws from the same one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import strategies as st
+
+from gdn_layout import GdnBackwardLayout
+from gdn_layout.fixtures import write_suite
+
+
+@pytest.fixture(scope="session")
+def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """The standard suite, written once with seed 100: its folder and its fixture paths."""
+    root = tmp_path_factory.mktemp("suite")
+    fractions: list[float] = []
+    paths = write_suite(root, seed=100, progress=fractions.append)
+    assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
+    return root, paths
+
+
+st.register_type_strategy(
+    GdnBackwardLayout,
+    st.builds(
+        GdnBackwardLayout,
+        batch=st.integers(0, 3),
+        seq=st.integers(0, 17),
+        heads=st.integers(0, 4),
+        state_size=st.integers(0, 9),
+        gate_per_channel=st.booleans(),
+        carry_state=st.booleans(),
+    ),
+)

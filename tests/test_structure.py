@@ -1,0 +1,129 @@
+"""The package's modules: small, layered without cycles, private names kept private."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "gdn_layout"
+
+
+def _name(path: Path) -> str:
+    """A module's dotted name inside the package: a subpackage is named by its folder."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+
+
+FILES = {_name(path): path for path in PACKAGE.rglob("*.py")}
+MODULES = sorted(FILES)
+
+
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(FILES[module].read_text())
+
+
+def _package_of(module: str) -> list[str]:
+    """The dotted package a module's relative imports start from, as parts."""
+    parts = module.split(".")
+    return parts if FILES[module].name == "__init__.py" and module != "__init__" else parts[:-1]
+
+
+def _imports(module: str) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` for every import of a package module, deferred ones included."""
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.ImportFrom):
+            names = [alias.name for alias in node.names]
+            if node.level:
+                base = _package_of(module)[: len(_package_of(module)) - node.level + 1]
+                if node.module is None:  # from . import x
+                    found.extend((".".join([*base, name]), []) for name in names)
+                else:
+                    found.append((".".join([*base, node.module]), names))
+            elif node.module and node.module.startswith("gdn_layout."):
+                found.append((node.module.removeprefix("gdn_layout."), names))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("gdn_layout."):
+                    found.append((alias.name.removeprefix("gdn_layout."), []))
+    return found
+
+
+def test_the_modules_are_known() -> None:
+    # A new module must be placed in the layering below.
+    assert set(MODULES) == set(LAYERS)
+
+
+#: Every module, lowest first: each may import only modules before it.
+LAYERS = [
+    "_version",
+    "_checks",
+    "_dtypes",
+    "_tables",
+    "_stats",
+    "_files",
+    "layout",
+    "packing",
+    "_safetensors",
+    "_fixture",
+    "reference._inputs",
+    "reference._recurrent",
+    "reference._chunk_math",
+    "reference._chunked",
+    "reference",
+    "generate",
+    "fixtures",
+    "_comparison",
+    "compare",
+    "plot",
+    "cli",
+    "__init__",
+    "__main__",
+]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_imports_only_modules_below_it(module: str) -> None:
+    # A strict order of the modules means no import cycle, deferred imports included.
+    above = LAYERS[LAYERS.index(module) :]
+    wrong = [name for name, _ in _imports(module) if name in above]
+    assert not wrong, f"{module} imports {wrong}, which are not below it"
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_private_name_is_imported_from_another_module(module: str) -> None:
+    private = [
+        f"{source}.{name}"
+        for source, names in _imports(module)
+        for name in names
+        if name.startswith("_") and name != "__version__" and name not in MODULES
+    ]
+    assert not private
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_private_attribute_of_another_module_or_object(module: str) -> None:
+    # `x._name` is allowed on self and cls only (and on namedtuples' own API, `_asdict`).
+    tree = _tree(module)
+    private = sorted(
+        {
+            f"{node.value.id}.{node.attr}"
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.value.id not in ("self", "cls")
+            and node.attr not in ("_asdict", "_fields", "_replace", "_make")
+        }
+    )
+    assert not private
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_no_module_is_over_500_lines(module: str) -> None:
+    assert len(FILES[module].read_text().splitlines()) <= 500
