@@ -103,6 +103,12 @@ class GradComparison:
             mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
             head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
             ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
+        batch_error_map: the error map of each batch element, ``[B, S, H]`` (``[B, N, H]``
+            for ``dstate``); ``error_map`` is its maximum over the batch. For plots; not part
+            of equality or ``to_dict``.
+        mismatch_map: how many elements of each cell of ``batch_error_map`` are out of
+            elementwise tolerance (non-finite mismatches included), int32. For plots; not
+            part of equality or ``to_dict``.
     """
 
     name: str
@@ -127,6 +133,8 @@ class GradComparison:
     worst_expected: float | None
     passed: bool
     error_map: NDArray[np.float64] = field(compare=False, repr=False)
+    batch_error_map: NDArray[np.float64] = field(compare=False, repr=False)
+    mismatch_map: NDArray[np.int32] = field(compare=False, repr=False)
 
     @property
     def mode(self) -> Literal["elementwise", "rms"]:
@@ -523,6 +531,9 @@ def _compare_grad(
     period = shape[1]
     width = shape[2]
     accum = np.zeros((period, width), dtype=np.float64)
+    # The same maps per batch element, unfolded: row r of [rows, width] is (b, s) = divmod(r, S).
+    cell_error = np.zeros((rows, width), dtype=np.float64)
+    cell_out = np.zeros((rows, width), dtype=np.int32)
 
     nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = 0
     max_abs = max_rel = 0.0
@@ -576,6 +587,8 @@ def _compare_grad(
         # Reduce each row to its line of the map, then fold rows onto it by s (or h).
         line = diff_map.reshape(diff_map.shape[0], width, -1).max(axis=2)
         np.maximum.at(accum, np.arange(start, start + line.shape[0]) % period, line)
+        cell_error[start : start + line.shape[0]] = line
+        cell_out[start : start + line.shape[0]] = out.reshape(line.shape[0], width, -1).sum(axis=2)
 
     rms_ratio = _rms_ratio(norm_diff.value(), norm_exp.value())
     if elementwise:
@@ -588,6 +601,12 @@ def _compare_grad(
     )
     emap = accum.T.copy() if is_state else accum
     emap.flags.writeable = False
+    batch_maps = []
+    for cells in (cell_error, cell_out):
+        cells = cells.reshape(shape[0], period, width)
+        cells = np.ascontiguousarray(cells.transpose(0, 2, 1)) if is_state else cells
+        cells.flags.writeable = False
+        batch_maps.append(cells)
     return GradComparison(
         name=name,
         shape=shape,
@@ -611,6 +630,8 @@ def _compare_grad(
         worst_expected=None if worst is None else worst_e,
         passed=passed,
         error_map=emap,
+        batch_error_map=batch_maps[0],
+        mismatch_map=batch_maps[1],
     )
 
 
