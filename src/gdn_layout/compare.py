@@ -36,7 +36,7 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -44,6 +44,9 @@ from numpy.typing import NDArray
 from ._dtypes import is_floating
 from ._render import CHUNK_ELEMENTS, fmt_float, html_table, layout_caption, text_table
 from .layout import GRADIENT_NAMES, GdnBackwardLayout, _not_a_layout
+
+if TYPE_CHECKING:
+    from ._picture import Picture
 
 __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
 
@@ -306,6 +309,15 @@ class Comparison:
             caption=self._title(),
             row_styles=["" if g.passed else "background:#fdd" for g in self.grads],
         )
+
+    def plot(self, **options: Any) -> Picture:
+        """:func:`gdn_layout.plot.plot_errors` of this comparison, with the same options.
+
+        Needs ``gdn-layout[plot]``; a notebook displays the returned picture.
+        """
+        from .plot import plot_errors  # deferred: plot builds on this module
+
+        return plot_errors(self, **options)
 
 
 _HEADERS = [
@@ -601,12 +613,6 @@ def _compare_grad(
     )
     emap = accum.T.copy() if is_state else accum
     emap.flags.writeable = False
-    batch_maps = []
-    for cells in (cell_error, cell_out):
-        cells = cells.reshape(shape[0], period, width)
-        cells = np.ascontiguousarray(cells.transpose(0, 2, 1)) if is_state else cells
-        cells.flags.writeable = False
-        batch_maps.append(cells)
     return GradComparison(
         name=name,
         shape=shape,
@@ -630,9 +636,20 @@ def _compare_grad(
         worst_expected=None if worst is None else worst_e,
         passed=passed,
         error_map=emap,
-        batch_error_map=batch_maps[0],
-        mismatch_map=batch_maps[1],
+        batch_error_map=_per_batch(cell_error, shape, is_state),
+        mismatch_map=_per_batch(cell_out, shape, is_state),
     )
+
+
+_Cells = TypeVar("_Cells", bound=np.generic)
+
+
+def _per_batch(cells: NDArray[_Cells], shape: tuple[int, ...], is_state: bool) -> NDArray[_Cells]:
+    """``[B * S, H]`` cells as a read-only ``[B, S, H]`` map (``[B, H, N]`` to ``[B, N, H]``)."""
+    split = cells.reshape(shape[0], shape[1], cells.shape[1])
+    result = np.ascontiguousarray(split.transpose(0, 2, 1)) if is_state else split
+    result.flags.writeable = False
+    return result
 
 
 class _Norm:

@@ -10,13 +10,17 @@ agree with.
 from __future__ import annotations
 
 import operator
+import os
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from ._dtypes import resolve
+
+if TYPE_CHECKING:
+    from ._picture import Picture
 
 __all__ = ["GRADIENT_NAMES", "GdnBackwardLayout", "Segment"]
 
@@ -312,6 +316,17 @@ class GdnBackwardLayout:
         if state[1] is not None:
             _check_shape(state[0], _shape_of(*state), layout.shape("dstate"), layout)
         return layout
+
+    def plot(
+        self, *, dtype: DTypeLike = np.float32, path: str | os.PathLike[str] | None = None
+    ) -> Picture:
+        """:func:`gdn_layout.plot.plot_layout` of this layout: the packed buffer as a bar.
+
+        Needs ``gdn-layout[plot]``; a notebook displays the returned picture.
+        """
+        from .plot import plot_layout  # deferred: plot builds on this module
+
+        return plot_layout(self, dtype=dtype, path=path)
 
 
 def _not_a_layout(value: object, where: str = "") -> TypeError:
