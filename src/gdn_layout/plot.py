@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import os
-from typing import TYPE_CHECKING, Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -166,9 +166,9 @@ def plot_errors(
     comparison: Comparison,
     *,
     names: tuple[str, ...] | list[str] | None = None,
-    batch: int | None = None,
+    batch: SupportsIndex | None = None,
     only_failed: bool | None = None,
-    chunk: int | None = None,
+    chunk: SupportsIndex | None = None,
     log: bool = True,
     path: str | os.PathLike[str] | None = None,
 ) -> Picture:
@@ -212,26 +212,14 @@ def plot_errors(
             f"got {chosen}"
         )
     batches = result.layout.batch
-    if batch is not None:
-        if isinstance(batch, (bool, np.bool_)):
-            raise TypeError("plot_errors: batch must be None or an int, got bool")
-        try:
-            batch = operator.index(batch)
-        except TypeError:
-            raise TypeError(
-                f"plot_errors: batch must be None or an int, got {type(batch).__name__}"
-            ) from None
-        if not 0 <= batch < batches:
-            raise ValueError(
-                f"plot_errors: batch must be None or an index 0 <= batch < B = {batches}, "
-                f"got {batch}"
-            )
-    if chunk is not None:
-        if isinstance(chunk, (bool, np.bool_)) or not isinstance(chunk, (int, np.integer)):
-            raise TypeError(f"plot_errors: chunk must be None or an int, got {chunk!r}")
-        if chunk < 1:
-            raise ValueError(f"plot_errors: chunk must be at least 1, got {chunk}")
-        chunk = int(chunk)
+    batch = _index("batch", batch)
+    if batch is not None and not 0 <= batch < batches:
+        raise ValueError(
+            f"plot_errors: batch must be None or an index 0 <= batch < B = {batches}, got {batch}"
+        )
+    chunk = _index("chunk", chunk)
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"plot_errors: chunk must be None or at least 1, got {chunk}")
     if only_failed is None:
         only_failed = names is None and not result.passed
     failing = [n for n in chosen if not result[n].passed]
@@ -355,6 +343,19 @@ def _heatmap(
             facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
         )
     return marks
+
+
+def _index(what: str, value: SupportsIndex | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"plot_errors: {what} must be None or an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"plot_errors: {what} must be None or an int, got {type(value).__name__}"
+        ) from None
 
 
 def _integer_ticks(ax: Axes, which: str, n: int, chunk: int | None) -> None:
