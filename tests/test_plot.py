@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import runpy
 import struct
 import subprocess
 import sys
@@ -381,6 +382,21 @@ def test_integer_ticks_and_no_text_cut_off(heads: int, seq: int) -> None:
     assert title == f"compare FAILED (dq, dk, dstate)\nB=2 S={seq} H={heads} N=2, " + (
         "per-channel gate, carried state"
     )
+    # One panel, the narrowest picture, with the longest titles.
+    one = plot_errors(result, names=["dk"], batch=1, chunk=1)
+    assert one.get_suptitle().endswith("\nbatch element b=1 of 2")
+    _assert_no_text_cut_off(one)
+
+
+def test_no_text_cut_off_with_large_numbers() -> None:
+    layout = GdnBackwardLayout(1234, 1, 56, 1, gate_per_channel=True, carry_state=True)
+    flat = np.zeros(layout.total_elems)
+    actual = flat.copy()
+    unpack(actual, layout).dbeta[1233, 0, 55] = 0.5
+    result = compare(actual, flat, layout, max_rms_ratio={"dq": 0.5})
+    fig = plot_errors(result, batch=1233, names=["dbeta", "dq"], only_failed=False)
+    assert "[1233, 0, 55]" in fig.axes[0].get_title()
+    _assert_no_text_cut_off(fig)
 
 
 def test_long_axes_label_every_kth_position() -> None:
@@ -455,3 +471,12 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
 
     with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
         _ = plot.Picture
+
+
+def test_readme_picture_script(tmp_path: Path) -> None:
+    script = runpy.run_path(str(ROOT / "docs" / "make_figures.py"), run_name="make_figures")
+    (path,) = script["main"](tmp_path)
+    assert path == tmp_path / "heatmap.png"
+    assert _png_size(path.read_bytes()) == (1260, 330)
+    assert _png_size((ROOT / "docs" / "heatmap.png").read_bytes()) == (1260, 330)
+    assert "](docs/heatmap.png)" in (ROOT / "README.md").read_text()

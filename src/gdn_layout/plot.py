@@ -234,7 +234,7 @@ def plot_errors(
         figsize=(_PANEL[0] * ncols, _PANEL[1] * nrows + 0.3), dpi=_DPI, layout="constrained"
     )
     verdict = "passed" if result.passed else f"FAILED ({', '.join(result.failed)})"
-    shown = "" if batch is None else f"; batch element b={batch} of {batches}"
+    shown = "" if batch is None else f"\nbatch element b={batch} of {batches}"
     fig.suptitle(f"compare {verdict}\n{layout_caption(result.layout)}{shown}", fontsize=9)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     marks: dict[str, Artist] = {}
