@@ -245,6 +245,15 @@ def test_rms_judged_gradients_are_not_outlined() -> None:
     panels = _panels(plot_errors(rms, only_failed=False))
     assert all(not _outlined(ax) for ax in panels.values())
     assert rms["dk"].mismatches > 0
+    assert panels["dk"].get_title().startswith("dk ok: max |a-e| ")
+    unpack(actual, rms.layout).dv[1, 3, 2, 0] = np.nan
+    strict = compare(actual, expected + 1.0, rms.layout, max_rms_ratio=0.5)
+    panels = _panels(plot_errors(strict, names=["dk", "dv"]))
+    assert [ax.get_title().splitlines()[0] for ax in panels.values()] == [
+        "dk FAIL: rms ratio 0.984 > 0.5",
+        "dv FAIL: 1 NaN/Inf mismatch",
+    ]
+    assert all(not _outlined(ax) for ax in panels.values())
 
 
 def test_nonfinite_cells_are_filled_and_marked_with_a_legend() -> None:

@@ -197,6 +197,18 @@ def plot_errors(
     Ticks label whole positions only, every k-th one on a long axis. Three panels a row,
     4.2x3 inches each at 100 dpi, laid out so that no label is cut off. Saves to ``path`` when
     given, in the format its suffix names (PNG, SVG, PDF, ...).
+
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout, compare, unpack
+    >>> layout = GdnBackwardLayout(batch=2, seq=32, heads=2, state_size=4)
+    >>> expected = np.zeros(layout.total_elems)
+    >>> actual = expected.copy()
+    >>> unpack(actual, layout).dq[1, 16:, 0, :] = np.nan  # b=1, head 0, the second chunk
+    >>> fig = compare(actual, expected, layout).plot(batch=1, chunk=16)
+    >>> [ax.get_title() for ax in fig.axes if ax.images]
+    ['dq FAIL: 64 of 512 out, worst [1, 16, 0, 0]\\nmax |a-e| over n']
+    >>> [text.get_text() for text in fig.legends[0].get_texts()]
+    ['chunk boundary (every 16)', 'NaN or Inf mismatch']
     """
     if not isinstance(comparison, Comparison):
         raise TypeError(
@@ -285,6 +297,9 @@ def _heatmap(
         head = f"{grad.name} FAIL: {grad.mismatches} of {grad.size} out"
         if grad.worst is not None:
             head += f", worst [{', '.join(map(str, grad.worst))}]"
+    elif not grad.passed and grad.nonfinite_mismatches:
+        n = grad.nonfinite_mismatches
+        head = f"{grad.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
     elif not grad.passed:
         head = f"{grad.name} FAIL: rms ratio {fmt_float(grad.rms_ratio)} > {grad.max_rms_ratio:.3g}"
     else:
