@@ -49,6 +49,11 @@ def _panels(fig: Figure) -> dict[str, Any]:
     return {ax.get_title().split()[0]: ax for ax in fig.axes if ax.images}
 
 
+def _suptitle(fig: Figure) -> str:
+    (title,) = fig.texts  # Figure.get_suptitle needs matplotlib 3.8
+    return title.get_text()
+
+
 def _outlined(ax: Any) -> set[frozenset[tuple[float, float]]]:
     """The unit edges of the out-of-tolerance outline drawn on ``ax``."""
     lines = [c for c in ax.collections if isinstance(c, LineCollection)]
@@ -301,7 +306,7 @@ def test_panels_failing_by_default_all_when_asked_or_passed() -> None:
     passed = compare(flat, flat, result.layout)
     fig = plot_errors(passed, only_failed=True)
     assert list(_panels(fig)) == list(result.layout.names)
-    assert fig.get_suptitle().startswith("compare passed\n")
+    assert _suptitle(fig).startswith("compare passed\n")
     assert not fig.legends
 
 
@@ -387,13 +392,13 @@ def test_integer_ticks_and_no_text_cut_off(heads: int, seq: int) -> None:
             assert 2 <= len(ticks) <= 9 or n == 1
             low, high = sorted(axis.get_view_interval())
             assert (low, high) == (-0.5, n - 0.5)
-    title = fig.get_suptitle()
+    title = _suptitle(fig)
     assert title == f"compare FAILED (dq, dk, dstate)\nB=2 S={seq} H={heads} N=2, " + (
         "per-channel gate, carried state"
     )
     # One panel, the narrowest picture, with the longest titles.
     one = plot_errors(result, names=["dk"], batch=1, chunk=1)
-    assert one.get_suptitle().endswith("\nbatch element b=1 of 2")
+    assert _suptitle(one).endswith("\nbatch element b=1 of 2")
     _assert_no_text_cut_off(one)
 
 
