@@ -243,6 +243,25 @@ def test_out_of_tolerance_cells_are_outlined_exactly() -> None:
     assert [t.get_text() for t in legend.get_texts()] == ["out of tolerance"]
 
 
+def test_too_many_out_cells_to_outline_are_shaded() -> None:
+    layout = GdnBackwardLayout(1, 2000, 3, 1)
+    expected = np.zeros(layout.total_elems)
+    actual = expected.copy()
+    dbeta = unpack(actual, layout).dbeta
+    dbeta[0, ::2, :2] = 1.0  # every other position of heads 0 and 1: 4000 cells, 12000 edges
+    dbeta[0, 1, 2] = np.nan
+    fig = plot_errors(compare(actual, expected, layout))
+    (ax,) = _panels(fig).values()
+    _, shade = ax.images
+    assert shade.get_label() == "out of tolerance (shaded)"
+    expected_mask = np.zeros((3, 2000), dtype=bool)
+    expected_mask[:2, ::2] = True
+    np.testing.assert_array_equal(~np.ma.getmaskarray(shade.get_array()), expected_mask)
+    assert not _outlined(ax)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["out of tolerance (shaded)", "NaN or Inf mismatch"]
+
+
 def test_rms_judged_gradients_are_not_outlined() -> None:
     result, actual = _marked((2, 8, 3, 2))
     expected = np.zeros_like(actual)

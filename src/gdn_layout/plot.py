@@ -53,6 +53,12 @@ _BAD_COLOUR = "magenta"
 _OUT_COLOUR = "red"
 #: The colour map of the error heatmaps (dark purple through blue and green to yellow).
 _COLOUR_MAP = "viridis"
+#: Past this many unit edges an outline is slow to draw and a tangle to read: the cells out
+#: of tolerance are shaded instead, this opaque.
+_MAX_EDGES = 4000
+_SHADE_ALPHA = 0.5
+#: Past this many NaN/Inf cells, their fill alone marks them (no square on each).
+_MAX_MARKERS = 1000
 #: Spans narrower than this fraction of the buffer get their label above the bar.
 _NARROW = 0.07
 #: Size of one heatmap panel, in inches, and the resolution of every picture.
@@ -184,9 +190,10 @@ def plot_errors(
     * ``batch``: None (the default) takes the largest error over the batch; an index
       ``0 <= batch < B`` shows that batch element alone.
     * Cells holding an element out of the gradient's elementwise tolerance are outlined in red
-      (not for a gradient judged by its RMS ratio, which has no per-element verdict); cells
-      holding a NaN or Inf mismatch are filled magenta, a colour the colour map (viridis) never
-      uses. A legend under the panels explains the marks present.
+      (shaded red instead when there are too many to outline; not for a gradient judged by its
+      RMS ratio, which has no per-element verdict); cells holding a NaN or Inf mismatch are
+      filled magenta, a colour the colour map (viridis) never uses. A legend under the panels
+      explains the marks present.
     * ``names`` picks the panels; by default every gradient, or only the failing ones when
       something failed (``only_failed`` overrides that: True keeps only failing gradients when
       there are any, False draws them all).
@@ -349,11 +356,12 @@ def _heatmap(
         )
     # A non-finite cell is out of tolerance too, but its fill says more than an outline.
     if outlined and (out[finite] > 0).any():
-        marks["out of tolerance"] = _outline(ax, (out > 0) & finite)
+        marks.update(_outline(ax, (out > 0) & finite))
     if not finite.all():
-        # A square of fixed size on each such cell as well: a cell can be narrower than a pixel.
         rows, cols = np.nonzero(~finite)
-        ax.scatter(cols, rows, s=20, marker="s", c=_BAD_COLOUR, edgecolors="black", linewidths=0.5)
+        if rows.size <= _MAX_MARKERS:
+            # A square of fixed size on each as well: a cell can be narrower than a pixel.
+            ax.scatter(cols, rows, s=20, marker="s", c=_BAD_COLOUR, edgecolors="black", lw=0.5)
         marks["NaN or Inf mismatch"] = Patch(
             facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
         )
@@ -397,16 +405,33 @@ def _step(n: int, room: int, chunk: int | None) -> int:
         scale *= 10
 
 
-def _outline(ax: Axes, mask: NDArray[np.bool_]) -> Artist:
-    """One line collection tracing the border of the ``True`` cells of ``mask`` (rows down)."""
+def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
+    """Trace the border of the ``True`` cells of ``mask`` (rows down) in one line collection;
+    or, when that border is too long to draw quickly or to see, shade those cells instead.
+    Returns the legend entry."""
     from matplotlib.collections import LineCollection
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
     padded = np.pad(mask, 1)
     # A horizontal edge lies between two rows that differ, a vertical one between two columns;
     # cell (r, c) spans r - 0.5 .. r + 0.5 down and c - 0.5 .. c + 0.5 across.
-    rows, cols = np.nonzero(padded[1:, 1:-1] != padded[:-1, 1:-1])
+    across = padded[1:, 1:-1] != padded[:-1, 1:-1]
+    down = padded[1:-1, 1:] != padded[1:-1, :-1]
+    if int(across.sum()) + int(down.sum()) > _MAX_EDGES:
+        label = "out of tolerance (shaded)"
+        shade = ax.imshow(
+            np.ma.masked_where(~mask, np.ones(mask.shape)),
+            aspect="auto",
+            interpolation="nearest",
+            cmap=ListedColormap([_OUT_COLOUR]),
+            alpha=_SHADE_ALPHA,
+        )
+        shade.set_label(label)
+        return {label: Patch(facecolor=_OUT_COLOUR, alpha=_SHADE_ALPHA, label=label)}
+    rows, cols = np.nonzero(across)
     horizontal = np.stack([cols - 0.5, rows - 0.5, cols + 0.5, rows - 0.5], axis=-1)
-    rows, cols = np.nonzero(padded[1:-1, 1:] != padded[1:-1, :-1])
+    rows, cols = np.nonzero(down)
     vertical = np.stack([cols - 0.5, rows - 0.5, cols - 0.5, rows + 0.5], axis=-1)
     segments = np.concatenate([horizontal, vertical]).reshape(-1, 2, 2)
     lines = LineCollection(
@@ -415,7 +440,7 @@ def _outline(ax: Axes, mask: NDArray[np.bool_]) -> Artist:
     lines.set_zorder(3)  # over the axes' frame, which a cell on the border shares
     lines.set_clip_on(False)  # or the frame would clip a border cell's outline to half its width
     ax.add_collection(lines, autolim=False)
-    return lines
+    return {"out of tolerance": lines}
 
 
 def _root(ax: Axes) -> Figure:
