@@ -150,6 +150,20 @@ def test_plot_layout_png(tmp_path: Path, carry: bool) -> None:
     _assert_no_text_cut_off(fig)
 
 
+@pytest.mark.parametrize(
+    ("dims", "last"), [((1, 1, 1, 1), "6"), ((4, 4096, 32, 128), "240,000,000")]
+)
+def test_plot_layout_ticks_are_whole_offsets(dims: tuple[int, int, int, int], last: str) -> None:
+    fig = plot_layout(GdnBackwardLayout(*dims, gate_per_channel=True, carry_state=True))
+    _assert_no_text_cut_off(fig)
+    (ax,) = fig.axes
+    low, high = ax.get_xlim()
+    shown = [t for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    assert all(float(t.get_position()[0]).is_integer() for t in shown)
+    assert shown[-1].get_text() == last
+    assert ax.xaxis.get_offset_text().get_text() == ""
+
+
 def test_plot_layout_on_given_axes_and_empty(tmp_path: Path) -> None:
     fig = Figure(figsize=(4, 2), dpi=50)
     ax = fig.add_subplot()

@@ -119,6 +119,7 @@ def plot_layout(
         raise _not_a_layout(layout, "plot_layout")
     _require_matplotlib()
     from matplotlib import colormaps
+    from matplotlib.ticker import MaxNLocator, StrMethodFormatter
 
     from ._picture import Picture
 
@@ -137,6 +138,9 @@ def plot_layout(
         return _saved(_root(ax), path)
     ax.set_xlim(0, total)
     ax.set_xlabel(f"element offset (total {total}, {layout.nbytes(dtype)} bytes)")
+    # Whole offsets, written out: no "1e8" multiplier to read them by.
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=7, integer=True))
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
     narrow = []
     for i, seg in enumerate(layout.segments()):
         colour = colours(i % 10)
