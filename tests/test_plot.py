@@ -1,10 +1,16 @@
-"""plot_layout and plot_errors render headless PNGs; the heatmaps put errors where they are."""
+"""plot_layout and plot_errors: pictures that display in a notebook, render headless, label
+whole positions, cut no text off, and mark errors on the cells where they are."""
 
 from __future__ import annotations
 
+import math
+import os
+import runpy
 import struct
+import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,19 +18,20 @@ from numpy.typing import NDArray
 
 pytest.importorskip("matplotlib")
 
-import matplotlib
-
-matplotlib.use("Agg")
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.collections import LineCollection, PathCollection
+from matplotlib.figure import Figure, SubFigure
+from matplotlib.text import Text
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.compare import compare
-from gdn_layout.plot import plot_errors, plot_layout
+from gdn_layout.compare import Comparison, compare
+from gdn_layout.plot import Picture, plot_errors, plot_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def _png_size(path: Path) -> tuple[int, int]:
-    data = path.read_bytes()
+def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == PNG_MAGIC
     assert data[12:16] == b"IHDR"
     width, height = struct.unpack(">II", data[16:24])
@@ -37,13 +44,99 @@ def _buffers(layout: GdnBackwardLayout) -> tuple[NDArray[np.float32], NDArray[np
     return expected.astype(np.float32), expected
 
 
+def _panels(fig: Figure) -> dict[str, Any]:
+    """The heatmap panels by gradient name (colour bars have no image)."""
+    return {ax.get_title().split()[0]: ax for ax in fig.axes if ax.images}
+
+
+def _suptitle(fig: Figure) -> str:
+    (title,) = fig.texts  # Figure.get_suptitle needs matplotlib 3.8
+    return title.get_text()
+
+
+def _outlined(ax: Any) -> set[frozenset[tuple[float, float]]]:
+    """The unit edges of the out-of-tolerance outline drawn on ``ax``."""
+    lines = [c for c in ax.collections if isinstance(c, LineCollection)]
+    outline = [c for c in lines if c.get_label() == "out of tolerance"]
+    if not outline:
+        return set()
+    (collection,) = outline
+    return {frozenset(map(tuple, np.asarray(seg).tolist())) for seg in collection.get_segments()}
+
+
+def _border(cells: set[tuple[int, int]]) -> set[frozenset[tuple[float, float]]]:
+    """The edges between a cell of ``cells`` (row, column) and a cell outside it."""
+    edges: set[frozenset[tuple[float, float]]] = set()
+    for r, c in cells:
+        top, bottom, left, right = r - 0.5, r + 0.5, c - 0.5, c + 0.5
+        sides = {
+            (r - 1, c): ((left, top), (right, top)),
+            (r + 1, c): ((left, bottom), (right, bottom)),
+            (r, c - 1): ((left, top), (left, bottom)),
+            (r, c + 1): ((right, top), (right, bottom)),
+        }
+        edges |= {frozenset(edge) for cell, edge in sides.items() if cell not in cells}
+    return edges
+
+
+# -- the return type: a Figure that shows itself -------------------------------------------
+
+
+def test_both_functions_return_a_picture_that_ipython_shows_as_png() -> None:
+    formatters = pytest.importorskip("IPython.core.formatters")
+    layout = GdnBackwardLayout(1, 4, 2, 4)
+    flat = np.zeros(layout.total_elems)
+    result = compare(flat, flat, layout)
+    pictures = [plot_layout(layout), plot_errors(result), layout.plot(), result.plot()]
+    for picture in pictures:
+        assert type(picture) is Picture
+        assert isinstance(picture, Figure)
+        data, _ = formatters.DisplayFormatter().format(picture)
+        assert _png_size(data["image/png"]) == (
+            round(picture.get_figwidth() * 100),
+            round(picture.get_figheight() * 100),
+        )
+
+
+def test_pictures_need_no_pyplot_and_no_gui() -> None:
+    # A fresh interpreter whose configured backend is a GUI one that is not installed:
+    # drawing, saving and the notebook hook never import pyplot or start that backend.
+    code = (
+        "import sys, io, numpy as np\n"
+        "from gdn_layout import GdnBackwardLayout, compare\n"
+        "layout = GdnBackwardLayout(1, 4, 2, 4)\n"
+        "flat = np.zeros(layout.total_elems)\n"
+        "compare(flat, flat + 1, layout).plot(path=io.BytesIO())\n"
+        "layout.plot()._repr_png_()\n"
+        "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot was imported'\n"
+        "assert not [m for m in sys.modules if 'qt' in m.lower()], 'a GUI was started'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DISPLAY"} | {"MPLBACKEND": "QtAgg"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_picture_module_attribute_and_unknown_name() -> None:
+    import gdn_layout.plot as plot
+
+    assert plot.Picture is Picture
+    with pytest.raises(AttributeError, match="no attribute 'Figure'"):
+        _ = plot.Figure  # type: ignore[attr-defined]
+
+
+# -- plot_layout -----------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("carry", [False, True])
 def test_plot_layout_png(tmp_path: Path, carry: bool) -> None:
     layout = GdnBackwardLayout(2, 64, 4, 16, carry_state=carry)
     path = tmp_path / "layout.png"
-    ax = plot_layout(layout, path=path)
-    assert _png_size(path) == (800, 180)
+    fig = plot_layout(layout, path=path)
+    assert _png_size(path.read_bytes()) == (800, 180)
     assert path.stat().st_size > 5000
+    (ax,) = fig.axes
     bars = ax.patches
     assert len(bars) == len(layout.names)
     for bar, seg in zip(bars, layout.segments(), strict=True):
@@ -54,18 +147,37 @@ def test_plot_layout_png(tmp_path: Path, carry: bool) -> None:
     keyed = [] if legend is None else [t.get_text() for t in legend.get_texts()]
     labels = [t.get_text().replace("\n", " ") for t in ax.texts] + keyed
     assert sorted(labels) == sorted(f"{seg.name} {seg.length}" for seg in layout.segments())
+    _assert_no_text_cut_off(fig)
+
+
+@pytest.mark.parametrize(
+    ("dims", "last"), [((1, 1, 1, 1), "6"), ((4, 4096, 32, 128), "240,000,000")]
+)
+def test_plot_layout_ticks_are_whole_offsets(dims: tuple[int, int, int, int], last: str) -> None:
+    fig = plot_layout(GdnBackwardLayout(*dims, gate_per_channel=True, carry_state=True))
+    _assert_no_text_cut_off(fig)
+    (ax,) = fig.axes
+    low, high = ax.get_xlim()
+    shown = [t for t in ax.get_xticklabels() if low <= t.get_position()[0] <= high]
+    assert all(float(t.get_position()[0]).is_integer() for t in shown)
+    assert shown[-1].get_text() == last
+    assert ax.xaxis.get_offset_text().get_text() == ""
 
 
 def test_plot_layout_on_given_axes_and_empty(tmp_path: Path) -> None:
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(4, 2), dpi=50)
     ax = fig.add_subplot()
-    assert plot_layout(GdnBackwardLayout(1, 0, 2, 4), ax) is ax
+    assert plot_layout(GdnBackwardLayout(1, 0, 2, 4), ax) is fig
     assert "empty" in ax.texts[0].get_text()
     path = tmp_path / "given.png"
-    plot_layout(GdnBackwardLayout(1, 2, 2, 4, gate_per_channel=True), ax, path=path)
-    assert _png_size(path) == (200, 100)
+    inner = fig.subfigures(1, 1)
+    assert isinstance(inner, SubFigure)
+    sub = inner.add_subplot()
+    assert plot_layout(GdnBackwardLayout(1, 2, 2, 4, gate_per_channel=True), sub, path=path) is fig
+    assert _png_size(path.read_bytes()) == (200, 100)
+
+
+# -- plot_errors: where the errors are ----------------------------------------------------
 
 
 @pytest.mark.parametrize(("per_channel", "carry"), [(False, False), (True, True)])
@@ -81,69 +193,310 @@ def test_plot_errors_heatmap_locates_the_error(
         assert grads.dstate is not None
         grads.dstate[0, 2, 5, 1] += 0.5
     path = tmp_path / "errors.png"
-    # One case draws every panel; the other only those with an injected error, to stay fast.
+    # One case draws every panel; the other only the failing ones, the default.
+    fig = plot_errors(
+        compare(actual, expected, layout), path=path, only_failed=False if carry else None
+    )
     names = layout.names if carry else ("dk", "dbeta")
-    fig = plot_errors(compare(actual, expected, layout), path=path, names=names)
-    panels = len(names)
-    rows = -(-panels // 3)
-    assert _png_size(path) == (min(3, panels) * 420, rows * 300)
-    assert path.stat().st_size > 10000
-    images = {ax.get_title().split()[0]: ax.images[0] for ax in fig.axes if ax.images}
-    assert set(images) == set(names)
+    rows = math.ceil(len(names) / 3)
+    assert _png_size(path.read_bytes()) == (min(3, len(names)) * 420, rows * 300 + 30)
+    panels = _panels(fig)
+    assert list(panels) == list(names)
 
     def peak(name: str) -> tuple[int, int]:
-        data = np.ma.filled(images[name].get_array(), -np.inf)  # type: ignore[arg-type]
+        data = np.ma.filled(panels[name].images[0].get_array(), -np.inf)
         row, col = np.unravel_index(int(np.argmax(data)), data.shape)
         return int(row), int(col)
 
     # Heads down, sequence position across: (h, s).
-    assert images["dk"].get_array().shape == (4, 24)  # type: ignore[union-attr]
+    assert panels["dk"].images[0].get_array().shape == (4, 24)
     assert peak("dk") == (3, 17)
     assert peak("dbeta") == (1, 6)
     if carry:
-        assert images["dstate"].get_array().shape == (4, 8)  # type: ignore[union-attr]
+        assert panels["dstate"].images[0].get_array().shape == (4, 8)
         assert peak("dstate") == (2, 5)  # (h, key row i)
-    titles = {ax.get_title() for ax in fig.axes}
-    assert any(t.startswith("dk FAIL") for t in titles)
-    assert any(t.startswith("dbeta FAIL") for t in titles)
+        assert panels["dq"].get_title().startswith("dq ok: max |a-e| ")
+    assert panels["dk"].get_title() == "dk FAIL: 1 of 1536 out, worst [1, 17, 3, 5]\n" + (
+        "max |a-e| over b, n"
+    )
+    assert panels["dbeta"].get_title().endswith("\nmax |a-e| over b")
     if carry:
-        assert any(t.startswith("dq ok") for t in titles)
+        assert panels["dstate"].get_title().endswith("\nmax |a-e| over b, j")
+        assert panels["dg"].get_title().endswith("\nmax |a-e| over b, n")
 
 
-def test_plot_errors_from_comparison_names_and_nonfinite(tmp_path: Path) -> None:
-    layout = GdnBackwardLayout(1, 8, 2, 4)
+def _marked(shape: tuple[int, int, int, int]) -> tuple[Comparison, NDArray[np.float64]]:
+    """dk with three cells out of tolerance, one with a small error that is within it."""
+    layout = GdnBackwardLayout(*shape)
+    expected = np.zeros(layout.total_elems)
+    actual = expected.copy()
+    dk = unpack(actual, layout).dk
+    dk[0, 1, 0, 0] = 1.0
+    dk[0, 2, 0, 1] = 1.0  # next to (h, s) = (0, 1): one region of two cells
+    dk[1, 4, 2, 0] = 1.0  # another batch element
+    dk[0, 5, 1, 0] = 1e-4  # within atol: not outlined, though it colours its cell
+    return compare(actual, expected, layout, rtol=0.0, atol=1e-3), actual
+
+
+def test_out_of_tolerance_cells_are_outlined_exactly() -> None:
+    result, _ = _marked((2, 8, 3, 2))
+    np.testing.assert_array_equal(result["dk"].mismatch_map.sum(axis=(1, 2)), [2, 1])
+    assert result["dk"].mismatch_map[0, 2, 0] == 1  # [b, s, h]
+    fig = plot_errors(result)
+    assert list(_panels(fig)) == ["dk"]
+    dk = _panels(fig)["dk"]
+    # (row h, column s): the two cells at b=0 merge into one region, plus b=1's cell.
+    assert _outlined(dk) == _border({(0, 1), (0, 2), (2, 4)})
+    assert len(_outlined(dk)) == 6 + 4
+    one = _panels(plot_errors(result, batch=1))["dk"]
+    assert _outlined(one) == _border({(2, 4)})
+    zero = _panels(plot_errors(result, batch=0))["dk"]
+    assert _outlined(zero) == _border({(0, 1), (0, 2)})
+    assert zero.images[0].get_array()[1, 5] == pytest.approx(1e-4)
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["out of tolerance"]
+
+
+def test_too_many_out_cells_to_outline_are_shaded() -> None:
+    layout = GdnBackwardLayout(1, 2000, 3, 1)
+    expected = np.zeros(layout.total_elems)
+    actual = expected.copy()
+    dbeta = unpack(actual, layout).dbeta
+    dbeta[0, ::2, :2] = 1.0  # every other position of heads 0 and 1: 4000 cells, 12000 edges
+    dbeta[0, 1, 2] = np.nan
+    fig = plot_errors(compare(actual, expected, layout))
+    (ax,) = _panels(fig).values()
+    _, shade = ax.images
+    assert shade.get_label() == "out of tolerance (shaded)"
+    expected_mask = np.zeros((3, 2000), dtype=bool)
+    expected_mask[:2, ::2] = True
+    np.testing.assert_array_equal(~np.ma.getmaskarray(shade.get_array()), expected_mask)
+    assert not _outlined(ax)
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["out of tolerance (shaded)", "NaN or Inf mismatch"]
+
+
+def test_rms_judged_gradients_are_not_outlined() -> None:
+    result, actual = _marked((2, 8, 3, 2))
+    expected = np.zeros_like(actual)
+    rms = compare(actual, expected + 1.0, result.layout, max_rms_ratio=10.0)
+    panels = _panels(plot_errors(rms, only_failed=False))
+    assert all(not _outlined(ax) for ax in panels.values())
+    assert rms["dk"].mismatches > 0
+    assert panels["dk"].get_title().startswith("dk ok: max |a-e| ")
+    unpack(actual, rms.layout).dv[1, 3, 2, 0] = np.nan
+    strict = compare(actual, expected + 1.0, rms.layout, max_rms_ratio=0.5)
+    panels = _panels(plot_errors(strict, names=["dk", "dv"]))
+    assert [ax.get_title().splitlines()[0] for ax in panels.values()] == [
+        "dk FAIL: rms ratio 0.984 > 0.5",
+        "dv FAIL: 1 NaN/Inf mismatch",
+    ]
+    assert all(not _outlined(ax) for ax in panels.values())
+
+
+def test_nonfinite_cells_are_filled_and_marked_with_a_legend() -> None:
+    layout = GdnBackwardLayout(2, 8, 2, 4, carry_state=True)
     actual, expected = _buffers(layout)
-    unpack(actual, layout).dv[0, 5, 1, 2] = np.nan
+    grads = unpack(actual, layout)
+    grads.dv[1, 5, 1, 2] = np.nan  # only in the second batch element
+    assert grads.dstate is not None
+    grads.dstate[0, 1, 3, 0] = np.inf
     result = compare(actual, expected, layout)
-    fig = plot_errors(result, names=["dv"], log=False)
-    (ax,) = [ax for ax in fig.axes if ax.images]
-    image = ax.images[0].get_array()
-    assert image is not None
-    assert bool(np.ma.getmaskarray(image)[1, 5])  # the NaN is drawn in the "bad" colour
-    assert "non-finite" in ax.get_title()
-    assert fig.get_size_inches().tolist() == [4.2, 3.0]
+    fig = plot_errors(result, log=False)
+    panels = _panels(fig)
+    assert list(panels) == ["dv", "dstate"]
+    for name, cell in (("dv", (1, 5)), ("dstate", (1, 3))):
+        ax = panels[name]
+        image = ax.images[0]
+        mask = np.ma.getmaskarray(image.get_array())
+        assert list(zip(*np.nonzero(mask), strict=True)) == [cell]
+        # Drawn in the colour map's "bad" colour, which the colour map itself never uses.
+        cmap = image.get_cmap()
+        bad = np.asarray(cmap.get_bad())
+        assert not np.isclose(cmap(np.linspace(0, 1, 256)), bad).all(axis=1).any()
+        (squares,) = [c for c in ax.collections if isinstance(c, PathCollection)]
+        assert np.asarray(squares.get_offsets()).tolist() == [[cell[1], cell[0]]]  # (x = s, y = h)
+        assert not _outlined(ax)  # the fill marks it, an outline would hide a thin cell
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["NaN or Inf mismatch"]
+    # Only b=1 holds the NaN: it is not in b=0's picture.
+    zero = _panels(plot_errors(result, batch=0, names=["dv"]))["dv"]
+    assert not np.ma.getmaskarray(zero.images[0].get_array()).any()
+    assert zero.get_title().endswith("\nmax |a-e| over n")
+
+
+# -- plot_errors: which panels, batch, chunk ------------------------------------------------
+
+
+def test_panels_failing_by_default_all_when_asked_or_passed() -> None:
+    result, _ = _marked((2, 8, 3, 2))
+    assert list(_panels(plot_errors(result))) == ["dk"]
+    assert list(_panels(plot_errors(result, only_failed=False))) == list(result.layout.names)
+    assert list(_panels(plot_errors(result, names=["dq", "dk"]))) == ["dq", "dk"]
+    assert list(_panels(plot_errors(result, names=["dq", "dk"], only_failed=True))) == ["dk"]
+    assert list(_panels(plot_errors(result, names=["dq"], only_failed=True))) == ["dq"]
+    flat = np.zeros(result.layout.total_elems)
+    passed = compare(flat, flat, result.layout)
+    fig = plot_errors(passed, only_failed=True)
+    assert list(_panels(fig)) == list(result.layout.names)
+    assert _suptitle(fig).startswith("compare passed\n")
+    assert not fig.legends
+
+
+def test_chunk_grid_and_ticks_on_chunk_multiples() -> None:
+    layout = GdnBackwardLayout(1, 64, 2, 2, carry_state=True)
+    actual, expected = _buffers(layout)
+    unpack(actual, layout).dq[0, 40:] += 1.0
+    assert unpack(actual, layout).dstate is not None
+    unpack(actual, layout).dstate[0, 1, 1, 1] += 1.0  # type: ignore[index]
+    fig = plot_errors(compare(actual, expected, layout), chunk=16)
+    panels = _panels(fig)
+    dq, dstate = panels["dq"], panels["dstate"]
+    (grid,) = [c for c in dq.collections if c.get_label() != "out of tolerance"]
+    xs = sorted({float(seg[0][0]) for seg in grid.get_segments()})
+    assert xs == [15.5, 31.5, 47.5]
+    assert dq.get_xticks().tolist() == [0, 16, 32, 48]
+    # dstate has no sequence axis: no chunk lines, ticks on every key row.
+    assert [c.get_label() for c in dstate.collections] == ["out of tolerance"]
+    assert dstate.get_xticks().tolist() == [0, 1]
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["chunk boundary (every 16)", "out of tolerance"]
+    # A chunk at least as long as the sequence draws no line.
+    wide = _panels(plot_errors(compare(actual, expected, layout), names=["dq"], chunk=64))
+    assert not [c for c in wide["dq"].collections if c.get_label() != "out of tolerance"]
+
+
+# -- plot_errors: whole-number ticks and nothing cut off, for any shape ---------------------
+
+
+def _assert_no_text_cut_off(fig: Figure) -> None:
+    """Every text drawn lies inside the figure (a tick label counts when its tick is shown)."""
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()  # type: ignore[no-untyped-call]
+    renderer = canvas.get_renderer()  # type: ignore[no-untyped-call]
+    tick_labels: set[int] = set()
+    shown: list[Text] = []
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            low, high = sorted(axis.get_view_interval())
+            slack = 1e-9 * (high - low)
+            for tick in axis.get_major_ticks() + axis.get_minor_ticks():
+                labels = (tick.label1, tick.label2)
+                tick_labels |= {id(t) for t in labels}
+                inside = low - slack <= tick.get_loc() <= high + slack
+                shown += [t for t in labels if inside and t.get_visible() and t.get_text()]
+    shown += [
+        t
+        for t in fig.findobj(Text)
+        if id(t) not in tick_labels and t.get_visible() and t.get_text()
+    ]
+    assert shown
+    width, height = canvas.get_width_height()
+    for text in shown:
+        box = text.get_window_extent(renderer)
+        assert box.x0 >= -0.5, text
+        assert box.y0 >= -0.5, text
+        assert box.x1 <= width + 0.5, text
+        assert box.y1 <= height + 0.5, text
+
+
+@pytest.mark.parametrize("heads", [1, 2, 3])
+@pytest.mark.parametrize("seq", [1, 4, 200])
+def test_integer_ticks_and_no_text_cut_off(heads: int, seq: int) -> None:
+    layout = GdnBackwardLayout(2, seq, heads, 2, gate_per_channel=True, carry_state=True)
+    actual, expected = _buffers(layout)
+    grads = unpack(actual, layout)
+    grads.dk[1, seq - 1, heads - 1, 1] = np.inf
+    grads.dq[0, 0, 0, 0] += 123.0
+    assert grads.dstate is not None
+    grads.dstate[1, heads - 1, 1, 0] += 1e4
+    result = compare(actual, expected, layout)
+    # Two panels in the first row and one in the second: both edges of the grid are tested.
+    fig = plot_errors(result, names=["dq", "dk", "dstate"], chunk=64)
+    _assert_no_text_cut_off(fig)
+    for name, ax in _panels(fig).items():
+        across = 2 if name == "dstate" else seq
+        for axis, n in ((ax.xaxis, across), (ax.yaxis, heads)):
+            ticks = axis.get_ticklocs()
+            labels = [t.get_text() for t in axis.get_ticklabels()]
+            assert labels == [str(int(t)) for t in ticks]
+            assert all(t == int(t) and 0 <= t < n for t in ticks)
+            assert ticks[0] == 0
+            assert 2 <= len(ticks) <= 9 or n == 1
+            low, high = sorted(axis.get_view_interval())
+            assert (low, high) == (-0.5, n - 0.5)
+    title = _suptitle(fig)
+    assert title == f"compare FAILED (dq, dk, dstate)\nB=2 S={seq} H={heads} N=2, " + (
+        "per-channel gate, carried state"
+    )
+    # One panel, the narrowest picture, with the longest titles.
+    one = plot_errors(result, names=["dk"], batch=1, chunk=1)
+    assert _suptitle(one).endswith("\nbatch element b=1 of 2")
+    _assert_no_text_cut_off(one)
+
+
+def test_no_text_cut_off_with_large_numbers() -> None:
+    layout = GdnBackwardLayout(1234, 1, 56, 1, gate_per_channel=True, carry_state=True)
+    flat = np.zeros(layout.total_elems)
+    actual = flat.copy()
+    unpack(actual, layout).dbeta[1233, 0, 55] = 0.5
+    result = compare(actual, flat, layout, max_rms_ratio={"dq": 0.5})
+    fig = plot_errors(result, batch=1233, names=["dbeta", "dq"], only_failed=False)
+    assert "[1233, 0, 55]" in fig.axes[0].get_title()
+    _assert_no_text_cut_off(fig)
+
+
+def test_long_axes_label_every_kth_position() -> None:
+    layout = GdnBackwardLayout(1, 20_000, 40, 1)
+    actual = np.zeros(layout.total_elems)
+    unpack(actual, layout).dbeta[0, 17_777, 33] = 1.0
+    fig = plot_errors(compare(actual, np.zeros_like(actual), layout), names=["dbeta"])
+    (ax,) = _panels(fig).values()
+    assert ax.get_xticks().tolist() == list(range(0, 20_000, 5_000))
+    assert [t.get_text() for t in ax.get_xticklabels()][-1] == "15000"
+    assert ax.get_yticks().tolist() == list(range(0, 40, 5))
+    _assert_no_text_cut_off(fig)
+
+
+# -- empty, identical, errors ---------------------------------------------------------------
 
 
 def test_plot_errors_identical_and_empty() -> None:
     layout = GdnBackwardLayout(1, 4, 2, 4)
     flat = np.zeros(layout.total_elems)
     fig = plot_errors(compare(flat, flat, layout))  # all-zero errors: no log scale possible
-    assert len([ax for ax in fig.axes if ax.images]) == 5
+    assert len(_panels(fig)) == 5
     empty = GdnBackwardLayout(1, 0, 2, 4)
     fig = plot_errors(compare(np.zeros(0), np.zeros(0), empty))
     assert all("empty" in ax.texts[0].get_text() for ax in fig.axes)
+    no_batch = GdnBackwardLayout(0, 3, 2, 4)
+    fig = plot_errors(compare(np.zeros(0), np.zeros(0), no_batch))
+    assert len(_panels(fig)) == 5
 
 
 def test_plot_errors_argument_errors() -> None:
-    layout = GdnBackwardLayout(1, 4, 2, 4)
+    layout = GdnBackwardLayout(2, 4, 2, 4)
     actual, expected = _buffers(layout)
     result = compare(actual, expected, layout)
     with pytest.raises(TypeError, match="comparison must be a Comparison from compare\\(\\), got"):
         plot_errors(actual)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"names must be a non-empty selection .* got \['dx'\]"):
         plot_errors(result, names=["dx"])
+    with pytest.raises(ValueError, match=r"batch must be None or an index 0 <= batch < B = 2"):
+        plot_errors(result, batch=2)
+    with pytest.raises(ValueError, match=r"got -1"):
+        plot_errors(result, batch=-1)
+    with pytest.raises(TypeError, match="batch must be None or an int, got bool"):
+        plot_errors(result, batch=True)
+    with pytest.raises(TypeError, match="batch must be None or an int, got float"):
+        plot_errors(result, batch=1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="chunk must be None or at least 1, got 0"):
+        plot_errors(result, chunk=0)
+    with pytest.raises(TypeError, match="chunk must be None or an int, got float"):
+        plot_errors(result, chunk=16.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="layout must be a GdnBackwardLayout"):
-        plot_layout(None)  # type: ignore[arg-type]
+        plot_layout(None)  # type: ignore[call-overload]
+    assert _panels(plot_errors(result, batch=np.int64(1), chunk=np.int32(2)))
 
 
 def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,10 +504,26 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.delitem(sys.modules, "gdn_layout._picture", raising=False)
     layout = GdnBackwardLayout(1, 2, 1, 2)
     with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
         plot_layout(layout)
+    with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
+        layout.plot()
     flat = np.zeros(layout.total_elems)
     with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]") as info:
-        plot_errors(compare(flat, flat, layout))
+        compare(flat, flat, layout).plot()
     assert isinstance(info.value.__cause__, ImportError)
+    import gdn_layout.plot as plot
+
+    with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
+        _ = plot.Picture
+
+
+def test_readme_picture_script(tmp_path: Path) -> None:
+    script = runpy.run_path(str(ROOT / "docs" / "make_figures.py"), run_name="make_figures")
+    (path,) = script["main"](tmp_path)
+    assert path == tmp_path / "heatmap.png"
+    assert _png_size(path.read_bytes()) == (1260, 330)
+    assert _png_size((ROOT / "docs" / "heatmap.png").read_bytes()) == (1260, 330)
+    assert "](docs/heatmap.png)" in (ROOT / "README.md").read_text()

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ._tables import fmt_float, html_table, text_table
 from .layout import GdnBackwardLayout, gradient_axes, layout_caption
+
+if TYPE_CHECKING:
+    from ._picture import Picture
 
 __all__ = ["Comparison", "GradComparison"]
 
@@ -61,6 +64,14 @@ class GradComparison:
         mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
         head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
         ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
+    batch_error_map
+        The error map of each batch element, ``[B, S, H]`` (``[B, N, H]`` for ``dstate``);
+        ``error_map`` is its maximum over the batch. For plots; not part of equality or
+        ``to_dict``.
+    mismatch_map
+        How many elements of each cell of ``batch_error_map`` are out of elementwise tolerance
+        (non-finite mismatches included), int32. For plots; not part of equality or
+        ``to_dict``.
     """
 
     name: str
@@ -85,6 +96,8 @@ class GradComparison:
     worst_expected: float | None
     passed: bool
     error_map: NDArray[np.float64] = field(compare=False, repr=False)
+    batch_error_map: NDArray[np.float64] = field(compare=False, repr=False)
+    mismatch_map: NDArray[np.int32] = field(compare=False, repr=False)
 
     @property
     def mode(self) -> Literal["elementwise", "rms"]:
@@ -255,6 +268,15 @@ class Comparison:
             caption=self._title(),
             row_styles=["" if g.passed else "background:#fdd" for g in self.grads],
         )
+
+    def plot(self, **options: Any) -> Picture:
+        """:func:`gdn_layout.plot.plot_errors` of this comparison, with the same options.
+
+        Needs ``gdn-layout[plot]``; a notebook displays the returned picture.
+        """
+        from .plot import plot_errors  # deferred: plot builds on this module
+
+        return plot_errors(self, **options)
 
 
 _HEADERS = [

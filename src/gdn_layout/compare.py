@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -353,6 +353,9 @@ def _compare_grad(
     period = shape[1]
     width = shape[2]
     accum = np.zeros((period, width), dtype=np.float64)
+    # The same maps per batch element, unfolded: row r of [rows, width] is (b, s) = divmod(r, S).
+    cell_error = np.zeros((rows, width), dtype=np.float64)
+    cell_out = np.zeros((rows, width), dtype=np.int32)
 
     nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = 0
     max_abs = max_rel = 0.0
@@ -406,6 +409,8 @@ def _compare_grad(
         # Reduce each row to its line of the map, then fold rows onto it by s (or h).
         line = diff_map.reshape(diff_map.shape[0], width, -1).max(axis=2)
         np.maximum.at(accum, np.arange(start, start + line.shape[0]) % period, line)
+        cell_error[start : start + line.shape[0]] = line
+        cell_out[start : start + line.shape[0]] = out.reshape(line.shape[0], width, -1).sum(axis=2)
 
     rms_ratio = _rms_ratio(norm_diff.value(), norm_exp.value())
     if elementwise:
@@ -441,7 +446,20 @@ def _compare_grad(
         worst_expected=None if worst is None else worst_e,
         passed=passed,
         error_map=emap,
+        batch_error_map=_per_batch(cell_error, shape, transpose),
+        mismatch_map=_per_batch(cell_out, shape, transpose),
     )
+
+
+_Cells = TypeVar("_Cells", bound=np.generic)
+
+
+def _per_batch(cells: NDArray[_Cells], shape: tuple[int, ...], transpose: bool) -> NDArray[_Cells]:
+    """``[B * S, H]`` cells as a read-only ``[B, S, H]`` map (``[B, H, N]`` to ``[B, N, H]``)."""
+    split = cells.reshape(shape[0], shape[1], cells.shape[1])
+    result = np.ascontiguousarray(split.transpose(0, 2, 1)) if transpose else split
+    result.flags.writeable = False
+    return result
 
 
 class _Norm:

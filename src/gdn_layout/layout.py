@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Final, NamedTuple
+from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike
@@ -19,6 +19,9 @@ from numpy.typing import DTypeLike
 from ._checks import check_shape, dimension, flag, not_a_layout, shape_of, usize_product, usize_sum
 from ._dtypes import resolve
 from ._tables import html_table, text_table
+
+if TYPE_CHECKING:
+    from ._picture import Picture
 
 __all__ = [
     "GRADIENT_NAMES",
@@ -37,8 +40,7 @@ _DIMS = ("batch", "seq", "heads", "state_size")
 _FLAGS = ("gate_per_channel", "carry_state")
 #: Every gradient's name, in packing order; ``dstate`` is packed only when the state is carried.
 GRADIENT_NAMES: Final = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
-#: The op's inputs and the cotangent ``dy``, each named with the gradient whose shape it has
-#: (the forward output ``y`` has ``v``'s shape, like ``dy``).
+#: The op's inputs, the cotangent ``dy`` and the output ``y``, each with its gradient's shape.
 INPUT_NAMES: Final = {
     "q": "dq",
     "k": "dk",
@@ -49,9 +51,9 @@ INPUT_NAMES: Final = {
     "dy": "dv",
     "y": "dv",
 }
-#: The axes of the gradients over the sequence; ``dg`` has ``n`` only with a per-channel gate.
+#: The axes of the gradients over the sequence (``dg`` has ``n`` with a per-channel gate), and
+#: of ``dstate`` ``[B, H, N, N]``: key row ``i``, value column ``j``.
 _SEQUENCE_AXES: Final = ("b", "s", "h", "n")
-#: The axes of ``dstate`` ``[B, H, N, N]``: key row ``i``, value column ``j``.
 _STATE_AXES: Final = ("b", "h", "i", "j")
 
 
@@ -69,15 +71,13 @@ class Segment(NamedTuple):
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The name of each axis of :attr:`shape`: ``("b", "s", "h", "n")`` for ``dq``,
-        ``("b", "s", "h")`` for ``dbeta`` and a per-head ``dg``, ``("b", "h", "i", "j")``
-        (key row, value column) for ``dstate``."""
+        """Each axis's name: ``("b", "s", "h", "n")`` for ``dq``, ``("b", "s", "h")`` for
+        ``dbeta``, ``("b", "h", "i", "j")`` (key row, value column) for ``dstate``."""
         return gradient_axes(self.name, len(self.shape))
 
 
 def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
-    """The axis names of the gradient ``name`` with ``ndim`` dimensions (see
-    :attr:`Segment.axes`)."""
+    """The axis names of the gradient ``name`` with ``ndim`` axes (see :attr:`Segment.axes`)."""
     return _STATE_AXES if name == "dstate" else _SEQUENCE_AXES[:ndim]
 
 
@@ -340,9 +340,6 @@ class GdnBackwardLayout:
     def from_inputs(cls, q: Any, g: Any, state: Any = None) -> GdnBackwardLayout:
         """The layout of the backward of a forward called with ``q``, ``g`` and ``state``.
 
-        ``q`` gives ``[B, S, H, N]``; ``g``'s rank gives the gate mode; a ``state`` that is
-        not None means it is carried. Arrays or plain shapes are accepted.
-
         Parameters
         ----------
         q : array or shape
@@ -361,7 +358,7 @@ class GdnBackwardLayout:
         TypeError
             An argument is neither an array nor a shape.
         ValueError
-            A shape does not fit the others.
+            A shape does not fit the others (``g``'s rank gives the gate mode).
 
         Examples
         --------
@@ -418,6 +415,13 @@ class GdnBackwardLayout:
             check_shape(state[0], shape_of(*state), layout.shape("dstate"), layout)
         return layout
 
+    def plot(self, **options: Any) -> Picture:
+        """:func:`gdn_layout.plot.plot_layout` of this layout, with the same options."""
+        from .plot import plot_layout  # deferred: plot builds on this module
+
+        picture: Picture = plot_layout(self, **options)
+        return picture
+
 
 # -- the layout as a table ---------------------------------------------------------------
 
@@ -461,29 +465,26 @@ def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str
     dbeta  (1, 2, 1)         14       2      8
     total                            16     64
     """
-    rows = layout_table(layout, dtype)
-    body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
-    body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
-    table = text_table(["grad", "shape", "offset", "length", "bytes"], body, align="llrrr")
-    return f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}\n{table}"
+    body, caption = _table(layout, dtype)
+    return f"{caption}\n{text_table(_HEADERS, body, align='llrrr')}"
 
 
 def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
-    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``).
+    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``)."""
+    body, caption = _table(layout, dtype)
+    styles = [""] * (len(body) - 1) + ["font-weight:bold"]
+    return html_table(_HEADERS, body, align="llrrr", caption=caption, row_styles=styles)
 
-    >>> "<td" in layout_html(GdnBackwardLayout(1, 2, 1, 2))
-    True
-    """
+
+_HEADERS = ["grad", "shape", "offset", "length", "bytes"]
+
+
+def _table(layout: GdnBackwardLayout, dtype: DTypeLike) -> tuple[list[list[str]], str]:
+    """The table's rows, a total line last, and its caption."""
     rows = layout_table(layout, dtype)
     body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
     body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
-    return html_table(
-        ["grad", "shape", "offset", "length", "bytes"],
-        body,
-        align="llrrr",
-        caption=f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}",
-        row_styles=[""] * len(rows) + ["font-weight:bold"],
-    )
+    return body, f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}"
 
 
 def layout_caption(layout: GdnBackwardLayout) -> str:

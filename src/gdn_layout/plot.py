@@ -1,9 +1,10 @@
 """Pictures of a packed layout and of a comparison's errors; needs ``gdn-layout[plot]``.
 
-matplotlib is imported inside the functions, so importing this module never needs it. Only the
-object-oriented API is used (:class:`matplotlib.figure.Figure`, never pyplot), so nothing
-depends on a GUI backend and nothing is ever shown: save the figure, or let a notebook
-display the returned object.
+Both functions return a :class:`Picture`: a :class:`matplotlib.figure.Figure` that a Jupyter
+notebook displays as a PNG on its own (no ``%matplotlib`` magic, no ``display`` call), and that
+``savefig`` writes anywhere else. matplotlib is imported inside the functions, so importing
+this module never needs it, and only the object-oriented API is used (never pyplot), so nothing
+depends on a GUI backend, nothing is ever shown in a window and no state is left behind.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -12,66 +13,112 @@ display the returned object.
 >>> expected = np.ones(layout.total_elems)
 >>> actual = expected.copy()
 >>> unpack(actual, layout).dk[0, 8:, 2, :] += 1e-3  # a head-indexing bug after a chunk boundary
->>> fig = plot_errors(compare(actual, expected, layout))
->>> image = fig.axes[1].images[0].get_array()  # dk, heads down, sequence across
+>>> fig = plot_errors(compare(actual, expected, layout))  # only the failing gradient: dk
+>>> [ax.get_title().splitlines()[0] for ax in fig.axes if ax.images]
+['dk FAIL: 64 of 512 out, worst [0, 8, 2, 0]']
+>>> image = fig.axes[0].images[0].get_array()  # heads down, sequence across
 >>> image.shape, bool(image[2, 8:].min() > image[:2].max())
 ((4, 16), True)
->>> plot_layout(layout).get_title()
+>>> plot_layout(layout).axes[0].get_title()
 'B=1 S=16 H=4 N=8, per-head gate, no state; float32'
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
 
 import numpy as np
-from numpy.typing import DTypeLike
+from numpy.typing import DTypeLike, NDArray
 
 from ._checks import not_a_layout, require_matplotlib
 from ._dtypes import resolve
 from ._tables import fmt_float
-from .compare import Comparison
+from .compare import Comparison, GradComparison
 from .layout import GdnBackwardLayout, layout_caption
 
 if TYPE_CHECKING:
+    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-__all__ = ["plot_errors", "plot_layout"]
+    from ._picture import Picture
 
-#: Colour of a non-finite mismatch in an error map.
+__all__ = ["Picture", "plot_errors", "plot_layout"]
+
+#: Fill of a cell holding a NaN or Inf mismatch: a colour the colour map never uses.
 _BAD_COLOUR = "magenta"
+#: Outline of the cells holding an element out of tolerance.
+_OUT_COLOUR = "red"
+#: The colour map of the error heatmaps (dark purple through blue and green to yellow).
+_COLOUR_MAP = "viridis"
+#: Past this many unit edges an outline is slow to draw and a tangle to read: the cells out
+#: of tolerance are shaded instead, this opaque.
+_MAX_EDGES = 4000
+_SHADE_ALPHA = 0.5
+#: Past this many NaN/Inf cells, their fill alone marks them (no square on each).
+_MAX_MARKERS = 1000
 #: Spans narrower than this fraction of the buffer get their label above the bar.
 _NARROW = 0.07
+#: Size of one heatmap panel, in inches, and the resolution of every picture.
+_PANEL = (4.2, 3.0)
+_DPI = 100
 
 
+def __getattr__(name: str) -> Any:
+    if name == "Picture":  # defined next to matplotlib's import, loaded on first use
+        require_matplotlib()
+        from ._picture import Picture
+
+        return Picture
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@overload
+def plot_layout(
+    layout: GdnBackwardLayout,
+    ax: None = None,
+    *,
+    dtype: DTypeLike = ...,
+    path: str | os.PathLike[str] | None = ...,
+) -> Picture: ...
+@overload
+def plot_layout(
+    layout: GdnBackwardLayout,
+    ax: Axes,
+    *,
+    dtype: DTypeLike = ...,
+    path: str | os.PathLike[str] | None = ...,
+) -> Figure: ...
 def plot_layout(
     layout: GdnBackwardLayout,
     ax: Axes | None = None,
     *,
     dtype: DTypeLike = np.float32,
     path: str | os.PathLike[str] | None = None,
-) -> Axes:
+) -> Figure:
     """Draw the packed buffer as one bar with a span per gradient, proportional to its length.
 
-    Draws on ``ax`` when given, else on a new 8x1.8-inch, 100-dpi Figure (800x180 pixels as
-    a PNG). Saves the figure to ``path`` when given, in the format its suffix names (PNG, SVG,
-    PDF, ...). Returns the Axes; its figure is
-    ``ax.figure``.
+    Returns a new 8x1.8-inch, 100-dpi :class:`Picture` (800x180 pixels as a PNG), which a
+    notebook displays; or, when ``ax`` is given, draws on it and returns its figure. Saves the
+    figure to ``path`` when given, in the format its suffix names (PNG, SVG, PDF, ...).
+    ``GdnBackwardLayout.plot()`` calls this.
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "plot_layout")
     require_matplotlib()
     from matplotlib import colormaps
-    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator, StrMethodFormatter
+
+    from ._picture import Picture
 
     if ax is None:
-        ax = Figure(figsize=(8, 1.8), dpi=100, layout="constrained").add_subplot()
+        ax = Picture(figsize=(8, 1.8), dpi=_DPI, layout="constrained").add_subplot()
     total = layout.total_elems
     colours = colormaps["tab10"]
-    ax.set_title(f"{layout_caption(layout)}; {resolve(dtype, 'plot_layout: dtype').name}")
+    ax.set_title(f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}")
     ax.set_yticks([])
     ax.set_ylim(-0.6, 1.3)
     for side in ("left", "right", "top"):
@@ -79,9 +126,12 @@ def plot_layout(
     if total == 0:
         ax.set_xlim(0, 1)
         ax.text(0.5, 0.0, "empty buffer: every gradient has length 0", ha="center", va="center")
-        return _saved(ax, path)
+        return _saved(_root(ax), path)
     ax.set_xlim(0, total)
     ax.set_xlabel(f"element offset (total {total}, {layout.nbytes(dtype)} bytes)")
+    # Whole offsets, written out: no "1e8" multiplier to read them by.
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=7, integer=True))
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
     narrow = []
     for i, seg in enumerate(layout.segments()):
         colour = colours(i % 10)
@@ -110,25 +160,57 @@ def plot_layout(
             frameon=False,
             handlelength=1.0,
         )
-    return _saved(ax, path)
+    return _saved(_root(ax), path)
 
 
 def plot_errors(
     comparison: Comparison,
     *,
     names: tuple[str, ...] | list[str] | None = None,
+    batch: SupportsIndex | None = None,
+    only_failed: bool | None = None,
+    chunk: SupportsIndex | None = None,
     log: bool = True,
     path: str | os.PathLike[str] | None = None,
-) -> Figure:
-    """A heatmap per gradient of the largest ``|a - e|`` over (sequence position, head).
+) -> Picture:
+    """A heatmap per gradient of ``|a - e|`` over (head, sequence position), errors marked.
 
     Takes the :class:`~gdn_layout.compare.Comparison` that :func:`~gdn_layout.compare.compare`
-    returns. Each panel shows its gradient's error map transposed: heads down, sequence
-    position across (key row ``i`` across for ``dstate``), so a chunk-boundary bug shows as a
-    vertical edge and a head-indexing bug as a stripe. ``log`` colours on a log scale (zero
-    error gets the lowest colour); a non-finite mismatch is magenta. ``names`` picks the panels
-    (default all). Three panels a row, 4.2x3 inches each at 100 dpi. Saves to ``path`` when
-    given, in the format its suffix names (PNG without one).
+    returns (``comparison.plot(...)`` calls this) and returns a :class:`Picture`, which a
+    notebook displays. Each panel shows heads down and sequence position across (key row ``i``
+    across for ``dstate``, which has no sequence axis), so a chunk-boundary bug shows as a
+    vertical edge and a head-indexing bug as a horizontal stripe. A cell is the largest error
+    over the axes the map does not show; its title names them (``max |a-e| over b, n``).
+
+    * ``batch``: None (the default) takes the largest error over the batch; an index
+      ``0 <= batch < B`` shows that batch element alone.
+    * Cells holding an element out of the gradient's elementwise tolerance are outlined in red
+      (shaded red instead when there are too many to outline; not for a gradient judged by its
+      RMS ratio, which has no per-element verdict); cells holding a NaN or Inf mismatch are
+      filled magenta, a colour the colour map (viridis) never uses. A legend under the panels
+      explains the marks present.
+    * ``names`` picks the panels; by default every gradient, or only the failing ones when
+      something failed (``only_failed`` overrides that: True keeps only failing gradients when
+      there are any, False draws them all).
+    * ``chunk``: draws a light line every ``chunk`` sequence positions, so that errors can be
+      read against a kernel's chunk boundaries; tick labels then fall on chunk multiples.
+    * ``log`` colours on a log scale (zero error gets the lowest colour).
+
+    Ticks label whole positions only, every k-th one on a long axis. Three panels a row,
+    4.2x3 inches each at 100 dpi, laid out so that no label is cut off. Saves to ``path`` when
+    given, in the format its suffix names (PNG, SVG, PDF, ...).
+
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout, compare, unpack
+    >>> layout = GdnBackwardLayout(batch=2, seq=32, heads=2, state_size=4)
+    >>> expected = np.zeros(layout.total_elems)
+    >>> actual = expected.copy()
+    >>> unpack(actual, layout).dq[1, 16:, 0, :] = np.nan  # b=1, head 0, the second chunk
+    >>> fig = compare(actual, expected, layout).plot(batch=1, chunk=16)
+    >>> [ax.get_title() for ax in fig.axes if ax.images]
+    ['dq FAIL: 64 of 512 out, worst [1, 16, 0, 0]\\nmax |a-e| over n']
+    >>> [text.get_text() for text in fig.legends[0].get_texts()]
+    ['chunk boundary (every 16)', 'NaN or Inf mismatch']
     """
     if not isinstance(comparison, Comparison):
         raise TypeError(
@@ -143,52 +225,95 @@ def plot_errors(
             f"plot_errors: names must be a non-empty selection of {', '.join(result.names)}; "
             f"got {chosen}"
         )
+    batches = result.layout.batch
+    batch = _index("batch", batch)
+    if batch is not None and not 0 <= batch < batches:
+        raise ValueError(
+            f"plot_errors: batch must be None or an index 0 <= batch < B = {batches}, got {batch}"
+        )
+    chunk = _index("chunk", chunk)
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"plot_errors: chunk must be None or at least 1, got {chunk}")
+    if only_failed is None:
+        only_failed = names is None and not result.passed
+    failing = [n for n in chosen if not result[n].passed]
+    if only_failed and failing:
+        chosen = failing
     require_matplotlib()
-    from matplotlib.figure import Figure
+    from ._picture import Picture
 
     ncols = min(3, len(chosen))
     nrows = math.ceil(len(chosen) / ncols)
-    width, height = 4.2 * ncols, 3.0 * nrows
-    fig = Figure(figsize=(width, height), dpi=100)
-    verdict = "passed" if result.passed else f"FAILED ({', '.join(result.failed)})"
-    fig.suptitle(f"compare {verdict}\n{layout_caption(result.layout)}", fontsize=9)
-    # Fixed margins in inches rather than a layout engine: measuring every tick label to
-    # lay out six panels with colour bars costs seconds.
-    fig.subplots_adjust(
-        left=0.6 / width,
-        right=1 - 0.45 / width,
-        bottom=0.5 / height,
-        top=1 - 0.75 / height,
-        wspace=0.5,
-        hspace=0.6,
+    fig = Picture(
+        figsize=(_PANEL[0] * ncols, _PANEL[1] * nrows + 0.3), dpi=_DPI, layout="constrained"
     )
+    verdict = "passed" if result.passed else f"FAILED ({', '.join(result.failed)})"
+    shown = "" if batch is None else f"\nbatch element b={batch} of {batches}"
+    fig.suptitle(f"compare {verdict}\n{layout_caption(result.layout)}{shown}", fontsize=9)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    marks: dict[str, Artist] = {}
     for ax, name in zip(axes, chosen, strict=False):
-        _heatmap(fig, ax, result, name, log)
+        marks.update(_heatmap(fig, ax, result[name], batch, chunk, log))
     for ax in axes[len(chosen) :]:
         fig.delaxes(ax)
-    if path is not None:
-        fig.savefig(path)
-    return fig
+    if marks:
+        fig.legend(
+            handles=list(marks.values()),
+            labels=list(marks),
+            loc="outside lower center",
+            ncols=len(marks) if ncols > 1 else 1,
+            fontsize=8,
+            facecolor="0.85",  # grey, for the white chunk lines
+            edgecolor="none",
+        )
+    return _saved(fig, path)
 
 
-def _heatmap(fig: Figure, ax: Axes, result: Comparison, name: str, log: bool) -> None:
-    from matplotlib import colormaps
+def _heatmap(
+    fig: Figure,
+    ax: Axes,
+    grad: GradComparison,
+    batch: int | None,
+    chunk: int | None,
+    log: bool,
+) -> dict[str, Artist]:
+    """Draw one panel; returns the legend entries of the marks it drew, by label."""
     from matplotlib.colors import LogNorm, Normalize
-    from matplotlib.ticker import NullFormatter
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import NullLocator
 
-    grad = result[name]
-    data = grad.error_map.T  # heads down, sequence (or key row) across
-    verdict = "ok" if grad.passed else "FAIL"
-    title = f"{name} {verdict}: max |a-e| {fmt_float(grad.max_abs_error)}"
-    if grad.nonfinite_mismatches:
-        title += f", {grad.nonfinite_mismatches} non-finite ({_BAD_COLOUR})"
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("key row i" if name == "dstate" else "sequence position s")
+    is_state = grad.name == "dstate"
+    if batch is None:
+        data = grad.error_map.T  # heads down, sequence (or key row) across
+        out = grad.mismatch_map.sum(axis=0).T
+    else:
+        data = grad.batch_error_map[batch].T
+        out = grad.mismatch_map[batch].T
+    # The axes a cell reduces over: the gradient's own, less the map's two and the batch's.
+    reduced = [a for a in grad.axes if a not in ("b", "h", "i" if is_state else "s")]
+    if batch is None:
+        reduced.insert(0, "b")
+    over = f"max |a-e| over {', '.join(reduced)}" if reduced else "|a-e|"
+    outlined = grad.max_rms_ratio is None  # an RMS-judged gradient has no per-element verdict
+    if not grad.passed and outlined:
+        head = f"{grad.name} FAIL: {grad.mismatches} of {grad.size} out"
+        if grad.worst is not None:
+            head += f", worst [{', '.join(map(str, grad.worst))}]"
+    elif not grad.passed and grad.nonfinite_mismatches:
+        n = grad.nonfinite_mismatches
+        head = f"{grad.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
+    elif not grad.passed:
+        head = f"{grad.name} FAIL: rms ratio {fmt_float(grad.rms_ratio)} > {grad.max_rms_ratio:.3g}"
+    else:
+        head = f"{grad.name} ok: max |a-e| {fmt_float(grad.max_abs_error)}"
+    ax.set_title(f"{head}\n{over}", fontsize=8)
+    ax.set_xlabel("key row i" if is_state else "sequence position s")
     ax.set_ylabel("head h")
     if data.size == 0:
+        ax.set_xticks([])
+        ax.set_yticks([])
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
-        return
+        return {}
     finite = np.isfinite(data)
     positive = data[finite & (data > 0)]
     norm: Normalize
@@ -197,28 +322,134 @@ def _heatmap(fig: Figure, ax: Axes, result: Comparison, name: str, log: bool) ->
         low = float(positive.min())
         # Two decades at least, so that the colour bar has labelled major ticks.
         low = min(low, high / 100)
-        shown = np.where(finite, np.maximum(data, low), np.nan)
+        values = np.where(finite, np.maximum(data, low), np.nan)
         norm = LogNorm(vmin=low, vmax=high)
     else:
         high = float(data[finite].max()) if finite.any() else 0.0
-        shown = np.where(finite, data, np.nan)
+        values = np.where(finite, data, np.nan)
         norm = Normalize(vmin=0.0, vmax=high if high > 0 else 1.0)
-    cmap = colormaps["viridis"].with_extremes(bad=_BAD_COLOUR)
+    from matplotlib import colormaps
+
+    cmap = colormaps[_COLOUR_MAP].with_extremes(bad=_BAD_COLOUR)
     image = ax.imshow(
-        np.ma.masked_invalid(shown),
+        np.ma.masked_invalid(values),
         aspect="auto",
         interpolation="nearest",
         cmap=cmap,
         norm=norm,
     )
-    bar = fig.colorbar(image, ax=ax, label="max |a-e|")
-    bar.ax.yaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks crowd and are slow
+    bar = fig.colorbar(image, ax=ax, label=over.split(" over ")[0])
+    bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
+    heads, across = data.shape
+    _integer_ticks(ax, "x", across, None if is_state else chunk)
+    _integer_ticks(ax, "y", heads, None)
+    marks: dict[str, Artist] = {}
+    if chunk is not None and not is_state and chunk < across:
+        edges = np.arange(chunk, across, chunk) - 0.5
+        marks[f"chunk boundary (every {chunk})"] = ax.vlines(
+            edges, -0.5, heads - 0.5, colors="white", linewidths=0.8, alpha=0.6
+        )
+    # A non-finite cell is out of tolerance too, but its fill says more than an outline.
+    if outlined and (out[finite] > 0).any():
+        marks.update(_outline(ax, (out > 0) & finite))
+    if not finite.all():
+        rows, cols = np.nonzero(~finite)
+        if rows.size <= _MAX_MARKERS:
+            # A square of fixed size on each as well: a cell can be narrower than a pixel.
+            ax.scatter(cols, rows, s=20, marker="s", c=_BAD_COLOUR, edgecolors="black", lw=0.5)
+        marks["NaN or Inf mismatch"] = Patch(
+            facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
+        )
+    return marks
 
 
-def _saved(ax: Axes, path: str | os.PathLike[str] | None) -> Axes:
+def _index(what: str, value: SupportsIndex | None) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"plot_errors: {what} must be None or an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"plot_errors: {what} must be None or an int, got {type(value).__name__}"
+        ) from None
+
+
+def _integer_ticks(ax: Axes, which: str, n: int, chunk: int | None) -> None:
+    """Ticks on whole positions only: every k-th one, k from 1, 2, 5, 10, 20, 50, ... (or a
+    multiple of ``chunk``) so that the labels do not crowd."""
+    digits = len(str(max(n - 1, 0)))
+    room = (9 if digits <= 2 else 7 if digits <= 3 else 5) if which == "x" else 8
+    step = _step(n, room, chunk)
+    ticks = list(range(0, n, step))
+    setter = ax.set_xticks if which == "x" else ax.set_yticks
+    setter(ticks, labels=[str(t) for t in ticks])
+    setter([], minor=True)
+
+
+def _step(n: int, room: int, chunk: int | None) -> int:
+    """The smallest label spacing that puts at most ``room`` labels on ``n`` positions."""
+    base = 1 if chunk is None or chunk >= n else chunk
+    scale = 1
+    while True:
+        for factor in (1, 2, 5):
+            step = base * factor * scale
+            if -(-n // step) <= room:
+                return step
+        scale *= 10
+
+
+def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
+    """Trace the border of the ``True`` cells of ``mask`` (rows down) in one line collection;
+    or, when that border is too long to draw quickly or to see, shade those cells instead.
+    Returns the legend entry."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    padded = np.pad(mask, 1)
+    # A horizontal edge lies between two rows that differ, a vertical one between two columns;
+    # cell (r, c) spans r - 0.5 .. r + 0.5 down and c - 0.5 .. c + 0.5 across.
+    across = padded[1:, 1:-1] != padded[:-1, 1:-1]
+    down = padded[1:-1, 1:] != padded[1:-1, :-1]
+    if int(across.sum()) + int(down.sum()) > _MAX_EDGES:
+        label = "out of tolerance (shaded)"
+        shade = ax.imshow(
+            np.ma.masked_where(~mask, np.ones(mask.shape)),
+            aspect="auto",
+            interpolation="nearest",
+            cmap=ListedColormap([_OUT_COLOUR]),
+            alpha=_SHADE_ALPHA,
+        )
+        shade.set_label(label)
+        return {label: Patch(facecolor=_OUT_COLOUR, alpha=_SHADE_ALPHA, label=label)}
+    rows, cols = np.nonzero(across)
+    horizontal = np.stack([cols - 0.5, rows - 0.5, cols + 0.5, rows - 0.5], axis=-1)
+    rows, cols = np.nonzero(down)
+    vertical = np.stack([cols - 0.5, rows - 0.5, cols - 0.5, rows + 0.5], axis=-1)
+    segments = np.concatenate([horizontal, vertical]).reshape(-1, 2, 2)
+    lines = LineCollection(
+        list(segments), colors=_OUT_COLOUR, linewidths=1.2, label="out of tolerance"
+    )
+    lines.set_zorder(3)  # over the axes' frame, which a cell on the border shares
+    lines.set_clip_on(False)  # or the frame would clip a border cell's outline to half its width
+    ax.add_collection(lines, autolim=False)
+    return {"out of tolerance": lines}
+
+
+def _root(ax: Axes) -> Figure:
+    figure: Any = ax.figure
+    while getattr(figure, "figure", figure) is not figure:  # a SubFigure's root
+        figure = figure.figure
+    root: Figure = figure
+    return root
+
+
+_FigureT = TypeVar("_FigureT", bound="Figure")
+
+
+def _saved(figure: _FigureT, path: str | os.PathLike[str] | None) -> _FigureT:
     if path is not None:
-        figure: Any = ax.figure
-        while getattr(figure, "figure", figure) is not figure:  # a SubFigure's root
-            figure = figure.figure
         figure.savefig(path)
-    return ax
+    return figure
