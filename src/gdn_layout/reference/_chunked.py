@@ -185,6 +185,7 @@ class _Prepared(NamedTuple):
     to_end: _Array  # exp(G_end - G): decay from step t to the chunk's end, [B, V, L, Ng]
     xe: _Array  # e * rows: [qe; ke]
     lx: _Array  # [lq; lk]: decayed products of rows with k, masked; [B, V, m*L, L]
+    pairs: _Array | None  # per-head gate: the decay from step s to t >= s, [B, V, L, L]
     decay: _Array | None  # per-head gate: lx = (rows @ k^T) * decay
     f: _Array | None  # per-channel gate: exp(H), H = G - G[0], [B, V, L, N]
     fi: _Array | None  # exp(-H); then lx = (f * rows) @ (fi * k)^T, masked
@@ -192,17 +193,28 @@ class _Prepared(NamedTuple):
     kd: _Array  # to_end * k: k decayed to the chunk's end
 
 
-def _prepare(st: _Stack) -> _Prepared:
+class _Kept(NamedTuple):
+    """What the forward sweep keeps of a stack for the backward sweep: the costly parts."""
+
+    bounds: list[tuple[int, int]]
+    pairs: _Array | None  # per-head gate: the pair decays, [B, V, L, L]
+    inv: _Array
+    solved: _Solved
+
+
+def _prepare(st: _Stack, kept: _Kept | None = None) -> _Prepared:
+    """The stack's state-independent matrices; the pair decays and the inverse from ``kept``
+    when the forward sweep made them."""
     size, k = st.length, st.k
     dtype = k.dtype
     rows = k if st.q is None else np.concatenate((st.q, k), axis=2)
     mask = lower_mask(size, dtype, st.q is not None)
     e, to_end = decays(st.g, dtype)
-    decay = f = fi = None
+    pairs = decay = f = fi = None
     if st.g.shape[-1] == 1:
-        decay = pair_decay(st.g[..., 0], dtype)
-        decay = decay if st.q is None else np.concatenate((decay, decay), axis=2)
-        decay *= mask
+        pairs = pair_decay(st.g[..., 0], dtype) if kept is None else kept.pairs
+        assert pairs is not None
+        decay = pairs * mask if st.q is None else np.concatenate((pairs, pairs), axis=2) * mask
         lx = np.matmul(rows, transposed(k))
         lx *= decay
     else:
@@ -211,10 +223,14 @@ def _prepare(st: _Stack) -> _Prepared:
         f, fi = exp_to(big_h, dtype), exp_to(-big_h, dtype)
         lx = np.matmul(stepwise(f, rows), transposed(fi * k))
         lx *= mask
-    system = st.beta * lx[:, :, -size:]
-    system[..., np.arange(size), np.arange(size)] = 1
-    inv = unit_lower_inverse(system)
-    return _Prepared(rows, e, to_end, stepwise(e, rows), lx, decay, f, fi, inv, to_end * k)
+    if kept is None:
+        system = st.beta * lx[:, :, -size:]
+        system[..., np.arange(size), np.arange(size)] = 1
+        inv = unit_lower_inverse(system)
+    else:
+        inv = kept.inv
+    xe = stepwise(e, rows)
+    return _Prepared(rows, e, to_end, xe, lx, pairs, decay, f, fi, inv, to_end * k)
 
 
 class _Solved(NamedTuple):
@@ -274,26 +290,28 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
 def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
     """Backward by chunks, ``every`` steps stacked at a time.
 
-    The forward sweep keeps what each stack of chunks solved for the backward sweep: the
-    state entering every chunk and the chunks' matrices, ``O(B*S*H*(N + L + N*N/L))``
-    elements, a few times the inputs.
+    The forward sweep keeps, for the backward sweep, the state entering every chunk, what
+    each step wrote, and the costly matrices (pair decays, inverse): ``O(B*S*H*(N + L +
+    N*N/L))`` elements, about the size of the inputs. The rest is formed again.
     """
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
     length = min(every, chunk_length(n))
     kept = []
     for t0 in range(0, s, every):
-        st = _stack(x, chunks(x.g, t0, min(t0 + every, s), length), backward=True)
-        pre = _prepare(st)
+        bounds = chunks(x.g, t0, min(t0 + every, s), length)
+        pre = _prepare(st := _stack(x, bounds, backward=False))
         solved = _advance(st, pre, state, keep=True)
         assert solved is not None
-        kept.append((st, pre, solved))
+        kept.append(_Kept(bounds, pre.pairs, pre.inv, solved))
         tick()
     del state
 
     d_state = np.zeros((b, h, n, n), x.q.dtype)
     while kept:
-        _backward_stack(x, grads, *kept.pop(), d_state)
+        stack = kept.pop()
+        st = _stack(x, stack.bounds, backward=True)
+        _backward_stack(x, grads, st, _prepare(st, stack), stack.solved, d_state)
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
