@@ -208,9 +208,11 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
     yu = yp * np.sum(np.matmul(transposed(wm), xp), axis=2)
     out[:, :, :, 1:] += np.cumsum(yu.reshape(out.shape)[:, :, :, :-1], axis=3)
     # s in a block before t's, t' in a block after it: block-to-block totals
-    by_block = np.moveaxis(wp.reshape(batch, heads, 2 * full, count, _BLOCK), 3, 2)
-    partial = np.matmul(by_block, yb).reshape(batch, heads, count, 2, count, _BLOCK, n)
-    totals = np.einsum("bhkclpi,bhclpi->bhkli", partial, xb)
+    totals = np.empty((batch, heads, count, count, n), w.dtype)  # [K, L]: s in K, t' in L
+    for block in range(count):
+        cols = slice(block * _BLOCK, (block + 1) * _BLOCK)
+        partial = np.matmul(wp[..., cols], yb[:, :, None, block])  # [B, H, 2, full, N]
+        totals[:, :, block] = np.einsum("bhclpi,bhclpi->bhli", partial.reshape(xb.shape), xb)
     out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
     result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
     return result

@@ -237,32 +237,24 @@ class _Solved(NamedTuple):
     """What the stacked chunks solved from the state entering each of them."""
 
     entries: _Array  # the state entering each chunk, [B, V, N, N]
-    r: _Array  # v - ke @ S0, [B, V, L, N]
-    u: _Array  # inv @ (beta * r): what each step writes
+    u: _Array  # inv @ (beta * r), r = v - ke @ S0: what each step writes, [B, V, L, N]
 
 
-def _advance(st: _Stack, pre: _Prepared, state: _Array, *, keep: bool) -> _Solved | None:
-    """Step ``state`` through the stack's chunks in place; with ``keep``, what they solved."""
+def _advance(st: _Stack, pre: _Prepared, state: _Array) -> _Solved:
+    """Step ``state`` through the stack's chunks in place, keeping what they solved."""
     size = st.length
     ke, kd, inv = st.split(pre.xe[:, :, -size:]), st.split(pre.kd), st.split(pre.inv)
     v, beta, e_end = st.split(st.v), st.split(st.beta), st.split(pre.e[:, :, -1])
-    shape = v.shape
-    entries = np.empty((*shape[:3], *state.shape[2:]), state.dtype) if keep else None
-    r = np.empty(shape, state.dtype) if keep else None
-    u = np.empty(shape, state.dtype) if keep else None
+    entries = np.empty((*v.shape[:3], *state.shape[2:]), state.dtype)
+    u = np.empty(v.shape, state.dtype)
     for j in range(len(st.bounds)):
-        if entries is not None:
-            entries[:, :, j] = state
+        entries[:, :, j] = state
         r_j = v[:, :, j] - np.matmul(ke[:, :, j], state)
-        u_j = np.matmul(inv[:, :, j], beta[:, :, j] * r_j)
-        if r is not None and u is not None:
-            r[:, :, j], u[:, :, j] = r_j, u_j
+        u[:, :, j] = np.matmul(inv[:, :, j], beta[:, :, j] * r_j)
         state *= row_scale(e_end[:, :, j])
-        state += np.matmul(transposed(kd[:, :, j]), u_j)
-    if entries is None or r is None or u is None:
-        return None
-    merge = functools.partial(_merge, heads=pre.e.shape[1])
-    return _Solved(merge(entries), merge(r), merge(u))
+        state += np.matmul(transposed(kd[:, :, j]), u[:, :, j])
+    heads = pre.e.shape[1]
+    return _Solved(_merge(entries, heads), _merge(u, heads))
 
 
 def _merge(a: _Array, heads: int) -> _Array:
@@ -278,8 +270,7 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
         bounds = chunks(x.g, t0, min(t0 + every, seq), chunk_length(n))
         st = _stack(x, bounds, backward=True)
         pre = _prepare(st)
-        solved = _advance(st, pre, state, keep=True)
-        assert solved is not None
+        solved = _advance(st, pre, state)
         size = st.length
         out = np.matmul(pre.xe[:, :, :size], solved.entries)  # y = c * (qe @ S0 + lq @ u)
         out += np.matmul(pre.lx[:, :, :size], solved.u)
@@ -301,8 +292,7 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
     for t0 in range(0, s, every):
         bounds = chunks(x.g, t0, min(t0 + every, s), length)
         pre = _prepare(st := _stack(x, bounds, backward=False))
-        solved = _advance(st, pre, state, keep=True)
-        assert solved is not None
+        solved = _advance(st, pre, state)
         kept.append(_Kept(bounds, pre.pairs, pre.inv, solved))
         tick()
     del state
@@ -364,7 +354,8 @@ def _backward_stack(
     np.multiply(dy, c, out=cot[:, :, :size])
     cot[:, :, size:] = d_w
     d_lx = np.matmul(cot, transposed(solved.u))
-    d_beta = np.sum(d_w * solved.r, axis=-1)
+    r = st.v - np.matmul(ke, s0)
+    d_beta = np.sum(d_w * r, axis=-1)
     d_beta -= np.sum(d_lx[:, :, size:] * lk, axis=-1)
     d_lx *= lower_mask(size, d_lx.dtype, True)
     d_lx[:, :, size:] *= -beta  # d_lk = tril(beta * d_am, -1)
