@@ -112,18 +112,41 @@ def forward(
 ) -> _Array | tuple[_Array, _Array]:
     """Run the gated delta-net forward.
 
-    ``q, k, v`` are ``[B, S, H, N]``; ``g`` is ``[B, S, H]`` (one gate per head) or
-    ``[B, S, H, N]`` (a per-channel gate, decaying key rows); ``beta`` is ``[B, S, H]``;
-    ``state``, when given, is the initial state ``[B, H, N, N]`` (otherwise it is zero). Inputs
-    may have any floating dtype (float16 and ml_dtypes' bfloat16 included); the computation
-    runs in ``dtype``, float64 or float32, and the results are in ``dtype``.
+    Parameters
+    ----------
+    q, k, v : array_like
+        ``[B, S, H, N]``, any floating dtype (float16 and ml_dtypes' bfloat16 included).
+    g : array_like
+        Log-gates: ``[B, S, H]`` (one per head) or ``[B, S, H, N]`` (per channel, decaying
+        key rows).
+    beta : array_like
+        ``[B, S, H]``, the delta rule's write strength.
+    state : array_like, optional
+        The initial state ``[B, H, N, N]``; zero when not given.
+    dtype : {float64, float32}
+        The computation dtype, and that of the results.
+    method : {"chunked", "recurrent"}
+        The formulation (see the module docstring); both compute the same function.
 
-    Returns ``y`` ``[B, S, H, N]`` when ``state`` is None, and the pair ``(y, final_state)``
-    (``final_state`` ``[B, H, N, N]``) when a state is given. ``method`` selects the
-    formulation (see the module docstring); both compute the same function. A result that is
-    not finite, which finite inputs give only when the recurrence overflows (keys far from unit
-    norm, say), raises FloatingPointError naming the first such element.
+    Returns
+    -------
+    y : ndarray
+        ``[B, S, H, N]``, when ``state`` is None.
+    (y, final_state) : tuple of ndarray
+        When a state is given; ``final_state`` is ``[B, H, N, N]``.
 
+    Raises
+    ------
+    TypeError
+        An input is not floating, or ``dtype`` is neither float32 nor float64.
+    ValueError
+        A shape does not fit ``q``'s, a value is not finite, or ``method`` is unknown.
+    FloatingPointError
+        The result is not finite: finite inputs give that only when the recurrence itself
+        overflows (keys far from unit norm, say); the message names the first such element.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 6, 2, 4)) for _ in range(3))
@@ -172,23 +195,46 @@ def backward(
 ) -> _Array:
     """The packed gradient of ``sum(forward(q, k, v, g, beta, state) * dy)``.
 
-    Returns a 1-D buffer of ``dtype`` holding ``dq, dk, dv, dg, dbeta`` and, when ``state`` is
-    given, ``dstate``, each flattened in C order and concatenated in that order, exactly as
-    rlx-ir's ``GatedDeltaNetBackward``. The gradients are written straight into the views of
-    that buffer. Get the shaped views with
-    ``unpack(flat, GdnBackwardLayout.from_inputs(q, g, state))``.
+    Each gradient is written straight into its view of one 1-D buffer, in rlx-ir's
+    ``GatedDeltaNetBackward`` order; ``unpack(flat, GdnBackwardLayout.from_inputs(q, g,
+    state))`` gives the shaped views.
 
-    ``out``, when given, must be a writable 1-D array of ``dtype`` with
-    ``layout.total_elems`` elements; it is filled and returned. ``checkpoint_every`` is the
-    recurrent method's checkpoint interval ``C`` (default :func:`default_checkpoint_every`,
-    about ``sqrt(S)``) and the chunked method's batch of steps; see the module docstring for
-    the memory each needs.
-    Shapes, dtypes and finiteness are checked as in :func:`forward`, ``dy`` being
-    ``[B, S, H, N]``. ``progress``, when given, is called with the fraction of the work done
-    (rising to 1.0) after each checkpoint interval of the forward and the backward sweep: a
-    long run can draw a progress bar with it. A gradient that is not finite raises
-    FloatingPointError, as in :func:`forward`.
+    Parameters
+    ----------
+    q, k, v, g, beta, state : array_like
+        As :func:`forward`.
+    dy : array_like
+        ``[B, S, H, N]``, the cotangent of ``y``.
+    dtype : {float64, float32}
+        The computation dtype, and that of the result.
+    out : ndarray, optional
+        A writable 1-D array of ``dtype`` with ``layout.total_elems`` elements; it is filled
+        and returned.
+    checkpoint_every : int, optional
+        The recurrent method's checkpoint interval ``C`` (default
+        :func:`default_checkpoint_every`, about ``sqrt(S)``), and the chunked method's batch
+        of steps; the module docstring says what memory each needs.
+    method : {"chunked", "recurrent"}
+        As :func:`forward`.
+    progress : callable, optional
+        Called with the fraction of the work done, rising to 1.0, after each checkpoint
+        interval (or batch) of the forward and the backward sweep: a long run can draw a
+        progress bar with it.
 
+    Returns
+    -------
+    ndarray
+        ``dq, dk, dv, dg, dbeta`` and, when ``state`` is given, ``dstate``, each flattened in
+        C order and concatenated in that order.
+
+    Raises
+    ------
+    TypeError, ValueError, FloatingPointError
+        As :func:`forward`; also a TypeError or ValueError for a bad ``out``,
+        ``checkpoint_every`` or ``progress``.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
     >>> rng = np.random.default_rng(0)
