@@ -352,7 +352,9 @@ def test_fixture_user_errors(tmp_path: Path) -> None:
 
 def test_inspect_user_errors(tmp_path: Path) -> None:
     dims = ["-B", "1", "-S", "1", "-H", "1", "-N", "1"]
-    assert_user_error(run("inspect", tmp_path, *dims), f"{tmp_path}: not a file")
+    assert_user_error(
+        run("inspect", tmp_path, *dims), f"{tmp_path}: not a regular file: it is a folder"
+    )
     np.save(tmp_path / "objects.npy", np.array([{}], dtype=object), allow_pickle=True)
     assert_user_error(
         run("inspect", tmp_path / "objects.npy", *dims), "objects.npy: cannot be read as a packed"

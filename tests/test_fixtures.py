@@ -389,7 +389,7 @@ def test_bad_header_length(saved: Path, length: int) -> None:
         (b"[1, 2, 3]", "header must be a JSON object, got list"),
         (b'{"q": 1, "q": 2}', r"duplicate keys \['q'\]"),
         (b"{}      ", "not a gdn-layout fixture: the header has no __metadata__"),
-        (b"[" * 100_000, "nested too deeply|not UTF-8 JSON"),
+        (b"[" * 100_000, "nested 100000 deep"),
     ],
 )
 def test_header_that_is_not_a_json_object(tmp_path: Path, header: bytes, pattern: str) -> None:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["non_negative_int", "not_a_layout", "require_matplotlib"]
+__all__ = [
+    "MAX_NBYTES",
+    "array_can_exist",
+    "non_negative_int",
+    "not_a_layout",
+    "require_matplotlib",
+]
+
+#: The most bytes a NumPy array can span: a shape beyond it is refused, even one with a 0 in it.
+MAX_NBYTES = int(np.iinfo(np.intp).max)
 
 PLOT_HINT = "pip install gdn-layout[plot]"
 
@@ -50,3 +61,13 @@ def require_matplotlib() -> None:
         raise ImportError(
             f"gdn_layout.plot needs matplotlib, which is not installed: {PLOT_HINT}"
         ) from err
+
+
+def array_can_exist(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether NumPy can make an array of ``shape``: its non-zero dimensions, multiplied with
+    the item size, must fit in an ``intp`` (NumPy refuses the shape even when a dimension is 0).
+
+    >>> array_can_exist((0, 2**40, 2**40), 4), array_can_exist((0, 2**40), 4)
+    (False, True)
+    """
+    return math.prod(d for d in shape if d) * itemsize <= MAX_NBYTES

@@ -1,14 +1,16 @@
-"""Atomic file writing: a reader sees the old file or the new one, never half of one."""
+"""Files: atomic writing (a reader sees the old file or the new one, never half of one), and
+opening for reading only what is a regular file."""
 
 from __future__ import annotations
 
 import os
 import secrets
+import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, BinaryIO
 
-__all__ = ["atomic_write"]
+__all__ = ["NotRegularFileError", "atomic_write", "open_regular"]
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
@@ -94,3 +96,53 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+class NotRegularFileError(OSError):
+    """A path that names a folder, a FIFO, a device or a socket where a file is expected."""
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """Open ``path`` for binary reading, refusing anything that is not a regular file.
+
+    The kind is checked before the file is opened, so that a FIFO or a device is never opened
+    (opening a FIFO for reading waits for a writer); the file is then opened without blocking
+    and checked again, in case the path was replaced in between.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``path`` does not exist.
+    NotRegularFileError
+        ``path`` is a folder, a FIFO, a device or a socket.
+    OSError
+        Any other failure to reach the file (a symlink loop, no permission, ...).
+    """
+    _require_regular(os.stat(path).st_mode, path)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(path, flags)
+    try:
+        _require_regular(os.fstat(fd).st_mode, path)
+        file = os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+    file.raw.name = os.fspath(path)  # type: ignore[attr-defined]  # as open(path) names it
+    return file
+
+
+def _require_regular(mode: int, path: Path) -> None:
+    if stat.S_ISREG(mode):
+        return
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "of another kind")
+    raise NotRegularFileError(f"{path}: not a regular file: it is {kind}")
