@@ -48,6 +48,7 @@ LAYERS = [
     "_dtypes",
     "_tables",
     "_stats",
+    "_errormap",
     "_files",
     "layout",
     "packing",

@@ -43,7 +43,11 @@ class GradComparison:
         error_map: read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
             mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
             head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-            ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
+            ``i``, head) because it has no sequence axis. A map of more than 2**20 cells is
+            binned (see ``error_map_bins``), so that its memory stays bounded. Not part of
+            equality or ``to_dict``.
+        error_map_bins: how many positions along each axis of ``error_map`` one cell covers
+            (its largest error): ``(1, 1)`` unless the map was binned.
     """
 
     name: str
@@ -68,6 +72,7 @@ class GradComparison:
     worst_expected: float | None
     passed: bool
     error_map: NDArray[np.float64] = field(compare=False, repr=False)
+    error_map_bins: tuple[int, int] = field(default=(1, 1), compare=False, repr=False)
 
     @property
     def mode(self) -> Literal["elementwise", "rms"]:

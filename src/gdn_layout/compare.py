@@ -43,7 +43,7 @@ from numpy.typing import NDArray
 from ._checks import not_a_layout
 from ._comparison import Comparison, GradComparison
 from ._dtypes import is_floating
-from ._stats import CHUNK_ELEMENTS
+from ._errormap import ErrorMap, chunks
 from .layout import GRADIENT_NAMES, GdnBackwardLayout, Segment, layout_caption
 
 __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
@@ -101,6 +101,7 @@ def compare(
         raise not_a_layout(layout, "compare")
     _check_buffer("actual", actual, layout)
     _check_buffer("expected", expected, layout)
+    actual, expected = np.asarray(actual), np.asarray(expected)
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
     default_rtol, default_atol = _default_tolerances(actual.dtype, expected.dtype)
@@ -172,7 +173,9 @@ def error_map(
     """The largest ``|a - e|`` of one gradient over (sequence position, head), for plots.
 
     ``[S, H]`` for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-    ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0.
+    ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0. A map of
+    more than 2**20 cells is binned, each cell the largest error of a block of positions
+    (:attr:`GradComparison.error_map_bins`), so that its memory is bounded.
 
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -189,6 +192,7 @@ def error_map(
         raise not_a_layout(layout, "error_map")
     _check_buffer("actual", actual, layout, "error_map")
     _check_buffer("expected", expected, layout, "error_map")
+    actual, expected = np.asarray(actual), np.asarray(expected)
     seg = layout.segment(name)
     span = slice(seg.offset, seg.offset + seg.length)
     return _compare_grad(seg, actual[span], expected[span], 0.0, 0.0, None, False).error_map
@@ -202,6 +206,7 @@ def _check_buffer(
 ) -> None:
     if not isinstance(buffer, np.ndarray):
         raise TypeError(f"{func}: {which} must be a NumPy array, got {type(buffer).__name__}")
+    _check_plain_values(which, buffer, func)
     if not is_floating(buffer.dtype):
         raise TypeError(
             f"{func}: {which} must have a float dtype (float16, bfloat16, float32, float64), "
@@ -211,6 +216,30 @@ def _check_buffer(
         raise ValueError(
             f"{func}: {which} must be 1-D with layout.total_elems = {layout.total_elems} "
             f"elements, got shape {buffer.shape}, for {layout!r}"
+        )
+
+
+#: What an ndarray subclass may not override for its values to be what np.asarray shows.
+_VALUE_METHODS = ("__getitem__", "__array__", "__array_ufunc__", "__array_function__", "astype")
+
+
+def _check_plain_values(which: str, buffer: np.ndarray[Any, Any], func: str) -> None:
+    """Refuse arrays whose values are not their data: a mask, or a subclass that changes
+    what indexing or conversion gives. A memory map is its data."""
+    kind = type(buffer)
+    if kind is np.ndarray or kind is np.memmap:
+        return
+    if isinstance(buffer, np.ma.MaskedArray):
+        raise TypeError(
+            f"{func}: {which} is a masked array; its masked elements would be compared as the "
+            "values under the mask. Pass np.ma.filled(x, fill) or x.data to say what they are"
+        )
+    changed = [m for m in _VALUE_METHODS if getattr(kind, m, None) is not getattr(np.ndarray, m)]
+    if changed and not issubclass(kind, np.memmap):
+        raise TypeError(
+            f"{func}: {which} is a {kind.__name__}, an ndarray subclass that overrides "
+            f"{', '.join(changed)}: its values may not be its data. Pass np.asarray(x) to "
+            "compare the data"
         )
 
 
@@ -257,30 +286,24 @@ def _compare_grad(
     equal_nan: bool,
 ) -> GradComparison:
     name, shape = seg.name, seg.shape
-    # Work on [rows, cols] with rows over the first two axes ((b, s), or (b, h) for dstate),
-    # so that chunks are whole rows and each row lands in one line of the error map: the map
+    # Chunks of elements, never of rows: a dstate row alone is N * N elements. The error map
     # is over the second and third axes, (s, h), or (h, i) for dstate, turned into (i, h).
-    rows = shape[0] * shape[1]
-    cols = math.prod(shape[2:])
-    a2 = actual.reshape(rows, cols)
-    e2 = expected.reshape(rows, cols)
+    emap = ErrorMap(shape)
     transpose = seg.axes[1] == "h"
-    period = shape[1]
-    width = shape[2]
-    accum = np.zeros((period, width), dtype=np.float64)
 
     nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = 0
     max_abs = max_rel = 0.0
-    norm_diff, norm_exp = _Norm(), _Norm()
+    # |a - e| of two finite values overflows past the largest float; such pairs go into
+    # norm_half as |a/2 - e/2|, so that the RMS ratio stays exact up to the largest values.
+    norm_diff, norm_half, norm_exp = _Norm(), _Norm(), _Norm()
     best = -math.inf
     worst_index: int | None = None
     worst_a = worst_e = 0.0
     elementwise = max_rms_ratio is None
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
 
-    for start in range(0, rows if rows * cols else 0, step):
-        a = a2[start : start + step].astype(np.float64)
-        e = e2[start : start + step].astype(np.float64)
+    for start, stop in chunks(shape):
+        a = actual[start:stop].astype(np.float64)
+        e = expected[start:stop].astype(np.float64)
         a_nan, e_nan = np.isnan(a), np.isnan(e)
         a_inf, e_inf = np.isinf(a), np.isinf(e)
         nan_a += int(a_nan.sum())
@@ -291,6 +314,7 @@ def _compare_grad(
         abs_e = np.where(finite, np.abs(e), 0.0)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.where(finite, np.abs(a - e), 0.0)
+        overflowed = np.isinf(diff)  # both finite, yet |a - e| is past the largest float
         # Everything below sees finite numbers; non-finite pairs are patched in after.
         bad = ~finite
         if bad.any():
@@ -307,22 +331,26 @@ def _compare_grad(
             max_abs = max(max_abs, float(diff.max()))
             with np.errstate(divide="ignore", invalid="ignore"):
                 rel = np.where(diff == 0, 0.0, diff / abs_e)
+            if overflowed.any():
+                half = np.abs(a[overflowed] * 0.5 - e[overflowed] * 0.5)
+                rel[overflowed] = half / (abs_e[overflowed] * 0.5)
+                norm_half.add(half)
+                norm_diff.add(np.where(overflowed, 0.0, diff))
+            else:
+                norm_diff.add(diff)
             max_rel = max(max_rel, float(rel.max()))
-            norm_diff.add(diff)
             norm_exp.add(abs_e)
         score = diff - allowed if elementwise else diff.copy()
         score[~finite] = -math.inf  # matching non-finite pairs are never the worst
         score[bad] = math.inf
         local = int(np.argmax(score))
-        if worst_index is None or score.flat[local] > best:
-            best = float(score.flat[local])
-            worst_index = start * cols + local
-            worst_a, worst_e = float(a.flat[local]), float(e.flat[local])
-        # Reduce each row to its line of the map, then fold rows onto it by s (or h).
-        line = diff_map.reshape(diff_map.shape[0], width, -1).max(axis=2)
-        np.maximum.at(accum, np.arange(start, start + line.shape[0]) % period, line)
+        if worst_index is None or score[local] > best:
+            best = float(score[local])
+            worst_index = start + local
+            worst_a, worst_e = float(a[local]), float(e[local])
+        emap.update(start, diff_map)
 
-    rms_ratio = _rms_ratio(norm_diff.value(), norm_exp.value())
+    rms_ratio = _rms_ratio(norm_diff, norm_half, norm_exp)
     if elementwise:
         passed = mismatches == 0
     else:
@@ -331,14 +359,14 @@ def _compare_grad(
     worst = (
         None if worst_index is None else tuple(int(i) for i in np.unravel_index(worst_index, shape))
     )
-    emap = accum.T.copy() if transpose else accum
-    emap.flags.writeable = False
+    cells = emap.cells.T.copy() if transpose else emap.cells
+    cells.flags.writeable = False
     return GradComparison(
         name=name,
         shape=shape,
         actual_dtype=actual.dtype.name,
         expected_dtype=expected.dtype.name,
-        size=rows * cols,
+        size=seg.length,
         rtol=rtol,
         atol=atol,
         max_rms_ratio=max_rms_ratio,
@@ -355,38 +383,52 @@ def _compare_grad(
         worst_actual=None if worst is None else worst_a,
         worst_expected=None if worst is None else worst_e,
         passed=passed,
-        error_map=emap,
+        error_map=cells,
+        error_map_bins=emap.bins[::-1] if transpose else emap.bins,
     )
 
 
 class _Norm:
     """A Euclidean norm accumulated chunk by chunk, scaled as LAPACK's ``nrm2`` is, so that
-    squaring neither overflows for huge values nor underflows for tiny ones."""
+    squaring neither overflows for huge values nor underflows for tiny ones. The norm is
+    ``scale * sqrt(sumsq)``, kept in that form: the norm itself may be past the largest float
+    even when the ratio of two norms is not."""
 
-    def __init__(self) -> None:
-        self.scale = 0.0
-        self.sumsq = 1.0
+    def __init__(self, scale: float = 0.0, sumsq: float = 1.0) -> None:
+        self.scale = scale
+        self.sumsq = sumsq
 
     def add(self, x: NDArray[np.float64]) -> None:
+        """Add the finite values ``x``."""
         peak = float(x.max(initial=0.0))
-        if peak == 0.0 or not math.isfinite(peak):
-            self.scale = max(self.scale, peak)
+        if peak == 0.0:
             return
         scaled = x / peak
-        chunk = float(np.vdot(scaled, scaled))
-        if peak > self.scale:
-            self.sumsq = chunk + self.sumsq * (self.scale / peak) ** 2
-            self.scale = peak
+        self.merge(_Norm(peak, float(np.vdot(scaled, scaled))))
+
+    def merge(self, other: _Norm) -> None:
+        if other.scale == 0.0:
+            return
+        if other.scale > self.scale:
+            self.sumsq = other.sumsq + self.sumsq * (self.scale / other.scale) ** 2
+            self.scale = other.scale
         else:
-            self.sumsq += chunk * (peak / self.scale) ** 2
+            self.sumsq += other.sumsq * (other.scale / self.scale) ** 2
 
-    def value(self) -> float:
-        return self.scale * math.sqrt(self.sumsq) if math.isfinite(self.scale) else math.inf
+    def over(self, other: _Norm) -> float:
+        """``norm(self) / norm(other)``, finite whenever the true ratio is."""
+        if other.scale == 0.0:
+            # A zero reference leaves no scale: any error at all is infinitely large against it.
+            return 0.0 if self.scale == 0.0 else math.inf
+        with np.errstate(over="ignore"):
+            return float(np.float64(self.scale) / other.scale) * math.sqrt(self.sumsq / other.sumsq)
 
 
-def _rms_ratio(norm_diff: float, norm_exp: float) -> float:
+def _rms_ratio(norm_diff: _Norm, norm_half: _Norm, norm_exp: _Norm) -> float:
     # Both norms are over the same elements, so their ratio is the ratio of the RMS values.
-    # A zero reference leaves no scale: any error at all is infinitely large against it.
-    if norm_exp > 0:
-        return norm_diff / norm_exp
-    return 0.0 if norm_diff == 0 else math.inf
+    if norm_half.scale == 0.0:
+        return norm_diff.over(norm_exp)
+    # Some |a - e| are past the largest float: work with every difference halved.
+    halved = _Norm(norm_diff.scale * 0.5, norm_diff.sumsq)
+    halved.merge(norm_half)
+    return 2.0 * halved.over(norm_exp)

@@ -184,8 +184,12 @@ def _heatmap(fig: Figure, ax: Axes, result: Comparison, name: str, log: bool) ->
     if grad.nonfinite_mismatches:
         title += f", {grad.nonfinite_mismatches} non-finite ({_BAD_COLOUR})"
     ax.set_title(title, fontsize=9)
-    ax.set_xlabel("key row i" if name == "dstate" else "sequence position s")
-    ax.set_ylabel("head h")
+    across, down = grad.error_map_bins
+    ax.set_xlabel(
+        ("key row i" if name == "dstate" else "sequence position s")
+        + (f" / {across} (binned)" if across > 1 else "")
+    )
+    ax.set_ylabel("head h" + (f" / {down} (binned)" if down > 1 else ""))
     if data.size == 0:
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return
