@@ -789,7 +789,7 @@ def test_suite_coverage_and_size(suite: tuple[Path, list[Path]]) -> None:
 
 def test_suite_refuses_to_overwrite(suite: tuple[Path, list[Path]]) -> None:
     root, _ = suite
-    with pytest.raises(FileExistsError, match=r"manifest\.json exists; pass overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"exists and is not empty; pass overwrite=True"):
         write_suite(root)
 
 

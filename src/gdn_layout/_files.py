@@ -16,6 +16,7 @@ from typing import IO, BinaryIO, Final
 __all__ = [
     "NotRegularFileError",
     "atomic_write",
+    "install_folder",
     "open_regular",
     "remove_abandoned",
     "temporary_name",
@@ -239,6 +240,55 @@ def _fsync_dir(directory: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+# -- folders ------------------------------------------------------------------------------------
+
+
+def install_folder(
+    built: Path,
+    target: Path,
+    *,
+    overwrite: bool,
+    replaceable: Callable[[Path], str | None],
+) -> None:
+    """Move the complete folder ``built`` to ``target`` (its sibling) by renaming it.
+
+    A missing or empty ``target`` is taken at once. Otherwise, with ``overwrite``, a
+    ``target`` for which ``replaceable`` says nothing (it returns why not, or None) is renamed
+    away, ``built`` is renamed in, and the old folder is removed: a reader sees the old folder
+    or the new one, never a mixture. When several writers race, each rename is atomic and the
+    last one wins; every one of them ends with a complete folder at ``target``.
+
+    Raises
+    ------
+    FileExistsError
+        ``target`` exists and is not empty (without ``overwrite``), is not a folder, or is not
+        ``replaceable``.
+    """
+    for _ in range(100):
+        try:
+            os.rename(built, target)  # takes the place of a missing or empty folder only
+            return
+        except OSError as err:
+            if err.errno == errno.ENOTDIR:
+                raise FileExistsError(f"{target} exists and is not a folder") from None
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+        if not overwrite:
+            raise FileExistsError(
+                f"{target} exists and is not empty; pass overwrite=True to replace it"
+            )
+        why = replaceable(target)
+        if why is not None:
+            raise FileExistsError(f"{target} is not replaced: {why}")
+        old = temporary_name(target, "old")
+        try:
+            os.rename(target, old)
+        except FileNotFoundError:  # another writer moved it first: try again
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+    raise FileExistsError(f"{target}: other writers kept replacing it")  # pragma: no cover
 
 
 # -- reading --------------------------------------------------------------------------------------
