@@ -22,7 +22,7 @@ generate = importlib.import_module("gdn_layout.generate")
 
 def _check_consistent(root: Path) -> dict[str, Any]:
     """The manifest lists exactly the files there, each with its size and SHA-256."""
-    manifest = json.loads((root / "manifest.json").read_text())
+    manifest: dict[str, Any] = json.loads((root / "manifest.json").read_text())
     listed = {entry["file"]: entry for entry in manifest["fixtures"]}
     assert {p.name for p in root.iterdir()} == {*listed, "manifest.json"}
     for name, entry in listed.items():
