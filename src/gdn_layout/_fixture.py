@@ -287,6 +287,8 @@ def _map_or_read(path: Path, mmap: bool) -> NDArray[np.uint8]:
         raise
     except OSError as err:
         raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    except ValueError as err:  # mmap: the file shrank since its header was read
+        raise FixtureError(f"{path}: changed while being read: {err}") from None
 
 
 def _parse_metadata(meta: object, path: Path) -> dict[str, str]:
