@@ -274,17 +274,20 @@ def reason(err: OSError) -> str:
 
 def _check_shape_of_json(raw: bytes, path: Path) -> None:
     """Refuse, in one linear pass, a header too deep or too large to be a safetensors one."""
-    containers = raw.count(b"[") + raw.count(b"{")
-    commas = raw.count(b",")
-    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
-    special = unescaped.translate(None, _NOT_SPECIAL)
-    del unescaped
-    if containers > _MAX_CONTAINERS or commas > _MAX_COMMAS or len(special) > _MAX_SPECIAL:
-        raise FixtureError(
-            f"{path}: header is too large to be read: {containers} lists and objects (at most "
-            f"{_MAX_CONTAINERS}), {commas} commas (at most {_MAX_COMMAS}), {len(special)} "
-            f"brackets and quotes (at most {_MAX_SPECIAL})"
-        )
+    counts = (
+        (raw.count(b"[") + raw.count(b"{"), "lists and objects", _MAX_CONTAINERS),
+        (raw.count(b","), "commas", _MAX_COMMAS),
+    )
+    too_many = [f"{n} {what} (at most {limit})" for n, what, limit in counts if n > limit]
+    special = b""
+    if not too_many:  # the copies below only for a header of a reasonable size
+        unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+        special = unescaped.translate(None, _NOT_SPECIAL)
+        del unescaped
+        if len(special) > _MAX_SPECIAL:
+            too_many.append(f"{len(special)} brackets and quotes (at most {_MAX_SPECIAL})")
+    if too_many:
+        raise FixtureError(f"{path}: header is too large to be read: {', '.join(too_many)}")
     depth = deepest = 0
     in_string = False
     for byte in special:
