@@ -140,3 +140,13 @@ def test_concurrent_runs_end_with_one_complete_suite(tmp_path: Path) -> None:
         assert first.wait(timeout=300) == 0
     assert _check_consistent(root)["seed"] == 20
     assert _siblings(root) == ["suite"]
+
+
+def test_the_current_folder_can_hold_a_suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    paths = write_suite(".")
+    assert paths[0] == Path(".") / paths[0].name
+    _check_consistent(tmp_path / "here")

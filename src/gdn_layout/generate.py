@@ -224,11 +224,10 @@ def write_suite(
     a suite (``manifest.json`` and ``.safetensors`` files): nothing stale is left. Concurrent
     runs each end with one complete suite in ``directory``, the last one's.
     """
-    root = Path(directory)
+    given = Path(directory)
     target = resolve_dtype(dtype, "write_suite")
     seed = check_seed(seed, "write_suite")
-    if root.is_symlink():
-        root = root.resolve()
+    root = Path(os.path.realpath(given))  # a named folder with a parent, even for "."
     if _non_empty_folder(root):  # refused now, not after the work (and again when moved in)
         if not overwrite:
             raise FileExistsError(
@@ -246,7 +245,7 @@ def write_suite(
     except BaseException:
         shutil.rmtree(built, ignore_errors=True)
         raise
-    return [root / name for name in names]
+    return [given / name for name in names]
 
 
 def _non_empty_folder(path: Path) -> bool:
