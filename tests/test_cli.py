@@ -365,13 +365,15 @@ def test_fixture_user_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "x.safetensors"
     assert_user_error(run("fixture", "-o", missing), f"{missing}: the folder")
     huge = ["-B", "100000", "-S", "100000", "-H", "64", "-N", "128"]
-    assert_user_error(run("fixture", *huge, "-o", tmp_path / "x"), "out of memory: ")
+    assert_user_error(run("fixture", *huge, "-o", tmp_path / "x"), "needs about 9.3 PiB of memory")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_inspect_user_errors(tmp_path: Path) -> None:
     dims = ["-B", "1", "-S", "1", "-H", "1", "-N", "1"]
-    assert_user_error(run("inspect", tmp_path, *dims), f"{tmp_path}: not a file")
+    assert_user_error(
+        run("inspect", tmp_path, *dims), f"{tmp_path}: not a regular file: it is a folder"
+    )
     np.save(tmp_path / "objects.npy", np.array([{}], dtype=object), allow_pickle=True)
     assert_user_error(
         run("inspect", tmp_path / "objects.npy", *dims), "objects.npy: cannot be read as a packed"

@@ -296,7 +296,7 @@ def test_a_failed_save_leaves_nothing_behind(
     def broken_fsync(fd: int) -> None:
         seen.append(fd)
         # Everything is written at this point: the temporary file is full-size.
-        assert any(p.name.endswith(".tmp") and p.stat().st_size > 1000 for p in tmp_path.iterdir())
+        assert os.fstat(fd).st_size > 1000
         raise error
 
     monkeypatch.setattr(os, "fsync", broken_fsync)
@@ -389,7 +389,7 @@ def test_bad_header_length(saved: Path, length: int) -> None:
         (b"[1, 2, 3]", "header must be a JSON object, got list"),
         (b'{"q": 1, "q": 2}', r"duplicate keys \['q'\]"),
         (b"{}      ", "not a gdn-layout fixture: the header has no __metadata__"),
-        (b"[" * 100_000, "nested too deeply|not UTF-8 JSON"),
+        (b"[" * 100_000, "nested 100000 deep"),
     ],
 )
 def test_header_that_is_not_a_json_object(tmp_path: Path, header: bytes, pattern: str) -> None:
@@ -830,7 +830,7 @@ def test_suite_coverage_and_size(suite: tuple[Path, list[Path]]) -> None:
 
 def test_suite_refuses_to_overwrite(suite: tuple[Path, list[Path]]) -> None:
     root, _ = suite
-    with pytest.raises(FileExistsError, match=r"manifest\.json exists; pass overwrite=True"):
+    with pytest.raises(FileExistsError, match=r"exists and is not empty; pass overwrite=True"):
         write_suite(root)
 
 

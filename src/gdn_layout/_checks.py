@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 __all__ = [
+    "MAX_NBYTES",
+    "array_can_exist",
     "check_shape",
     "dimension",
     "flag",
@@ -18,6 +22,9 @@ __all__ = [
     "usize_product",
     "usize_sum",
 ]
+
+#: The most bytes a NumPy array can span: a shape beyond it is refused, even one with a 0 in it.
+MAX_NBYTES = int(np.iinfo(np.intp).max)
 
 PLOT_HINT = "pip install gdn-layout[plot]"
 #: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
@@ -111,3 +118,16 @@ def check_shape(
 ) -> None:
     if received != expected:
         raise ValueError(f"{name} has shape {received}, expected {expected} for {layout!r}")
+
+
+# -- what NumPy can allocate --------------------------------------------------------------
+
+
+def array_can_exist(shape: Sequence[int], itemsize: int) -> bool:
+    """Whether NumPy can make an array of ``shape``: its non-zero dimensions, multiplied with
+    the item size, must fit in an ``intp`` (NumPy refuses the shape even when a dimension is 0).
+
+    >>> array_can_exist((0, 2**40, 2**40), 4), array_can_exist((0, 2**40), 4)
+    (False, True)
+    """
+    return math.prod(d for d in shape if d) * itemsize <= MAX_NBYTES

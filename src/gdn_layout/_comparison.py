@@ -63,15 +63,24 @@ class GradComparison:
         Read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
         mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
         head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-        ``i``, head) because it has no sequence axis. Not part of equality or ``to_dict``.
+        ``i``, head) because it has no sequence axis. Binned (see ``error_map_bins``) when
+        the per-batch maps would have more than 2**20 cells, so that memory stays bounded.
+        Not part of equality or ``to_dict``.
     batch_error_map
-        The error map of each batch element, ``[B, S, H]`` (``[B, N, H]`` for ``dstate``);
-        ``error_map`` is its maximum over the batch. For plots; not part of equality or
-        ``to_dict``.
+        The error map of each batch element, ``[B, S, H]`` (``[B, N, H]`` for ``dstate``),
+        binned as ``error_map`` is; ``error_map`` is its maximum over the batch. For plots;
+        not part of equality or ``to_dict``.
     mismatch_map
         How many elements of each cell of ``batch_error_map`` are out of elementwise tolerance
-        (non-finite mismatches included), int32. For plots; not part of equality or
+        (non-finite mismatches included), int64. For plots; not part of equality or
         ``to_dict``.
+    error_map_bins
+        How many positions along each axis of ``error_map`` (and of the last two axes of
+        ``batch_error_map``) one cell covers, keeping its largest error: ``(1, 1)`` unless
+        the maps were binned.
+    batch_bins
+        How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
+        is so large that a map per batch element would pass 2**20 cells.
     """
 
     name: str
@@ -97,7 +106,9 @@ class GradComparison:
     passed: bool
     error_map: NDArray[np.float64] = field(compare=False, repr=False)
     batch_error_map: NDArray[np.float64] = field(compare=False, repr=False)
-    mismatch_map: NDArray[np.int32] = field(compare=False, repr=False)
+    mismatch_map: NDArray[np.int64] = field(compare=False, repr=False)
+    error_map_bins: tuple[int, int] = field(default=(1, 1), compare=False, repr=False)
+    batch_bins: int = field(default=1, compare=False, repr=False)
 
     @property
     def mode(self) -> Literal["elementwise", "rms"]:

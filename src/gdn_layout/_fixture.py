@@ -15,8 +15,8 @@ from numpy.typing import DTypeLike, NDArray
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
 from ._dtypes import resolve
-from ._files import atomic_write
-from ._safetensors import Entry, FixtureError, dtype_code, looks_like_safetensors
+from ._files import NotRegularFileError, atomic_write, open_regular
+from ._safetensors import Entry, FixtureError, dtype_code, looks_like_safetensors, reason
 from ._version import __version__
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
@@ -216,7 +216,10 @@ def save_fixture(
     The file is written to a temporary file in the same folder, flushed to disk, then renamed
     over ``path``: a reader sees the old file or the new one, never half of one, and a failure
     leaves nothing behind. An existing ``path`` is replaced only with ``overwrite=True``;
-    otherwise :class:`FileExistsError` is raised.
+    otherwise :class:`FileExistsError` is raised. On Linux the temporary file has no name
+    until it is linked in place (``O_TMPFILE``), so that nothing is left even if the writer
+    is killed; elsewhere its name carries the writer's process id, and a later write into the
+    folder removes it once that process is gone.
 
     Parameters
     ----------
@@ -240,6 +243,8 @@ def save_fixture(
         The folder of ``path`` does not exist.
     TypeError
         ``fixture`` is not a :class:`Fixture`.
+    OSError
+        The file cannot be written (a full disk, a read-only folder); the error names it.
     """
     if not isinstance(fixture, Fixture):
         raise TypeError(f"save_fixture: fixture must be a Fixture, got {type(fixture).__name__}")
@@ -261,7 +266,10 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     are read-only :class:`numpy.memmap` views into the file, so that a multi-GiB fixture opens
     at once. With ``mmap=False`` the file is read into memory (still read-only). A file that
     is truncated, corrupt or inconsistent raises :class:`FixtureError` naming it and the
-    problem; a bfloat16 file without ml_dtypes raises :class:`ImportError`.
+    problem; so does a path that is not a regular file (a folder, a FIFO, a device: refused
+    before it is opened) or that cannot be read. A missing file raises
+    :class:`FileNotFoundError` naming it; a bfloat16 file without ml_dtypes raises
+    :class:`ImportError`.
 
     Parameters
     ----------
@@ -278,11 +286,12 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     Raises
     ------
     FixtureError
-        The file is truncated, corrupt, not a gdn-layout fixture, or inconsistent.
+        The file is truncated, corrupt, not a gdn-layout fixture, inconsistent, has a header
+        past the limits, is not a regular file, or cannot be read.
+    FileNotFoundError
+        The file does not exist.
     ImportError
         The file holds bfloat16 and ml_dtypes is not installed.
-    OSError
-        The file cannot be opened.
     """
     path = Path(path)
     header = safetensors.read_header(path)
@@ -292,11 +301,7 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     _check_entries(entries, layout, path)
     safetensors.check_tiling(entries, size - data_start, path)
 
-    if mmap:
-        buffer: NDArray[np.uint8] = np.memmap(path, dtype=np.uint8, mode="r")
-    else:
-        buffer = np.fromfile(path, dtype=np.uint8)
-        buffer.flags.writeable = False
+    buffer = _map_or_read(path, mmap)
     if buffer.size != size:
         raise FixtureError(f"{path}: changed size while being read ({size} -> {buffer.size})")
     arrays = {
@@ -315,6 +320,26 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
         )
     except (TypeError, ValueError) as err:
         raise FixtureError(f"{path}: {err}") from None
+
+
+def _map_or_read(path: Path, mmap: bool) -> NDArray[np.uint8]:
+    """The whole file as read-only bytes: mapped, or read into memory."""
+    try:
+        with open_regular(path) as file:
+            if not mmap:
+                buffer = np.fromfile(file, dtype=np.uint8)
+                buffer.flags.writeable = False
+                return buffer
+            if os.fstat(file.fileno()).st_size == 0:  # mmap cannot map an empty file
+                return np.empty(0, np.uint8)
+            mapped: NDArray[np.uint8] = np.memmap(file, dtype=np.uint8, mode="r")
+            return mapped
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    except ValueError as err:  # mmap: the file shrank since its header was read
+        raise FixtureError(f"{path}: changed while being read: {err}") from None
 
 
 def _parse_metadata(meta: object, path: Path) -> dict[str, str]:
@@ -402,45 +427,48 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     Raises
     ------
     FileNotFoundError
-        ``path`` does not exist, or is not a file.
+        ``path`` does not exist.
     ValueError
-        The file cannot be read as a packed buffer (:class:`FixtureError` for a fixture).
+        The file cannot be read as a packed buffer (:class:`FixtureError` for a fixture, and
+        for a path that is not a regular file or cannot be read).
     """
     file = Path(path)
-    if not file.exists():
-        raise FileNotFoundError(f"{path}: no such file")
-    if not file.is_file():
-        raise FileNotFoundError(f"{path}: not a file")
-    kind = _sniff(file)
+    try:
+        with open_regular(file) as stream:
+            head = stream.read(9)
+            size = os.fstat(stream.fileno()).st_size
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except NotRegularFileError as err:
+        raise FixtureError(str(err)) from None
+    except OSError as err:
+        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    kind = _sniff(file, head, size)
     if kind == "fixture":
         fixture = load_fixture(path)
         return PackedFile(path, kind, fixture.packed, fixture.layout)
     if kind == ".npy":
-        with open(path, "rb") as stream:
-            if stream.read(6) != b"\x93NUMPY":
-                raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
+        if not head.startswith(b"\x93NUMPY"):
+            raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
         try:
             packed = np.load(path, mmap_mode="r", allow_pickle=False)
-        except ValueError as error:  # one of Python objects, or a damaged header
+        except (ValueError, EOFError) as error:  # of Python objects, or a damaged header
             raise ValueError(f"{path}: cannot be read as a packed buffer: {error}") from None
         return PackedFile(path, kind, packed, None)
     if dtype is None:
         raise ValueError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
     resolved = resolve(dtype, "dtype")
-    size = file.stat().st_size
     if size % resolved.itemsize:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {resolved.name} elements")
     raw = np.memmap(path, dtype=resolved, mode="r") if size else np.empty(0, resolved)
     return PackedFile(path, kind, raw, None)
 
 
-def _sniff(path: Path) -> str:
+def _sniff(path: Path, head: bytes, size: int) -> str:
     """What a file holds, from its first bytes; a damaged fixture or .npy by its name."""
-    with open(path, "rb") as file:
-        head = file.read(9)
     name = path.name.lower()
     if head.startswith(b"\x93NUMPY") or name.endswith(".npy"):
         return ".npy"
-    if looks_like_safetensors(head, path.stat().st_size) or name.endswith(".safetensors"):
+    if looks_like_safetensors(head, size) or name.endswith(".safetensors"):
         return "fixture"
     return "raw"

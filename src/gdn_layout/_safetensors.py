@@ -18,7 +18,9 @@ from typing import IO, Any, Final, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from ._checks import MAX_NBYTES, array_can_exist
 from ._dtypes import BF16_HINT, bfloat16
+from ._files import open_regular
 
 __all__ = [
     "DTYPE_NAMES",
@@ -30,11 +32,23 @@ __all__ = [
     "dtype_of_code",
     "looks_like_safetensors",
     "read_header",
+    "reason",
     "write",
 ]
 
 #: The official implementation's limit; a larger "header" is a corrupt length, not a header.
 _MAX_HEADER: Final = 100_000_000
+#: Bounds checked on the header's bytes before it is parsed, so that parsing stays fast and
+#: small whatever the file holds. A header is an object of tensors (depth 1), each an object
+#: (2) with two lists (3); ``__metadata__`` maps strings to strings. The counts are of bytes
+#: anywhere in the header, strings included: they allow some 30,000 tensors.
+_MAX_DEPTH: Final = 3
+_MAX_CONTAINERS: Final = 100_000
+_MAX_COMMAS: Final = 1_000_000
+_MAX_SPECIAL: Final = 1_000_000
+#: What the nesting depth is read from: brackets, and the quotes that say which brackets are
+#: inside strings (once escaped backslashes and quotes are removed).
+_NOT_SPECIAL: Final = bytes(set(range(256)) - set(b'[]{}"'))
 #: Each supported code: the NumPy dtype name and the item size.
 _CODES: Final = {
     "F64": ("float64", 8),
@@ -185,26 +199,41 @@ def looks_like_safetensors(head: bytes, size: int) -> bool:
 def read_header(path: Path) -> Header:
     """Read and check the header of the safetensors file at ``path``.
 
+    Only a regular file is opened (a FIFO or a device is refused before it is opened), and
+    the header is checked for its nesting depth and size before it is parsed, so that reading
+    takes time linear in the header's size and memory of a few times it.
+
     Raises
     ------
+    FileNotFoundError
+        There is no file at ``path``.
     FixtureError
-        The length, the JSON or an entry is malformed.
+        ``path`` is not a regular file or cannot be read, or the length, the JSON or an
+        entry is malformed.
     ImportError
         A tensor is BF16 and ml_dtypes is not installed.
     """
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise FixtureError(
-                f"{path}: truncated: {size} bytes, shorter than the 8-byte header length"
-            )
-        length = int.from_bytes(f.read(8), "little")
-        if length < 2 or length > _MAX_HEADER or length > size - 8:
-            raise FixtureError(
-                f"{path}: bad header length {length}: expected 2 to "
-                f"{min(_MAX_HEADER, size - 8)} for a file of {size} bytes"
-            )
-        raw = f.read(length)
+    try:
+        with open_regular(path) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < 8:
+                raise FixtureError(
+                    f"{path}: truncated: {size} bytes, shorter than the 8-byte header length"
+                )
+            length = int.from_bytes(f.read(8), "little")
+            if length < 2 or length > _MAX_HEADER or length > size - 8:
+                raise FixtureError(
+                    f"{path}: bad header length {length}: expected 2 to "
+                    f"{min(_MAX_HEADER, size - 8)} for a file of {size} bytes"
+                )
+            raw = f.read(length)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    if len(raw) != length:
+        raise FixtureError(f"{path}: changed size while being read ({length} header bytes)")
+    _check_shape_of_json(raw, path)
     header = _parse_json(raw, path)
     metadata = header.pop("__metadata__", None)
     entries = [_parse_entry(name, spec, path) for name, spec in header.items()]
@@ -238,20 +267,65 @@ def check_tiling(entries: list[Entry], data_size: int, path: Path) -> None:
         )
 
 
+def reason(err: OSError) -> str:
+    """What went wrong in ``err``, without the file name it may repeat."""
+    return err.strerror or str(err)
+
+
+def _check_shape_of_json(raw: bytes, path: Path) -> None:
+    """Refuse, in one linear pass, a header too deep or too large to be a safetensors one."""
+    counts = (
+        (raw.count(b"[") + raw.count(b"{"), "lists and objects", _MAX_CONTAINERS),
+        (raw.count(b","), "commas", _MAX_COMMAS),
+    )
+    too_many = [f"{n} {what} (at most {limit})" for n, what, limit in counts if n > limit]
+    special = b""
+    if not too_many:  # the copies below only for a header of a reasonable size
+        unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+        special = unescaped.translate(None, _NOT_SPECIAL)
+        del unescaped
+        if len(special) > _MAX_SPECIAL:
+            too_many.append(f"{len(special)} brackets and quotes (at most {_MAX_SPECIAL})")
+    if too_many:
+        raise FixtureError(f"{path}: header is too large to be read: {', '.join(too_many)}")
+    depth = deepest = 0
+    in_string = False
+    for byte in special:
+        if byte == 0x22:  # a quote
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif byte in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif byte in b"]}":
+            depth -= 1
+    if deepest > _MAX_DEPTH:
+        raise FixtureError(
+            f"{path}: header is nested {deepest} deep; a safetensors header is at most "
+            f"{_MAX_DEPTH} (an object of tensors, each with two lists)"
+        )
+
+
 def _parse_json(raw: bytes, path: Path) -> dict[str, Any]:
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [key for key, _ in pairs]
-        duplicates = sorted({key for key in keys if keys.count(key) > 1})
-        if duplicates:
-            raise FixtureError(f"{path}: header has duplicate keys {duplicates}")
-        return dict(pairs)
+        result = dict(pairs)
+        if len(result) != len(pairs):  # a set, not list.count: linear in the number of keys
+            seen: set[str] = set()
+            duplicates: set[str] = set()
+            for key, _ in pairs:
+                (duplicates if key in seen else seen).add(key)
+            raise FixtureError(f"{path}: header has duplicate keys {sorted(duplicates)[:10]}")
+        return result
 
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=unique)
+    except FixtureError:
+        raise
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise FixtureError(f"{path}: header is not UTF-8 JSON: {err}") from None
-    except RecursionError:
-        raise FixtureError(f"{path}: header is not usable JSON: nested too deeply") from None
+    except (RecursionError, ValueError) as err:
+        raise FixtureError(f"{path}: header is not usable JSON: {err}") from None
     if not isinstance(header, dict):
         raise FixtureError(f"{path}: header must be a JSON object, got {type(header).__name__}")
     return header
@@ -286,6 +360,11 @@ def _parse_entry(name: str, spec: object, path: Path) -> Entry:
             f"got {offsets!r:.100}"
         )
     dtype = dtype_of_code(code, name, path)
+    if not array_can_exist(shape, dtype.itemsize):
+        raise FixtureError(
+            f"{where}: shape {tuple(shape)} of {code} cannot exist: its non-zero dimensions "
+            f"span more than the {MAX_NBYTES} bytes an array can address"
+        )
     nbytes = math.prod(shape) * dtype.itemsize
     if offsets[1] - offsets[0] != nbytes:
         raise FixtureError(

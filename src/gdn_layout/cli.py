@@ -1,17 +1,19 @@
 """The ``gdn-layout`` command line.
 
-User errors (bad values, missing files) print one line and exit with status 2; the commands
-that judge something exit 1 when the judgement fails.
+User errors (bad arguments, missing, unreadable or invalid files, not enough memory) print one
+line and exit with status 2; the commands that judge something exit 1 when the judgement
+fails. Any other exception is a bug: it shows its traceback and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,14 @@ import numpy as np
 from . import reference
 from ._checks import require_matplotlib
 from ._dtypes import resolve
-from ._fixture import REGIMES, PackedFile, load_fixture, open_packed, save_fixture
+from ._fixture import REGIMES, FixtureError, PackedFile, load_fixture, open_packed, save_fixture
+from ._limits import human_bytes as _human
+from ._limits import impossible_arrays, memory_refusal
+from ._progress import Progress as _Progress
 from ._stats import grad_stats, grads_text
 from .compare import compare
 from .generate import make_fixture, write_suite
-from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
+from .layout import GRADIENT_NAMES, GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
 
 __all__ = ["main"]
@@ -49,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemoryError as error:
         print(f"gdn-layout {args.command}: error: out of memory: {error}", file=sys.stderr)
         return 2
-    except (UsageError, ValueError, TypeError, OSError, ImportError) as error:
+    except (UsageError, FixtureError, OSError, ImportError) as error:
+        # The user's to fix; any other exception is a bug, shown with its traceback (exit 1).
         print(f"gdn-layout {args.command}: error: {error}", file=sys.stderr)
         return 2
     return result
@@ -225,7 +231,21 @@ def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
     b, s, h, n = (d if g is None else g for g, d in zip(given, dims, strict=True))
     per_channel = flags if args.per_channel is None else args.per_channel
     carry_state = flags if args.carry_state is None else args.carry_state
-    return GdnBackwardLayout(b, s, h, n, gate_per_channel=per_channel, carry_state=carry_state)
+    return _checked_layout(b, s, h, n, per_channel=per_channel, carry_state=carry_state)
+
+
+def _checked_layout(
+    b: int, s: int, h: int, n: int, *, per_channel: bool, carry_state: bool
+) -> GdnBackwardLayout:
+    """The layout the flags give; one whose arrays cannot exist is the user's error."""
+    flags = {"gate_per_channel": per_channel, "carry_state": carry_state}
+    try:
+        layout = GdnBackwardLayout(b, s, h, n, **flags)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    if (why := impossible_arrays(layout)) is not None:
+        raise UsageError(why)
+    return layout
 
 
 def _given_layout_flags(args: argparse.Namespace) -> list[str]:
@@ -272,6 +292,8 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({_human(total)})")
         return 0
     layout = _layout_from(args)
+    if (why := memory_refusal(layout)) is not None:
+        raise UsageError(why)
     regime = args.gate_regime or "mixed"
     progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
     fixture = make_fixture(
@@ -287,7 +309,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    source = open_packed(args.path, args.dtype)
+    source = _open(args.path, args.dtype)
     layout = _resolve_layout([source], args)
     grads = _unpack(source, layout)
     if args.json:
@@ -307,8 +329,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    actual = open_packed(args.actual, args.dtype)
-    expected = open_packed(args.expected, args.dtype)
+    actual = _open(args.actual, args.dtype)
+    expected = _open(args.expected, args.dtype)
     layout = _resolve_layout([actual, expected], args)
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
@@ -336,6 +358,9 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _demo(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
+    # The fixture, then a float32 recomputation beside it.
+    if (why := memory_refusal(layout, factor=1.5)) is not None:
+        raise UsageError(why)
     with tempfile.TemporaryDirectory(prefix="gdn-layout-demo-") as folder:
         path = Path(folder) / "demo.safetensors"
         print(f"1. the layout of the backward, {layout_caption(layout)}:")
@@ -387,8 +412,8 @@ def _resolve_layout(sources: list[PackedFile], args: argparse.Namespace) -> GdnB
     if any(d is not None for d in dims) or args.per_channel or args.carry_state:
         if any(d is None for d in dims):
             raise UsageError("give all of --batch, --seq, --heads and --state-size, or none")
-        flagged = GdnBackwardLayout(
-            *dims, gate_per_channel=bool(args.per_channel), carry_state=bool(args.carry_state)
+        flagged = _checked_layout(
+            *dims, per_channel=bool(args.per_channel), carry_state=bool(args.carry_state)
         )
     layout = flagged
     for source in sources:
@@ -406,6 +431,13 @@ def _resolve_layout(sources: list[PackedFile], args: argparse.Namespace) -> GdnB
     return layout
 
 
+def _open(path: str, dtype: str | None) -> PackedFile:
+    try:
+        return open_packed(path, dtype)
+    except ValueError as error:  # the file is not a packed buffer: the user's to fix
+        raise UsageError(str(error)) from None
+
+
 def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:
     if source.packed.ndim != 1:
         raise UsageError(
@@ -419,38 +451,10 @@ def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:
     return unpack(source.packed, layout)
 
 
-class _Progress:
-    """A progress bar on stderr, redrawn in place; silent when not enabled."""
-
-    def __init__(self, *, enabled: bool, label: str = "reference backward") -> None:
-        self.enabled = enabled
-        self.label = label
-
-    def update(self, fraction: float) -> None:
-        if self.enabled:
-            filled = round(30 * fraction)
-            bar = "#" * filled + "." * (30 - filled)
-            sys.stderr.write(f"\r{self.label} [{bar}] {100 * fraction:3.0f}%")
-            sys.stderr.flush()
-
-    def done(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
 def _tolerance(text: str) -> float | dict[str, float]:
     try:
         if "=" not in text:
+            _check_tolerances(text, [float(text)])
             return float(text)
         pairs = [item.split("=", 1) for item in text.split(",")]
         named = {name.strip(): float(value) for name, value in pairs}
@@ -460,7 +464,16 @@ def _tolerance(text: str) -> float | dict[str, float]:
         ) from None
     if len(named) != len(pairs):
         raise argparse.ArgumentTypeError(f"a gradient is named twice in {text!r}")
+    _check_tolerances(text, named.values(), named)
     return named
+
+
+def _check_tolerances(text: str, values: Iterable[float], names: Iterable[str] = ()) -> None:
+    if not set(names) <= set(GRADIENT_NAMES) or not all(0 <= v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected numbers >= 0 and < inf, for gradients among {', '.join(GRADIENT_NAMES)}, "
+            f"got {text!r}"
+        )
 
 
 def _dtype_name(text: str) -> str:

@@ -43,7 +43,8 @@ from numpy.typing import NDArray
 from ._checks import not_a_layout
 from ._comparison import Comparison, GradComparison
 from ._dtypes import is_floating
-from ._stats import CHUNK_ELEMENTS
+from ._errormap import ErrorMap, chunks
+from ._stats import Norm, rms_ratio_of
 from .layout import GRADIENT_NAMES, GdnBackwardLayout, Segment, layout_caption
 
 __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
@@ -51,6 +52,7 @@ __all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map
 Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
 Tolerance = Number | Mapping[str, Number]
+_Cell = TypeVar("_Cell", bound=np.generic)
 
 
 #: Default (rtol, atol) by the less precise of the two dtypes, as torch.testing.assert_close
@@ -108,7 +110,8 @@ def compare(
     Raises
     ------
     TypeError
-        A buffer or ``layout`` has the wrong type or dtype, or a tolerance is not a number.
+        A buffer or ``layout`` has the wrong type or dtype, a buffer is a masked array or an
+        ndarray subclass whose values may not be its data, or a tolerance is not a number.
     ValueError
         A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
         an unknown gradient.
@@ -131,6 +134,7 @@ def compare(
         raise not_a_layout(layout, "compare")
     _check_buffer("actual", actual, layout)
     _check_buffer("expected", expected, layout)
+    actual, expected = np.asarray(actual), np.asarray(expected)
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
     default_rtol, default_atol = _default_tolerances(actual.dtype, expected.dtype)
@@ -191,7 +195,8 @@ def assert_close(
     AssertionError
         A gradient fails; the message names each failing gradient and its worst element.
     TypeError
-        A buffer or ``layout`` has the wrong type or dtype, or a tolerance is not a number.
+        A buffer or ``layout`` has the wrong type or dtype, a buffer is a masked array or an
+        ndarray subclass whose values may not be its data, or a tolerance is not a number.
     ValueError
         A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
         an unknown gradient.
@@ -234,7 +239,10 @@ def error_map(
     """The largest ``|a - e|`` of one gradient over (sequence position, head), for plots.
 
     ``[S, H]`` for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-    ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0.
+    ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0. A map whose
+    per-batch maps (``B * S * H`` cells) would pass 2**20 cells is binned, each cell the
+    largest error of a block of positions (:attr:`GradComparison.error_map_bins`), so that
+    its memory is bounded.
 
     Parameters
     ----------
@@ -248,7 +256,7 @@ def error_map(
     Returns
     -------
     numpy.ndarray
-        A read-only float64 map, ``[S, H]`` (``[N, H]`` for ``dstate``).
+        A read-only float64 map, ``[S, H]`` (``[N, H]`` for ``dstate``), binned when large.
 
     Raises
     ------
@@ -274,6 +282,7 @@ def error_map(
         raise not_a_layout(layout, "error_map")
     _check_buffer("actual", actual, layout, "error_map")
     _check_buffer("expected", expected, layout, "error_map")
+    actual, expected = np.asarray(actual), np.asarray(expected)
     seg = layout.segment(name)
     span = slice(seg.offset, seg.offset + seg.length)
     return _compare_grad(seg, actual[span], expected[span], 0.0, 0.0, None, False).error_map
@@ -287,6 +296,7 @@ def _check_buffer(
 ) -> None:
     if not isinstance(buffer, np.ndarray):
         raise TypeError(f"{func}: {which} must be a NumPy array, got {type(buffer).__name__}")
+    _check_plain_values(which, buffer, func)
     if not is_floating(buffer.dtype):
         raise TypeError(
             f"{func}: {which} must have a float dtype (float16, bfloat16, float32, float64), "
@@ -296,6 +306,30 @@ def _check_buffer(
         raise ValueError(
             f"{func}: {which} must be 1-D with layout.total_elems = {layout.total_elems} "
             f"elements, got shape {buffer.shape}, for {layout!r}"
+        )
+
+
+#: What an ndarray subclass may not override for its values to be what np.asarray shows.
+_VALUE_METHODS = ("__getitem__", "__array__", "__array_ufunc__", "__array_function__", "astype")
+
+
+def _check_plain_values(which: str, buffer: np.ndarray[Any, Any], func: str) -> None:
+    """Refuse arrays whose values are not their data: a mask, or a subclass that changes
+    what indexing or conversion gives. A memory map is its data."""
+    kind = type(buffer)
+    if kind is np.ndarray or kind is np.memmap:
+        return
+    if isinstance(buffer, np.ma.MaskedArray):
+        raise TypeError(
+            f"{func}: {which} is a masked array; its masked elements would be compared as the "
+            "values under the mask. Pass np.ma.filled(x, fill) or x.data to say what they are"
+        )
+    changed = [m for m in _VALUE_METHODS if getattr(kind, m, None) is not getattr(np.ndarray, m)]
+    if changed and not issubclass(kind, np.memmap):
+        raise TypeError(
+            f"{func}: {which} is a {kind.__name__}, an ndarray subclass that overrides "
+            f"{', '.join(changed)}: its values may not be its data. Pass np.asarray(x) to "
+            "compare the data"
         )
 
 
@@ -342,33 +376,25 @@ def _compare_grad(
     equal_nan: bool,
 ) -> GradComparison:
     name, shape = seg.name, seg.shape
-    # Work on [rows, cols] with rows over the first two axes ((b, s), or (b, h) for dstate),
-    # so that chunks are whole rows and each row lands in one line of the error map: the map
-    # is over the second and third axes, (s, h), or (h, i) for dstate, turned into (i, h).
-    rows = shape[0] * shape[1]
-    cols = math.prod(shape[2:])
-    a2 = actual.reshape(rows, cols)
-    e2 = expected.reshape(rows, cols)
+    # Chunks of elements, never of rows: a dstate row alone is N * N elements. The per-batch
+    # maps are over the first three axes, (b, s, h), or (b, h, i) for dstate, turned into
+    # (b, i, h); the error map is their maximum over b. All of them are binned when large.
+    emap = ErrorMap(shape)
     transpose = seg.axes[1] == "h"
-    period = shape[1]
-    width = shape[2]
-    accum = np.zeros((period, width), dtype=np.float64)
-    # The same maps per batch element, unfolded: row r of [rows, width] is (b, s) = divmod(r, S).
-    cell_error = np.zeros((rows, width), dtype=np.float64)
-    cell_out = np.zeros((rows, width), dtype=np.int32)
 
     nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = 0
     max_abs = max_rel = 0.0
-    norm_diff, norm_exp = _Norm(), _Norm()
+    # |a - e| of two finite values overflows past the largest float; such pairs go into
+    # norm_half as |a/2 - e/2|, so that the RMS ratio stays exact up to the largest values.
+    norm_diff, norm_half, norm_exp = Norm(), Norm(), Norm()
     best = -math.inf
     worst_index: int | None = None
     worst_a = worst_e = 0.0
     elementwise = max_rms_ratio is None
-    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
 
-    for start in range(0, rows if rows * cols else 0, step):
-        a = a2[start : start + step].astype(np.float64)
-        e = e2[start : start + step].astype(np.float64)
+    for start, stop in chunks(shape):
+        a = actual[start:stop].astype(np.float64)
+        e = expected[start:stop].astype(np.float64)
         a_nan, e_nan = np.isnan(a), np.isnan(e)
         a_inf, e_inf = np.isinf(a), np.isinf(e)
         nan_a += int(a_nan.sum())
@@ -379,6 +405,7 @@ def _compare_grad(
         abs_e = np.where(finite, np.abs(e), 0.0)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.where(finite, np.abs(a - e), 0.0)
+        overflowed = np.isinf(diff)  # both finite, yet |a - e| is past the largest float
         # Everything below sees finite numbers; non-finite pairs are patched in after.
         bad = ~finite
         if bad.any():
@@ -395,24 +422,26 @@ def _compare_grad(
             max_abs = max(max_abs, float(diff.max()))
             with np.errstate(divide="ignore", invalid="ignore"):
                 rel = np.where(diff == 0, 0.0, diff / abs_e)
+            if overflowed.any():
+                half = np.abs(a[overflowed] * 0.5 - e[overflowed] * 0.5)
+                rel[overflowed] = half / (abs_e[overflowed] * 0.5)
+                norm_half.add(half)
+                norm_diff.add(np.where(overflowed, 0.0, diff))
+            else:
+                norm_diff.add(diff)
             max_rel = max(max_rel, float(rel.max()))
-            norm_diff.add(diff)
             norm_exp.add(abs_e)
         score = diff - allowed if elementwise else diff.copy()
         score[~finite] = -math.inf  # matching non-finite pairs are never the worst
         score[bad] = math.inf
         local = int(np.argmax(score))
-        if worst_index is None or score.flat[local] > best:
-            best = float(score.flat[local])
-            worst_index = start * cols + local
-            worst_a, worst_e = float(a.flat[local]), float(e.flat[local])
-        # Reduce each row to its line of the map, then fold rows onto it by s (or h).
-        line = diff_map.reshape(diff_map.shape[0], width, -1).max(axis=2)
-        np.maximum.at(accum, np.arange(start, start + line.shape[0]) % period, line)
-        cell_error[start : start + line.shape[0]] = line
-        cell_out[start : start + line.shape[0]] = out.reshape(line.shape[0], width, -1).sum(axis=2)
+        if worst_index is None or score[local] > best:
+            best = float(score[local])
+            worst_index = start + local
+            worst_a, worst_e = float(a[local]), float(e[local])
+        emap.update(start, diff_map, out)
 
-    rms_ratio = _rms_ratio(norm_diff.value(), norm_exp.value())
+    rms_ratio = rms_ratio_of(norm_diff, norm_half, norm_exp)
     if elementwise:
         passed = mismatches == 0
     else:
@@ -421,14 +450,16 @@ def _compare_grad(
     worst = (
         None if worst_index is None else tuple(int(i) for i in np.unravel_index(worst_index, shape))
     )
-    emap = accum.T.copy() if transpose else accum
-    emap.flags.writeable = False
+    batch_cells, counts, bins = emap.cells, emap.counts, emap.bins
+    if transpose:  # [B, H, N] to [B, N, H]
+        batch_cells = np.ascontiguousarray(batch_cells.transpose(0, 2, 1))
+        counts = np.ascontiguousarray(counts.transpose(0, 2, 1))
     return GradComparison(
         name=name,
         shape=shape,
         actual_dtype=actual.dtype.name,
         expected_dtype=expected.dtype.name,
-        size=rows * cols,
+        size=seg.length,
         rtol=rtol,
         atol=atol,
         max_rms_ratio=max_rms_ratio,
@@ -445,51 +476,14 @@ def _compare_grad(
         worst_actual=None if worst is None else worst_a,
         worst_expected=None if worst is None else worst_e,
         passed=passed,
-        error_map=emap,
-        batch_error_map=_per_batch(cell_error, shape, transpose),
-        mismatch_map=_per_batch(cell_out, shape, transpose),
+        error_map=_read_only(batch_cells.max(axis=0, initial=0.0)),
+        batch_error_map=_read_only(batch_cells),
+        mismatch_map=_read_only(counts),
+        error_map_bins=(bins[2], bins[1]) if transpose else (bins[1], bins[2]),
+        batch_bins=bins[0],
     )
 
 
-_Cells = TypeVar("_Cells", bound=np.generic)
-
-
-def _per_batch(cells: NDArray[_Cells], shape: tuple[int, ...], transpose: bool) -> NDArray[_Cells]:
-    """``[B * S, H]`` cells as a read-only ``[B, S, H]`` map (``[B, H, N]`` to ``[B, N, H]``)."""
-    split = cells.reshape(shape[0], shape[1], cells.shape[1])
-    result = np.ascontiguousarray(split.transpose(0, 2, 1)) if transpose else split
-    result.flags.writeable = False
-    return result
-
-
-class _Norm:
-    """A Euclidean norm accumulated chunk by chunk, scaled as LAPACK's ``nrm2`` is, so that
-    squaring neither overflows for huge values nor underflows for tiny ones."""
-
-    def __init__(self) -> None:
-        self.scale = 0.0
-        self.sumsq = 1.0
-
-    def add(self, x: NDArray[np.float64]) -> None:
-        peak = float(x.max(initial=0.0))
-        if peak == 0.0 or not math.isfinite(peak):
-            self.scale = max(self.scale, peak)
-            return
-        scaled = x / peak
-        chunk = float(np.vdot(scaled, scaled))
-        if peak > self.scale:
-            self.sumsq = chunk + self.sumsq * (self.scale / peak) ** 2
-            self.scale = peak
-        else:
-            self.sumsq += chunk * (peak / self.scale) ** 2
-
-    def value(self) -> float:
-        return self.scale * math.sqrt(self.sumsq) if math.isfinite(self.scale) else math.inf
-
-
-def _rms_ratio(norm_diff: float, norm_exp: float) -> float:
-    # Both norms are over the same elements, so their ratio is the ratio of the RMS values.
-    # A zero reference leaves no scale: any error at all is infinitely large against it.
-    if norm_exp > 0:
-        return norm_diff / norm_exp
-    return 0.0 if norm_diff == 0 else math.inf
+def _read_only(cells: NDArray[_Cell]) -> NDArray[_Cell]:
+    cells.flags.writeable = False
+    return cells

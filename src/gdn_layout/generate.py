@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple
@@ -20,7 +21,7 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import reference
 from ._checks import not_a_layout
-from ._files import atomic_write
+from ._files import atomic_write, install_folder, remove_abandoned, temporary_name
 from ._fixture import (
     FORMAT,
     FORMAT_VERSION,
@@ -290,51 +291,104 @@ def write_suite(
     N=128) is one file (168 files); file ``i`` uses seed ``seed + i``, the files of the first
     four regimes first, so that adding a regime never renumbers an existing file.
     ``manifest.json`` lists each file with its layout, regime, seed, dtype, size and SHA-256.
-    The whole set is about 12 MiB in float32. Existing files are refused unless
-    ``overwrite=True``. Returns the fixture paths. ``progress``, when given, is called with
-    the fraction of the files written so far.
+    The whole set is about 12 MiB in float32. Returns the fixture paths. ``progress``, when
+    given, is called with the fraction of the files written so far.
+
+    The suite is all or nothing: it is written into a temporary folder next to ``directory``
+    and renamed into place when complete. A ``directory`` that exists and is not empty is
+    refused unless ``overwrite=True``, which replaces the whole folder, provided it holds only
+    a suite (``manifest.json`` and ``.safetensors`` files): nothing stale is left. Concurrent
+    runs each end with one complete suite in ``directory``, the last one's.
 
     Parameters
     ----------
     directory : str or os.PathLike
-        Created when missing.
+        The suite's folder; created, with its parents, when missing.
     dtype : dtype_like
         The dtype of every fixture.
     seed : int
         The first file's seed.
     overwrite : bool
-        Replace existing files.
+        Replace an existing, non-empty folder that holds only a suite.
     progress : callable, optional
         Called with the fraction of the files written.
 
     Returns
     -------
     list of pathlib.Path
-        The fixture files, in manifest order.
+        The fixture files, in manifest order, spelled from ``directory`` as given.
 
     Raises
     ------
     FileExistsError
-        ``manifest.json`` or a fixture exists and ``overwrite`` is false.
+        ``directory`` exists and is not empty while ``overwrite`` is false, it is not a
+        folder, or it holds something a suite does not (it is then never replaced).
     TypeError, ValueError
         ``dtype`` or ``seed`` is not usable.
+    OSError
+        A file cannot be written; nothing is left in ``directory`` then.
     """
-    root = Path(directory)
+    given = Path(directory)
     target = resolve_dtype(dtype, "write_suite")
     seed = check_seed(seed, "write_suite")
-    root.mkdir(parents=True, exist_ok=True)
-    manifest = root / "manifest.json"
-    if not overwrite and manifest.exists():
-        raise FileExistsError(f"{manifest} exists; pass overwrite=True to replace the suite")
-    paths: list[Path] = []
+    root = Path(os.path.realpath(given))  # a named folder with a parent, even for "."
+    if _non_empty_folder(root):  # refused now, not after the work (and again when moved in)
+        if not overwrite:
+            raise FileExistsError(
+                f"{root} exists and is not empty; pass overwrite=True to replace it"
+            )
+        if (why := _not_a_suite(root)) is not None:
+            raise FileExistsError(f"{root} is not replaced: {why}")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned(root.parent)
+    built = temporary_name(root)
+    built.mkdir()
+    try:
+        names = _write_suite_files(built, target, seed, progress)
+        install_folder(built, root, overwrite=overwrite, replaceable=_not_a_suite)
+    except BaseException:
+        shutil.rmtree(built, ignore_errors=True)
+        raise
+    return [given / name for name in names]
+
+
+def _non_empty_folder(path: Path) -> bool:
+    try:
+        return any(True for _ in os.scandir(path))
+    except NotADirectoryError:
+        raise FileExistsError(f"{path} exists and is not a folder") from None
+    except FileNotFoundError:
+        return False
+
+
+def _not_a_suite(folder: Path) -> str | None:
+    """Why ``folder`` may not be replaced by a suite: it holds something a suite does not."""
+    foreign = sorted(
+        entry.name
+        for entry in os.scandir(folder)
+        if not entry.is_file(follow_symlinks=False)
+        or not (entry.name == "manifest.json" or entry.name.endswith(".safetensors"))
+    )
+    if foreign:
+        return (
+            f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which a "
+            "suite does not; remove it yourself or choose another folder"
+        )
+    return None
+
+
+def _write_suite_files(
+    root: Path, target: np.dtype[Any], seed: int, progress: Callable[[float], object] | None
+) -> list[str]:
+    """Write every fixture and the manifest into the empty folder ``root``; their names."""
     entries: list[dict[str, Any]] = []
     cases = list(_suite_cases())
     for index, (name, layout, regime) in enumerate(cases):
         fixture = make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
-        path = save_fixture(root / name, fixture, overwrite=overwrite)
-        paths.append(path)
+        path = save_fixture(root / name, fixture)
         if progress is not None:
             progress((index + 1) / len(cases))
+        data = path.read_bytes()
         entries.append(
             {
                 "file": name,
@@ -342,8 +396,8 @@ def write_suite(
                 "regime": regime,
                 "seed": seed + index,
                 "dtype": dtype_code(target, "write_suite"),
-                "bytes": path.stat().st_size,
-                "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
             }
         )
     document = {
@@ -359,5 +413,5 @@ def write_suite(
     def write(out: IO[bytes]) -> None:
         out.write(text)
 
-    atomic_write(manifest, write, overwrite=overwrite)
-    return paths
+    atomic_write(root / "manifest.json", write, overwrite=False)
+    return [entry["file"] for entry in entries]

@@ -195,6 +195,10 @@ def plot_errors(
     * ``chunk``: draws a light line every ``chunk`` sequence positions, so that errors can be
       read against a kernel's chunk boundaries; tick labels then fall on chunk multiples.
     * ``log`` colours on a log scale (zero error gets the lowest colour).
+    * A large map is binned (see :attr:`GradComparison.error_map_bins`): a cell then holds
+      the largest error of a block of positions, its outline and marks stand for that whole
+      block, the axis labels say "binned" and count cells, and chunk lines are drawn only
+      when a chunk spans at least one cell.
 
     Ticks label whole positions only, every k-th one on a long axis. Three panels a row,
     4.2x3 inches each at 100 dpi, laid out so that no label is cut off. Saves to ``path`` when
@@ -286,13 +290,17 @@ def _heatmap(
     if batch is None:
         data = grad.error_map.T  # heads down, sequence (or key row) across
         out = grad.mismatch_map.sum(axis=0).T
-    else:
-        data = grad.batch_error_map[batch].T
-        out = grad.mismatch_map[batch].T
+    else:  # a binned batch keeps one map for batch_bins elements
+        data = grad.batch_error_map[batch // grad.batch_bins].T
+        out = grad.mismatch_map[batch // grad.batch_bins].T
     # The axes a cell reduces over: the gradient's own, less the map's two and the batch's.
     reduced = [a for a in grad.axes if a not in ("b", "h", "i" if is_state else "s")]
     if batch is None:
         reduced.insert(0, "b")
+    elif grad.batch_bins > 1:
+        first = batch // grad.batch_bins * grad.batch_bins
+        last = min(first + grad.batch_bins, grad.shape[0]) - 1
+        reduced.insert(0, f"b={first}..{last} (binned)")
     over = f"max |a-e| over {', '.join(reduced)}" if reduced else "|a-e|"
     outlined = grad.max_rms_ratio is None  # an RMS-judged gradient has no per-element verdict
     if not grad.passed and outlined:
@@ -307,8 +315,13 @@ def _heatmap(
     else:
         head = f"{grad.name} ok: max |a-e| {fmt_float(grad.max_abs_error)}"
     ax.set_title(f"{head}\n{over}", fontsize=8)
-    ax.set_xlabel("key row i" if is_state else "sequence position s")
-    ax.set_ylabel("head h")
+    # A binned map's cell holds a block of positions: the axes count cells, and say so.
+    across_bin, down_bin = grad.error_map_bins
+    ax.set_xlabel(
+        ("key row i" if is_state else "sequence position s")
+        + (f" / {across_bin} (binned)" if across_bin > 1 else "")
+    )
+    ax.set_ylabel("head h" + (f" / {down_bin} (binned)" if down_bin > 1 else ""))
     if data.size == 0:
         ax.set_xticks([])
         ax.set_yticks([])
@@ -341,11 +354,14 @@ def _heatmap(
     bar = fig.colorbar(image, ax=ax, label=over.split(" over ")[0])
     bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
     heads, across = data.shape
-    _integer_ticks(ax, "x", across, None if is_state else chunk)
+    _integer_ticks(ax, "x", across, None if is_state or across_bin > 1 else chunk)
     _integer_ticks(ax, "y", heads, None)
     marks: dict[str, Artist] = {}
-    if chunk is not None and not is_state and chunk < across:
-        edges = np.arange(chunk, across, chunk) - 0.5
+    positions = across * across_bin  # at least S: a binned map's last cell may be partial
+    # A boundary at position p lies at p / across_bin - 0.5 in cells; drawn when at most one
+    # falls in each cell, so that a binned map does not turn white.
+    if chunk is not None and not is_state and across_bin <= chunk < positions:
+        edges = np.arange(chunk, min(positions, grad.shape[1]), chunk) / across_bin - 0.5
         marks[f"chunk boundary (every {chunk})"] = ax.vlines(
             edges, -0.5, heads - 0.5, colors="white", linewidths=0.8, alpha=0.6
         )
