@@ -14,6 +14,7 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
+from ._criteria import Floors, decode_floors, encode_floors
 from ._dtypes import resolve
 from ._files import atomic_write
 from ._safetensors import Entry, FixtureError, dtype_code, looks_like_safetensors
@@ -95,6 +96,9 @@ class Fixture:
     regime: str | None = field(default=None, kw_only=True)
     seed: int | None = field(default=None, kw_only=True)
     compute_dtype: str | None = field(default=None, kw_only=True)
+    #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.compare`):
+    #: ``{dtype: {gradient: (rms, max)}}``, or None.
+    floors: Floors | None = field(default=None, kw_only=True)
     #: The file this fixture was loaded from, and the gdn-layout version that wrote it.
     path: Path | None = field(default=None, kw_only=True)
     writer_version: str | None = field(default=None, kw_only=True)
@@ -171,6 +175,8 @@ class Fixture:
             meta["regime"] = self.regime
         if self.compute_dtype is not None:
             meta["compute_dtype"] = self.compute_dtype
+        if self.floors is not None:
+            meta["floors"] = encode_floors(self.floors)
         return meta
 
 
@@ -260,11 +266,13 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     }
     try:
         seed = int(metadata["seed"]) if "seed" in metadata else None
+        floors = decode_floors(metadata["floors"]) if "floors" in metadata else None
         return Fixture(
             **arrays,
             regime=metadata.get("regime"),
             seed=seed,
             compute_dtype=metadata.get("compute_dtype"),
+            floors=floors,
             path=path,
             writer_version=metadata.get("gdn_layout_version"),
         )

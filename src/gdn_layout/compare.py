@@ -1,10 +1,32 @@
 """Compare a packed gradient buffer with a reference, gradient by gradient.
 
-Each gradient is judged on its own, either elementwise (``numpy.isclose`` semantics:
-``|a - e| <= atol + rtol * |e|`` for every element) or, when ``max_rms_ratio`` is given for
-it, by the RMS error ratio ``rms(a - e) / rms(e) <= max_rms_ratio``: the figure
-flash-linear-attention gates its kernel tests on, because bf16/f16 kernels cannot meet
-elementwise tolerances. Errors are computed in float64 whatever the two dtypes are.
+Each gradient is judged on its own, by one of these criteria:
+
+calibrated (the default for float32, float16 and bfloat16)
+    A correct kernel differs from the float64 truth by its precision's rounding. A fixture
+    made by :func:`~gdn_layout.generate.make_fixture` stores, per gradient, the *floors* of
+    that rounding for float32, float16 and bfloat16 (see :mod:`gdn_layout._criteria`): the
+    RMS error ratio and the largest error over the gradient's RMS of the reference computed
+    in float32 (and rounded to float16 or bfloat16). Pass them as ``floors=``. The buffers
+    are judged in the less precise of their two dtypes, and a gradient passes when its RMS
+    ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)`` are both at
+    most ``K`` times their floors: ``K`` is 16 for float32 and 8 for float16 and bfloat16,
+    chosen from measurement (``benchmarks/calibrate_tolerances.py``; correct kernels stay
+    within 13x and 2x, one wrong element, a swapped head and a state lost at a chunk
+    boundary are hundreds to millions of times their floors). ``error_floor_ratio`` is the
+    larger of the two ratios, and ``out/size`` counts the elements over the largest error
+    allowed. Without ``floors`` the floors default, for every gradient, to the largest
+    measured over the standard suite: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``,
+    bfloat16 ``(4e-3, 5e-2)`` as ``(rms, max)``.
+elementwise (``rtol`` or ``atol`` given, and float64 against float64 by default)
+    ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
+    not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:
+    1e-3/1e-5, float32: 1.3e-6/1e-5, float64: 1e-7/1e-7).
+RMS (``max_rms_ratio`` given)
+    ``rms(a - e) / rms(e) <= max_rms_ratio``, the figure flash-linear-attention gates its
+    kernel tests on. Given with ``rtol`` or ``atol``, both criteria apply.
+
+Errors are computed in float64 whatever the two dtypes are.
 
 Non-finite values:
 
@@ -15,7 +37,9 @@ Non-finite values:
   ``-inf``) is a *non-finite mismatch*: it is out of tolerance, has error ``inf`` in the error
   map, and fails its gradient in both modes, since an RMS figure cannot account for it.
 * ``max_abs_error``, ``max_rel_error`` and ``rms_ratio`` are taken over the pairs in which
-  both values are finite; NaN and Inf are counted on each side separately.
+  both values are finite, unless there is a non-finite mismatch: then they are NaN (a NaN
+  is involved) or Inf, so that the report shows it. NaN and Inf are counted on each side
+  separately.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -32,6 +56,7 @@ Non-finite values:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
@@ -40,13 +65,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from ._arrays import as_packed
 from ._checks import not_a_layout
 from ._comparison import Comparison, GradComparison
+from ._criteria import FLOOR_DTYPES, Floors, K, floor_for
 from ._dtypes import is_floating
 from ._stats import CHUNK_ELEMENTS
 from .layout import GRADIENT_NAMES, GdnBackwardLayout, Segment, layout_caption
 
-__all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
+__all__ = ["Comparison", "GradComparison", "K", "as_packed", "assert_close", "compare", "error_map"]
 
 Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
@@ -74,16 +101,17 @@ def compare(
     atol: Tolerance | None = None,
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
+    floors: Floors | None = None,
 ) -> Comparison:
     """Compare the packed buffer ``actual`` with ``expected`` under ``layout``.
 
     Both must be 1-D float arrays (float16, bfloat16, float32, float64) of length
-    ``layout.total_elems``; their dtypes may differ. ``rtol``, ``atol`` and ``max_rms_ratio``
-    are each a float for every gradient or a mapping from gradient name to float; a name a
-    mapping leaves out gets the default. The default ``rtol``/``atol`` depend on the less
-    precise of the two dtypes (bfloat16: 1.6e-2/1e-5, float16: 1e-3/1e-5, float32:
-    1.3e-6/1e-5, float64: 1e-7/1e-7); a gradient with a ``max_rms_ratio`` is judged by it
-    instead of elementwise. See the module for how NaN and Inf are judged.
+    ``layout.total_elems``, or anything :func:`as_packed` reads as one (a torch tensor, any
+    object with ``__dlpack__`` or ``__array__``); their dtypes may differ. ``rtol``, ``atol``
+    and ``max_rms_ratio`` are each a float for every gradient or a mapping from gradient name
+    to float. A gradient given none of them is judged by the calibrated criterion against
+    ``floors`` (a fixture's :attr:`~gdn_layout.Fixture.floors`, or the defaults); see the
+    module for the criteria and for how NaN and Inf are judged.
 
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout
@@ -99,27 +127,39 @@ def compare(
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
+    actual = as_packed(actual, "actual")
+    expected = as_packed(expected, "expected")
     _check_buffer("actual", actual, layout)
     _check_buffer("expected", expected, layout)
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
-    default_rtol, default_atol = _default_tolerances(actual.dtype, expected.dtype)
+    judged = _least_precise(actual.dtype, expected.dtype)
+    default_rtol, default_atol = _DEFAULT_TOLERANCES.get(judged, _DEFAULT_TOLERANCES["float64"])
     rtols = _per_grad("rtol", rtol)
     atols = _per_grad("atol", atol)
     rms_limits = _per_grad("max_rms_ratio", max_rms_ratio)
-    grads = tuple(
-        _compare_grad(
-            seg,
-            actual[seg.offset : seg.offset + seg.length],
-            expected[seg.offset : seg.offset + seg.length],
-            rtols.get(seg.name, default_rtol),
-            atols.get(seg.name, default_atol),
-            rms_limits.get(seg.name),
-            bool(equal_nan),
+    grads = []
+    for seg in layout.segments():
+        a = actual[seg.offset : seg.offset + seg.length]
+        e = expected[seg.offset : seg.offset + seg.length]
+        given = [d.get(seg.name) for d in (rtols, atols, rms_limits)]
+        if given == [None, None, None] and judged in FLOOR_DTYPES:
+            grads.append(_calibrated(seg, a, e, judged, floors, bool(equal_nan)))
+            continue
+        r, t, m = given
+        grads.append(
+            _compare_grad(
+                seg,
+                a,
+                e,
+                default_rtol if r is None else r,
+                default_atol if t is None else t,
+                m,
+                bool(equal_nan),
+                elementwise=m is None or r is not None or t is not None,
+            )
         )
-        for seg in layout.segments()
-    )
-    return Comparison(layout, grads)
+    return Comparison(layout, tuple(grads))
 
 
 def assert_close(
@@ -131,6 +171,7 @@ def assert_close(
     atol: Tolerance | None = None,
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
+    floors: Floors | None = None,
 ) -> Comparison:
     """:func:`compare`, raising AssertionError naming each failing gradient; for pytest.
 
@@ -155,6 +196,7 @@ def assert_close(
         atol=atol,
         max_rms_ratio=max_rms_ratio,
         equal_nan=equal_nan,
+        floors=floors,
     )
     if not result.passed:
         lines = [
@@ -214,10 +256,9 @@ def _check_buffer(
         )
 
 
-def _default_tolerances(*dtypes: np.dtype[Any]) -> tuple[float, float]:
+def _least_precise(*dtypes: np.dtype[Any]) -> str:
     names = [d.name if d.name in _PRECISION_RANK else "float64" for d in dtypes]
-    least = min(names, key=_PRECISION_RANK.index)
-    return _DEFAULT_TOLERANCES.get(least, _DEFAULT_TOLERANCES["float64"])
+    return min(names, key=_PRECISION_RANK.index)
 
 
 def _number(what: str, value: object) -> float:
@@ -255,6 +296,8 @@ def _compare_grad(
     atol: float,
     max_rms_ratio: float | None,
     equal_nan: bool,
+    *,
+    elementwise: bool = True,
 ) -> GradComparison:
     name, shape = seg.name, seg.shape
     # Work on [rows, cols] with rows over the first two axes ((b, s), or (b, h) for dstate),
@@ -269,13 +312,12 @@ def _compare_grad(
     width = shape[2]
     accum = np.zeros((period, width), dtype=np.float64)
 
-    nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = 0
+    nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = bad_nan = 0
     max_abs = max_rel = 0.0
     norm_diff, norm_exp = _Norm(), _Norm()
     best = -math.inf
     worst_index: int | None = None
     worst_a = worst_e = 0.0
-    elementwise = max_rms_ratio is None
     step = max(1, CHUNK_ELEMENTS // max(cols, 1))
 
     for start in range(0, rows if rows * cols else 0, step):
@@ -297,6 +339,7 @@ def _compare_grad(
             matched = bad & ((a == e) | (equal_nan & a_nan & e_nan))
             bad &= ~matched
             bad_count += int(bad.sum())
+            bad_nan += int((bad & (a_nan | e_nan)).sum())
             diff_map = np.where(bad, np.inf, diff)
         else:
             diff_map = diff
@@ -323,11 +366,15 @@ def _compare_grad(
         np.maximum.at(accum, np.arange(start, start + line.shape[0]) % period, line)
 
     rms_ratio = _rms_ratio(norm_diff.value(), norm_exp.value())
+    if bad_count:  # the error of a non-finite mismatch is NaN (or Inf), whatever the rest is
+        max_abs = max_rel = rms_ratio = math.nan if bad_nan else math.inf
+    passed = bad_count == 0
     if elementwise:
-        passed = mismatches == 0
+        passed = passed and mismatches == 0
     else:
-        assert max_rms_ratio is not None
-        passed = bad_count == 0 and rms_ratio <= max_rms_ratio
+        mismatches = bad_count  # what the RMS criterion counts element by element
+    if max_rms_ratio is not None:
+        passed = passed and rms_ratio <= max_rms_ratio
     worst = (
         None if worst_index is None else tuple(int(i) for i in np.unravel_index(worst_index, shape))
     )
@@ -356,7 +403,46 @@ def _compare_grad(
         worst_expected=None if worst is None else worst_e,
         passed=passed,
         error_map=emap,
+        elementwise=elementwise,
     )
+
+
+def _calibrated(
+    seg: Segment,
+    actual: NDArray[Any],
+    expected: NDArray[Any],
+    judged: str,
+    floors: Floors | None,
+    equal_nan: bool,
+) -> GradComparison:
+    """The calibrated criterion: RMS ratio and largest error over rms(expected) within
+    :data:`K` times the gradient's floors for the ``judged`` dtype."""
+    floor_rms, floor_max = floor_for(floors, judged, seg.name)
+    scale = _finite_rms(expected)
+    result = _compare_grad(
+        seg, actual, expected, 0.0, K[judged] * floor_max * scale, K[judged] * floor_rms, equal_nan
+    )
+    if math.isnan(result.rms_ratio):
+        ratio = math.nan
+    elif scale > 0:
+        ratio = max(result.rms_ratio / floor_rms, result.max_abs_error / scale / floor_max)
+    else:
+        ratio = 0.0 if result.max_abs_error == 0 and result.rms_ratio == 0 else math.inf
+    return dataclasses.replace(
+        result, floor=(floor_rms, floor_max), error_floor_ratio=ratio, judged_dtype=judged
+    )
+
+
+def _finite_rms(x: NDArray[Any]) -> float:
+    """The RMS of the finite values of ``x``, in float64, a chunk at a time."""
+    norm, count = _Norm(), 0
+    for start in range(0, x.size, CHUNK_ELEMENTS):
+        chunk = x[start : start + CHUNK_ELEMENTS].astype(np.float64)
+        finite = np.abs(chunk[np.isfinite(chunk)])
+        count += finite.size
+        if finite.size:
+            norm.add(finite)
+    return norm.value() / math.sqrt(count) if count else 0.0
 
 
 class _Norm:

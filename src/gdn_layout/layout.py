@@ -18,7 +18,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ._checks import non_negative_int, not_a_layout
-from ._dtypes import resolve
+from ._dtypes import dtype_name, itemsize
 from ._tables import html_table, text_table
 
 __all__ = [
@@ -292,7 +292,7 @@ class GdnBackwardLayout:
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
         """
-        return self.total_elems * resolve(dtype, "nbytes: dtype").itemsize
+        return self.total_elems * itemsize(dtype, "nbytes: dtype")
 
     def __str__(self) -> str:
         """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
@@ -410,9 +410,9 @@ def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> li
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout)
-    itemsize = resolve(dtype, "dtype").itemsize
+    size = itemsize(dtype, "dtype")
     return [
-        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * itemsize)
+        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * size)
         for seg in layout.segments()
     ]
 
@@ -435,7 +435,7 @@ def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str
     body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
     body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
     table = text_table(["grad", "shape", "offset", "length", "bytes"], body, align="llrrr")
-    return f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}\n{table}"
+    return f"{layout_caption(layout)}; {dtype_name(dtype, 'dtype')}\n{table}"
 
 
 def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
@@ -451,7 +451,7 @@ def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str
         ["grad", "shape", "offset", "length", "bytes"],
         body,
         align="llrrr",
-        caption=f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}",
+        caption=f"{layout_caption(layout)}; {dtype_name(dtype, 'dtype')}",
         row_styles=[""] * len(rows) + ["font-weight:bold"],
     )
 
