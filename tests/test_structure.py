@@ -60,6 +60,8 @@ LAYERS = [
     "fixtures",
     "_comparison",
     "compare",
+    "suites",
+    "pytest_plugin",
     "plot",
     "_cli_values",
     "cli",

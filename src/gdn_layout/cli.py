@@ -27,6 +27,7 @@ from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
+from .suites import MANIFEST, verify_suite
 
 __all__ = ["main"]
 
@@ -152,6 +153,16 @@ def _parser() -> argparse.ArgumentParser:
         help="also write heatmaps of the error per gradient, e.g. errors.png (needs [plot])",
     )
     compare.set_defaults(run=_compare)
+
+    verify = commands.add_parser(
+        "verify",
+        help="check a suite's files against its manifest",
+        description="Check every file of a fixture suite against its manifest.json: size, "
+        "SHA-256, layout, regime and seed. Exit status: 0 intact, 1 some files differ (listed), "
+        "2 no readable manifest.",
+    )
+    verify.add_argument("suite", metavar="SUITE", help="the suite's folder")
+    verify.set_defaults(run=_verify)
 
     demo = commands.add_parser(
         "demo",
@@ -330,6 +341,18 @@ def _compare(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         plot_errors(result, path=args.plot)
     return 0 if result.passed else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    problems = verify_suite(args.suite)
+    if problems:
+        print(f"{args.suite}: {len(problems)} file(s) differ from {MANIFEST}:")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    count = len(json.loads((Path(args.suite) / MANIFEST).read_text())["fixtures"])
+    print(f"{args.suite}: {count} fixtures match {MANIFEST}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
