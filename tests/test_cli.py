@@ -315,6 +315,7 @@ def test_compare_plot_problems_are_found_before_the_work(
         str(png),
     )
     assert "compare passed" in result.stdout
+    assert result.stdout.endswith(f"wrote {png}\n")
 
 
 def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
@@ -346,7 +347,14 @@ def test_fixture_user_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "x.safetensors"
     assert_user_error(run("fixture", "-o", missing), f"{missing}: the folder")
     huge = ["-B", "100000", "-S", "100000", "-H", "64", "-N", "128"]
-    assert_user_error(run("fixture", *huge, "-o", tmp_path / "x"), "out of memory: ")
+    huge_path = tmp_path / "x.safetensors"
+    assert_user_error(run("fixture", *huge, "-o", huge_path), "out of memory: ")
+    assert list(tmp_path.iterdir()) == []
+    # A fixture is written under a .safetensors name, unless told otherwise.
+    assert_user_error(
+        run("fixture", "-o", tmp_path / "x.npy"),
+        f"gdn-layout fixture: error: {tmp_path / 'x.npy'}: a fixture is a safetensors file",
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -418,15 +426,19 @@ def test_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     assert piped.stderr == ""
 
 
-def test_bfloat16_without_its_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_without_its_extra_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` fail
-    assert_user_error(run("describe", "--dtype", "bfloat16"), "pip install 'gdn-layout[bfloat16]'")
+    result = run("fixture", "--dtype", "bf16", "-o", tmp_path / "x.safetensors")
+    assert_user_error(result, "pip install 'gdn-layout[bfloat16]'")
+    assert run("describe", "--dtype", "bfloat16").returncode == 0  # byte counts need no extra
 
 
 def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     # End to end: `python -m gdn_layout`, exit statuses and streams as a shell sees them.
     result = run_process("fixture", "-B", "1", "-S", "3", "-H", "1", "-N", "2", "-o", "x.st",
-                         cwd=tmp_path)  # fmt: skip
+                         "--any-suffix", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # no progress bar into a pipe
     assert result.stdout.startswith("wrote x.st (")

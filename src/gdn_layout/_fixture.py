@@ -342,13 +342,15 @@ def _check_entries(entries: list[Entry], layout: GdnBackwardLayout, path: Path) 
 
 
 class PackedFile(NamedTuple):
-    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``".npy"`` or ``"raw"``;
-    ``layout`` is the one a fixture states, else None."""
+    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
+    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout`` and ``floors`` are the ones
+    a fixture states, else None."""
 
     path: str
     kind: str
     packed: NDArray[Any]
     layout: GdnBackwardLayout | None
+    floors: Floors | None = None
 
 
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
@@ -358,7 +360,9 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     ----------
     path
         The file. What it holds is known from its first bytes; a damaged fixture or .npy
-        file by its suffix.
+        file by its suffix. A safetensors file that is not a fixture (what a Rust test writes
+        with the ``safetensors`` crate) gives its tensor named ``packed``, or its only tensor,
+        flattened; the layout then comes from elsewhere.
     dtype
         The dtype of a raw binary file; fixtures and .npy files carry their own.
 
@@ -376,8 +380,10 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
         raise FileNotFoundError(f"{path}: not a file")
     kind = _sniff(file)
     if kind == "fixture":
+        if not _is_fixture(file):
+            return PackedFile(path, "safetensors", _plain_safetensors(file), None)
         fixture = load_fixture(path)
-        return PackedFile(path, kind, fixture.packed, fixture.layout)
+        return PackedFile(path, kind, fixture.packed, fixture.layout, fixture.floors)
     if kind == ".npy":
         with open(path, "rb") as stream:
             if stream.read(6) != b"\x93NUMPY":
@@ -395,6 +401,37 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {resolved.name} elements")
     raw = np.memmap(path, dtype=resolved, mode="r") if size else np.empty(0, resolved)
     return PackedFile(path, kind, raw, None)
+
+
+def _is_fixture(path: Path) -> bool:
+    """Whether a safetensors file says it is a gdn-layout fixture (a damaged one counts)."""
+    try:
+        meta = safetensors.read_header(path).metadata
+    except (FixtureError, ImportError):
+        return True  # load_fixture says what is wrong
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def _plain_safetensors(path: Path) -> NDArray[Any]:
+    """The tensor named ``packed`` of a safetensors file, or its only one, memory-mapped and
+    flattened."""
+    header = safetensors.read_header(path)
+    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
+    by_name = {e.name: e for e in header.entries}
+    entry = by_name.get("packed")
+    if entry is None and len(header.entries) == 1:
+        entry = header.entries[0]
+    if entry is None:
+        names = ", ".join(sorted(by_name)) or "none"
+        raise FixtureError(
+            f"{path}: a safetensors file with tensors {names}: name the packed gradient "
+            "'packed', or write it alone"
+        )
+    if entry.end == entry.start:
+        return np.empty(0, entry.dtype)
+    buffer: NDArray[np.uint8] = np.memmap(path, dtype=np.uint8, mode="r")
+    start = header.data_start
+    return buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
 
 
 def _sniff(path: Path) -> str:

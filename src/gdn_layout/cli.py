@@ -23,6 +23,7 @@ from ._cli_values import Progress, dimension, dtype_name, human, tolerance
 from ._dtypes import resolve
 from ._fixture import REGIMES, PackedFile, load_fixture, open_packed, save_fixture
 from ._stats import grad_stats, grads_text
+from ._version import __version__
 from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
@@ -39,7 +40,9 @@ class UsageError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command that was given, not by the top-level parser
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         result: int = args.run(args)
     except BrokenPipeError:
@@ -66,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gdn-layout",
         description="The packed-gradient layout of RLX's GatedDeltaNetBackward.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
     )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
@@ -104,13 +110,20 @@ def _parser() -> argparse.ArgumentParser:
         "strong: exp(g) near 0; mixed: all three (default)",
     )
     target = fixture.add_mutually_exclusive_group(required=True)
-    target.add_argument("-o", "--output", metavar="PATH", help="the fixture file to write")
+    target.add_argument(
+        "-o", "--output", metavar="PATH", help="the fixture file to write (.safetensors)"
+    )
     target.add_argument(
         "--suite",
         metavar="DIR",
         help="write the standard coverage set and its manifest.json into DIR instead",
     )
     fixture.add_argument("--force", action="store_true", help="replace existing files")
+    fixture.add_argument(
+        "--any-suffix",
+        action="store_true",
+        help="write -o PATH even when its name does not end in .safetensors",
+    )
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)
 
@@ -120,7 +133,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-gradient shape, dtype, min, max, mean, RMS, NaN and Inf counts of a "
         "fixture, a .npy file or a raw binary file (raw needs --dtype and the layout flags).",
     )
-    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument(
+        "path", metavar="PATH", help="a fixture, a safetensors file, a .npy or a raw file"
+    )
     _add_file_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_inspect)
@@ -132,8 +147,14 @@ def _parser() -> argparse.ArgumentParser:
         "tolerance, 1 not, 2 for usage or file errors. Each file is a fixture, a .npy or a raw "
         "binary file; a fixture supplies the layout.",
     )
-    compare.add_argument("actual", metavar="ACTUAL")
-    compare.add_argument("expected", metavar="EXPECTED")
+    compare.add_argument(
+        "actual", metavar="ACTUAL", help="the kernel's packed gradient, as a file of any kind"
+    )
+    compare.add_argument(
+        "expected",
+        metavar="EXPECTED",
+        help="the reference: usually a fixture, which brings the layout and the floors",
+    )
     _add_file_arguments(compare)
     for flag, what in (
         ("--rtol", "relative tolerance"),
@@ -147,6 +168,9 @@ def _parser() -> argparse.ArgumentParser:
             help=f"{what}: one number, or per gradient, e.g. dq=1e-3,dg=2e-3",
         )
     compare.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    compare.add_argument(
+        "--wide", action="store_true", help="every column, even past 100 characters a line"
+    )
     compare.add_argument(
         "--plot",
         metavar="FILE",
@@ -176,24 +200,35 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(run=_demo)
+    parser.set_defaults(subcommands=commands.choices)
     return parser
 
 
 def _add_file_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "raw and .npy files", "a fixture carries its own layout and dtype; other files need these"
+        "other files",
+        "a fixture carries its own layout and dtype; a .npy, a plain safetensors file (its "
+        "tensor 'packed', or its only one) or a raw file takes the layout from these flags or "
+        "from the fixture it is compared with",
     )
     group.add_argument(
         "--dtype",
         type=dtype_name,
         help="the dtype of a raw binary file (fixtures and .npy files carry their own)",
     )
-    group.add_argument("--batch", "-B", type=dimension)
-    group.add_argument("--seq", "-S", type=dimension)
-    group.add_argument("--heads", "-H", type=dimension)
-    group.add_argument("--state-size", "-N", type=dimension)
-    group.add_argument("--per-channel", action="store_true", default=None)
-    group.add_argument("--carry-state", action="store_true", default=None)
+    group.add_argument("--batch", "-B", type=dimension, help="batch size B")
+    group.add_argument("--seq", "-S", type=dimension, help="sequence length S")
+    group.add_argument("--heads", "-H", type=dimension, help="heads H")
+    group.add_argument("--state-size", "-N", type=dimension, help="state (head) size N")
+    group.add_argument(
+        "--per-channel",
+        action="store_true",
+        default=None,
+        help="the gate is per key channel: dg is [B, S, H, N]",
+    )
+    group.add_argument(
+        "--carry-state", action="store_true", default=None, help="dstate is packed last"
+    )
 
 
 def _add_layout_arguments(
@@ -244,7 +279,7 @@ def _given_layout_flags(args: argparse.Namespace) -> list[str]:
 
 def _describe(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
-    dtype = resolve(args.dtype, "--dtype")
+    dtype = args.dtype  # a name: byte counts need no optional package, bfloat16's included
     if args.json:
         rows = layout_table(layout, dtype)
         document: dict[str, Any] = {
@@ -280,6 +315,11 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         total = sum(path.stat().st_size for path in paths)
         print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({human(total)})")
         return 0
+    if not args.any_suffix and not args.output.lower().endswith(".safetensors"):
+        raise UsageError(
+            f"{args.output}: a fixture is a safetensors file; name it *.safetensors "
+            "(or pass --any-suffix)"
+        )
     layout = _layout_from(args)
     regime = args.gate_regime or "mixed"
     progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
@@ -330,16 +370,18 @@ def _compare(args: argparse.Namespace) -> int:
         rtol=args.rtol,
         atol=args.atol,
         max_rms_ratio=args.max_rms_ratio,
+        floors=expected.floors if expected.floors is not None else actual.floors,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result)
+        print(result.table(wide=args.wide))
     if args.plot is not None:
         from .plot import plot_errors
 
         sys.stdout.flush()
         plot_errors(result, path=args.plot)
+        print(f"wrote {args.plot}")
     return 0 if result.passed else 1
 
 
