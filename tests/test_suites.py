@@ -146,7 +146,6 @@ def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest
     }
     assert failed == multihead
     # Each failure names dv and only dv.
-    assert result.outlines.count("E       AssertionError: case") == 0
     reports = [line for line in result.outlines if "gradient(s)" in line and "differ" in line]
     assert len(reports) == len(multihead)
     assert all(line.endswith("gradient(s) dv differ") for line in reports)
