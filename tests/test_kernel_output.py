@@ -222,3 +222,12 @@ def test_a_gradient_prints_as_one_line() -> None:
     assert "\n" not in str(grad)
     assert str(grad).startswith("FAIL dv[0, 1, 1, 2]: actual")
     assert str(compare(actual, expected, LAYOUT)["dq"]).startswith("ok dq[")
+
+
+def test_a_fixture_under_another_name_is_still_read_as_one(tmp_path: Path) -> None:
+    path = tmp_path / "x.npy"
+    written = run("fixture", "-B", "1", "-S", "2", "-H", "1", "-N", "2", "-o", path, "--any-suffix")
+    assert written.returncode == 0, written.stderr
+    shown = run("inspect", path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"{path}: fixture, float32, B=1 S=2 H=1 N=2")

@@ -439,8 +439,10 @@ def _sniff(path: Path) -> str:
     with open(path, "rb") as file:
         head = file.read(9)
     name = path.name.lower()
-    if head.startswith(b"\x93NUMPY") or name.endswith(".npy"):
+    if head.startswith(b"\x93NUMPY"):
         return ".npy"
-    if looks_like_safetensors(head, path.stat().st_size) or name.endswith(".safetensors"):
+    if looks_like_safetensors(head, path.stat().st_size):  # whatever its name says
         return "fixture"
-    return "raw"
+    if name.endswith(".npy"):
+        return ".npy"
+    return "fixture" if name.endswith(".safetensors") else "raw"
