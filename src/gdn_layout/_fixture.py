@@ -14,6 +14,7 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
+from ._criteria import Floors, decode_floors, encode_floors
 from ._dtypes import resolve
 from ._files import atomic_write
 from ._safetensors import Entry, FixtureError, dtype_code, looks_like_safetensors
@@ -96,6 +97,9 @@ class Fixture:
     regime: str | None = field(default=None, kw_only=True)
     seed: int | None = field(default=None, kw_only=True)
     compute_dtype: str | None = field(default=None, kw_only=True)
+    #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.compare`):
+    #: ``{dtype: {gradient: (rms, max)}}``, or None.
+    floors: Floors | None = field(default=None, kw_only=True)
     #: The file this fixture was loaded from, and the gdn-layout version that wrote it.
     path: Path | None = field(default=None, kw_only=True)
     writer_version: str | None = field(default=None, kw_only=True)
@@ -172,6 +176,8 @@ class Fixture:
             meta["regime"] = self.regime
         if self.compute_dtype is not None:
             meta["compute_dtype"] = self.compute_dtype
+        if self.floors is not None:
+            meta["floors"] = encode_floors(self.floors)
         return meta
 
 
@@ -305,11 +311,13 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     }
     try:
         seed = int(metadata["seed"]) if "seed" in metadata else None
+        floors = decode_floors(metadata["floors"]) if "floors" in metadata else None
         return Fixture(
             **arrays,
             regime=metadata.get("regime"),
             seed=seed,
             compute_dtype=metadata.get("compute_dtype"),
+            floors=floors,
             path=path,
             writer_version=metadata.get("gdn_layout_version"),
         )
@@ -379,13 +387,15 @@ def _check_entries(entries: list[Entry], layout: GdnBackwardLayout, path: Path) 
 
 
 class PackedFile(NamedTuple):
-    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``".npy"`` or ``"raw"``;
-    ``layout`` is the one a fixture states, else None."""
+    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
+    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout`` and ``floors`` are the ones
+    a fixture states, else None."""
 
     path: str
     kind: str
     packed: NDArray[Any]
     layout: GdnBackwardLayout | None
+    floors: Floors | None = None
 
 
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
@@ -395,7 +405,9 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     ----------
     path
         The file. What it holds is known from its first bytes; a damaged fixture or .npy
-        file by its suffix.
+        file by its suffix. A safetensors file that is not a fixture (what a Rust test writes
+        with the ``safetensors`` crate) gives its tensor named ``packed``, or its only tensor,
+        flattened; the layout then comes from elsewhere.
     dtype
         The dtype of a raw binary file; fixtures and .npy files carry their own.
 
@@ -413,8 +425,10 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
         raise FileNotFoundError(f"{path}: not a file")
     kind = _sniff(file)
     if kind == "fixture":
+        if not _is_fixture(file):
+            return PackedFile(path, "safetensors", _plain_safetensors(file), None)
         fixture = load_fixture(path)
-        return PackedFile(path, kind, fixture.packed, fixture.layout)
+        return PackedFile(path, kind, fixture.packed, fixture.layout, fixture.floors)
     if kind == ".npy":
         with open(path, "rb") as stream:
             if stream.read(6) != b"\x93NUMPY":
@@ -434,13 +448,46 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     return PackedFile(path, kind, raw, None)
 
 
+def _is_fixture(path: Path) -> bool:
+    """Whether a safetensors file says it is a gdn-layout fixture (a damaged one counts)."""
+    try:
+        meta = safetensors.read_header(path).metadata
+    except (FixtureError, ImportError):
+        return True  # load_fixture says what is wrong
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def _plain_safetensors(path: Path) -> NDArray[Any]:
+    """The tensor named ``packed`` of a safetensors file, or its only one, memory-mapped and
+    flattened."""
+    header = safetensors.read_header(path)
+    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
+    by_name = {e.name: e for e in header.entries}
+    entry = by_name.get("packed")
+    if entry is None and len(header.entries) == 1:
+        entry = header.entries[0]
+    if entry is None:
+        names = ", ".join(sorted(by_name)) or "none"
+        raise FixtureError(
+            f"{path}: a safetensors file with tensors {names}: name the packed gradient "
+            "'packed', or write it alone"
+        )
+    if entry.end == entry.start:
+        return np.empty(0, entry.dtype)
+    buffer: NDArray[np.uint8] = np.memmap(path, dtype=np.uint8, mode="r")
+    start = header.data_start
+    return buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
+
+
 def _sniff(path: Path) -> str:
     """What a file holds, from its first bytes; a damaged fixture or .npy by its name."""
     with open(path, "rb") as file:
         head = file.read(9)
     name = path.name.lower()
-    if head.startswith(b"\x93NUMPY") or name.endswith(".npy"):
+    if head.startswith(b"\x93NUMPY"):
         return ".npy"
-    if looks_like_safetensors(head, path.stat().st_size) or name.endswith(".safetensors"):
+    if looks_like_safetensors(head, path.stat().st_size):  # whatever its name says
         return "fixture"
-    return "raw"
+    if name.endswith(".npy"):
+        return ".npy"
+    return "fixture" if name.endswith(".safetensors") else "raw"

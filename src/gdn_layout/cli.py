@@ -19,17 +19,18 @@ import numpy as np
 
 from . import reference
 from ._checks import require_matplotlib
+from ._cli_values import Progress, dimension, dtype_name, human, tolerance
 from ._dtypes import resolve
 from ._fixture import REGIMES, PackedFile, load_fixture, open_packed, save_fixture
 from ._stats import grad_stats, grads_text
+from ._version import __version__
 from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
+from .suites import MANIFEST, verify_suite
 
 __all__ = ["main"]
-
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 class UsageError(Exception):
@@ -39,7 +40,9 @@ class UsageError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command that was given, not by the top-level parser
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         result: int = args.run(args)
     except BrokenPipeError:
@@ -67,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="gdn-layout",
         description="The packed-gradient layout of RLX's GatedDeltaNetBackward.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
+    )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
@@ -79,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_layout_arguments(describe, batch=1, seq=2048, heads=16, state_size=128)
     describe.add_argument(
-        "--dtype", default="float32", type=_dtype_name, help="for the bytes column (%(default)s)"
+        "--dtype", default="float32", type=dtype_name, help="for the bytes column (%(default)s)"
     )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(run=_describe)
@@ -92,10 +98,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_layout_arguments(fixture, batch=2, seq=64, heads=3, state_size=16)
     fixture.add_argument(
-        "--dtype", default="float32", type=_dtype_name, help="of the stored tensors (%(default)s)"
+        "--dtype", default="float32", type=dtype_name, help="of the stored tensors (%(default)s)"
     )
     fixture.add_argument(
-        "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
+        "--seed", type=dimension, default=0, help="of the random inputs (%(default)s)"
     )
     fixture.add_argument(
         "--gate-regime",
@@ -105,13 +111,20 @@ def _parser() -> argparse.ArgumentParser:
         "-exp(A_log)*softplus(a+dt_bias); extreme: g in [-30, -10]",
     )
     target = fixture.add_mutually_exclusive_group(required=True)
-    target.add_argument("-o", "--output", metavar="PATH", help="the fixture file to write")
+    target.add_argument(
+        "-o", "--output", metavar="PATH", help="the fixture file to write (.safetensors)"
+    )
     target.add_argument(
         "--suite",
         metavar="DIR",
         help="write the standard coverage set and its manifest.json into DIR instead",
     )
     fixture.add_argument("--force", action="store_true", help="replace existing files")
+    fixture.add_argument(
+        "--any-suffix",
+        action="store_true",
+        help="write -o PATH even when its name does not end in .safetensors",
+    )
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)
 
@@ -121,7 +134,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-gradient shape, dtype, min, max, mean, RMS, NaN and Inf counts of a "
         "fixture, a .npy file or a raw binary file (raw needs --dtype and the layout flags).",
     )
-    inspect.add_argument("path", metavar="PATH")
+    inspect.add_argument(
+        "path", metavar="PATH", help="a fixture, a safetensors file, a .npy or a raw file"
+    )
     _add_file_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_inspect)
@@ -133,8 +148,14 @@ def _parser() -> argparse.ArgumentParser:
         "tolerance, 1 not, 2 for usage or file errors. Each file is a fixture, a .npy or a raw "
         "binary file; a fixture supplies the layout.",
     )
-    compare.add_argument("actual", metavar="ACTUAL")
-    compare.add_argument("expected", metavar="EXPECTED")
+    compare.add_argument(
+        "actual", metavar="ACTUAL", help="the kernel's packed gradient, as a file of any kind"
+    )
+    compare.add_argument(
+        "expected",
+        metavar="EXPECTED",
+        help="the reference: usually a fixture, which brings the layout and the floors",
+    )
     _add_file_arguments(compare)
     for flag, what in (
         ("--rtol", "relative tolerance"),
@@ -143,17 +164,30 @@ def _parser() -> argparse.ArgumentParser:
     ):
         compare.add_argument(
             flag,
-            type=_tolerance,
+            type=tolerance,
             metavar="X|NAME=X,...",
             help=f"{what}: one number, or per gradient, e.g. dq=1e-3,dg=2e-3",
         )
     compare.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    compare.add_argument(
+        "--wide", action="store_true", help="every column, even past 100 characters a line"
+    )
     compare.add_argument(
         "--plot",
         metavar="FILE",
         help="also write heatmaps of the error per gradient, e.g. errors.png (needs [plot])",
     )
     compare.set_defaults(run=_compare)
+
+    verify = commands.add_parser(
+        "verify",
+        help="check a suite's files against its manifest",
+        description="Check every file of a fixture suite against its manifest.json: size, "
+        "SHA-256, layout, regime and seed. Exit status: 0 intact, 1 some files differ (listed), "
+        "2 no readable manifest.",
+    )
+    verify.add_argument("suite", metavar="SUITE", help="the suite's folder")
+    verify.set_defaults(run=_verify)
 
     demo = commands.add_parser(
         "demo",
@@ -163,28 +197,39 @@ def _parser() -> argparse.ArgumentParser:
     )
     _add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16, flags=True)
     demo.add_argument(
-        "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
+        "--seed", type=dimension, default=0, help="of the random inputs (%(default)s)"
     )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(run=_demo)
+    parser.set_defaults(subcommands=commands.choices)
     return parser
 
 
 def _add_file_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group(
-        "raw and .npy files", "a fixture carries its own layout and dtype; other files need these"
+        "other files",
+        "a fixture carries its own layout and dtype; a .npy, a plain safetensors file (its "
+        "tensor 'packed', or its only one) or a raw file takes the layout from these flags or "
+        "from the fixture it is compared with",
     )
     group.add_argument(
         "--dtype",
-        type=_dtype_name,
+        type=dtype_name,
         help="the dtype of a raw binary file (fixtures and .npy files carry their own)",
     )
-    group.add_argument("--batch", "-B", type=_dimension)
-    group.add_argument("--seq", "-S", type=_dimension)
-    group.add_argument("--heads", "-H", type=_dimension)
-    group.add_argument("--state-size", "-N", type=_dimension)
-    group.add_argument("--per-channel", action="store_true", default=None)
-    group.add_argument("--carry-state", action="store_true", default=None)
+    group.add_argument("--batch", "-B", type=dimension, help="batch size B")
+    group.add_argument("--seq", "-S", type=dimension, help="sequence length S")
+    group.add_argument("--heads", "-H", type=dimension, help="heads H")
+    group.add_argument("--state-size", "-N", type=dimension, help="state (head) size N")
+    group.add_argument(
+        "--per-channel",
+        action="store_true",
+        default=None,
+        help="the gate is per key channel: dg is [B, S, H, N]",
+    )
+    group.add_argument(
+        "--carry-state", action="store_true", default=None, help="dstate is packed last"
+    )
 
 
 def _add_layout_arguments(
@@ -205,7 +250,7 @@ def _add_layout_arguments(
         ("--heads", "-H", heads, "heads H"),
         ("--state-size", "-N", state_size, "state (head) size N"),
     ):
-        group.add_argument(flag, short, type=_dimension, help=f"{what} (default: {default})")
+        group.add_argument(flag, short, type=dimension, help=f"{what} (default: {default})")
     # With flags on by default, --no-per-channel and --no-carry-state turn them off.
     action = argparse.BooleanOptionalAction if flags else "store_true"
     group.add_argument(
@@ -235,7 +280,7 @@ def _given_layout_flags(args: argparse.Namespace) -> list[str]:
 
 def _describe(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
-    dtype = resolve(args.dtype, "--dtype")
+    dtype = args.dtype  # a name: byte counts need no optional package, bfloat16's included
     if args.json:
         rows = layout_table(layout, dtype)
         document: dict[str, Any] = {
@@ -263,24 +308,29 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if args.suite is not None:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
-        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
+        progress = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
         paths = write_suite(
             args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
         )
         progress.done()
         total = sum(path.stat().st_size for path in paths)
-        print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({_human(total)})")
+        print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({human(total)})")
         return 0
+    if not args.any_suffix and not args.output.lower().endswith(".safetensors"):
+        raise UsageError(
+            f"{args.output}: a fixture is a safetensors file; name it *.safetensors "
+            "(or pass --any-suffix)"
+        )
     layout = _layout_from(args)
     regime = args.gate_regime or "mixed"
-    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
     fixture = make_fixture(
         layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
     )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()
     print(
-        f"wrote {path} ({_human(path.stat().st_size)}): {layout!r}, {args.dtype}, "
+        f"wrote {path} ({human(path.stat().st_size)}): {layout!r}, {args.dtype}, "
         f"gate regime {regime}, seed {args.seed}"
     )
     return 0
@@ -321,17 +371,31 @@ def _compare(args: argparse.Namespace) -> int:
         rtol=args.rtol,
         atol=args.atol,
         max_rms_ratio=args.max_rms_ratio,
+        floors=expected.floors if expected.floors is not None else actual.floors,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result)
+        print(result.table(wide=args.wide))
     if args.plot is not None:
         from .plot import plot_errors
 
         sys.stdout.flush()
         plot_errors(result, path=args.plot)
+        print(f"wrote {args.plot}")
     return 0 if result.passed else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    problems = verify_suite(args.suite)
+    if problems:
+        print(f"{args.suite}: {len(problems)} file(s) differ from {MANIFEST}:")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    count = len(json.loads((Path(args.suite) / MANIFEST).read_text())["fixtures"])
+    print(f"{args.suite}: {count} fixtures match {MANIFEST}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -342,13 +406,13 @@ def _demo(args: argparse.Namespace) -> int:
         print(layout_text(layout, np.float64))
         stdout = sys.stdout
         stdout.flush()  # the table first, then any progress bar on stderr
-        bar = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
+        bar = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
         fixture = make_fixture(
             layout, dtype=np.float64, regime="mixed", seed=args.seed, progress=bar.update
         )
         bar.done()
         save_fixture(path, fixture)
-        print(f"\n2. a float64 reference fixture: {_human(path.stat().st_size)} of safetensors")
+        print(f"\n2. a float64 reference fixture: {human(path.stat().st_size)} of safetensors")
         loaded = load_fixture(path)
         mapped = all(isinstance(a, np.memmap) for a in loaded.tensors().values())
         print(f"   reloaded memory-mapped: {mapped}; its gradients, unpacked without a copy:")
@@ -357,8 +421,8 @@ def _demo(args: argparse.Namespace) -> int:
         bar.label = "float32 recomputation"
         recomputed = reference.backward(*loaded.inputs, dtype=np.float32, progress=bar.update)
         bar.done()
-        result = compare(recomputed, loaded.packed, layout, rtol=1e-4, atol=1e-5)
-        print("\n3. a float32 recomputation against it (rtol=1e-4, atol=1e-5):")
+        result = compare(recomputed, loaded.packed, layout, floors=loaded.floors)
+        print("\n3. a float32 recomputation against it, judged against the fixture's floors:")
         print(result)
     return 0 if result.passed else 1
 
@@ -417,63 +481,3 @@ def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:
             f"{layout.total_elems}"
         )
     return unpack(source.packed, layout)
-
-
-class _Progress:
-    """A progress bar on stderr, redrawn in place; silent when not enabled."""
-
-    def __init__(self, *, enabled: bool, label: str = "reference backward") -> None:
-        self.enabled = enabled
-        self.label = label
-
-    def update(self, fraction: float) -> None:
-        if self.enabled:
-            filled = round(30 * fraction)
-            bar = "#" * filled + "." * (30 - filled)
-            sys.stderr.write(f"\r{self.label} [{bar}] {100 * fraction:3.0f}%")
-            sys.stderr.flush()
-
-    def done(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r\x1b[K")
-            sys.stderr.flush()
-
-
-def _human(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _tolerance(text: str) -> float | dict[str, float]:
-    try:
-        if "=" not in text:
-            return float(text)
-        pairs = [item.split("=", 1) for item in text.split(",")]
-        named = {name.strip(): float(value) for name, value in pairs}
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number or NAME=NUMBER pairs like dq=1e-3,dg=2e-3, got {text!r}"
-        ) from None
-    if len(named) != len(pairs):
-        raise argparse.ArgumentTypeError(f"a gradient is named twice in {text!r}")
-    return named
-
-
-def _dtype_name(text: str) -> str:
-    if text not in _DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_DTYPE_NAMES)}, got {text!r}")
-    return text
-
-
-def _dimension(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value

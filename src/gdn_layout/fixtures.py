@@ -16,6 +16,11 @@ order. Its ``__metadata__`` (string values only) records:
 ``seed``, ``regime``, ``compute_dtype``
     how the data was made, when known: the seed and gate regime of :func:`draw_inputs`, and
     the dtype the reference computed ``y`` and ``packed`` in.
+``floors``
+    the precision floors of each gradient for float32, float16 and bfloat16, as JSON
+    ``{dtype: {gradient: [rms, max]}}``, measured by :func:`make_fixture`; what
+    :func:`~gdn_layout.compare` judges a kernel against (see :mod:`gdn_layout.compare`).
+    Files without it load as before.
 
 The record and its files are in :mod:`gdn_layout._fixture`, the format in
 :mod:`gdn_layout._safetensors` and generation in :mod:`gdn_layout.generate`; this module
