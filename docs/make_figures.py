@@ -22,14 +22,15 @@ HERE = Path(__file__).resolve().parent
 def main(folder: Path = HERE) -> list[Path]:
     """Write the pictures into ``folder``; returns their paths."""
     layout = GdnBackwardLayout(batch=2, seq=48, heads=4, state_size=8)
-    expected = make_fixture(layout, dtype=np.float32, seed=0).packed
+    fixture = make_fixture(layout, dtype=np.float32, seed=0)
+    expected = fixture.packed
     actual = expected.copy()
     grads = unpack(actual, layout)
     grads.dk[1, 37, 2, 5] += 1e-3
     grads.dv[:, 16:, [1, 2]] = grads.dv[:, 16:, [2, 1]]
     grads.dbeta[1, 30, 3] = np.nan
     heatmap = folder / "heatmap.png"
-    plot_errors(compare(actual, expected, layout), chunk=16, path=heatmap)
+    plot_errors(compare(actual, expected, layout, floors=fixture.floors), chunk=16, path=heatmap)
     return [heatmap]
 
 

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.fixtures import write_suite
 
+#: pytester runs the gdn-layout pytest plugin on test files of its own (tests/test_suites.py).
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(scope="session")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:

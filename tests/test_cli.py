@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,11 +96,13 @@ def test_describe_prints_the_table_the_readme_shows() -> None:
 def test_readme_console_sessions_print_what_the_readme_shows(
     tmp_path: Path, suite: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # `fixture --suite suite` reports the session's suite (seed 100, not 0: the seeds change
-    # a few header bytes, not the size shown) rather than write all of it a second time.
+    # `fixture --suite suite` copies the session's suite (seed 100, not 0: the seeds change
+    # a few header bytes, not the size shown) rather than compute all of it a second time;
+    # `verify suite` then checks the copy against its manifest.
     def write_suite(directory: str, **options: object) -> list[Path]:
         assert (directory, options["seed"], options["dtype"]) == ("suite", 0, np.float32)
-        return suite[1]
+        shutil.copytree(suite[0], directory)
+        return [Path(directory) / path.name for path in suite[1]]
 
     monkeypatch.setattr(gdn_layout.cli, "write_suite", write_suite)
     blocks = re.findall(r"```console\n(.*?)```", README.read_text(), re.DOTALL)
@@ -296,7 +299,7 @@ def test_compare_a_raw_kernel_buffer_against_a_wider_fixture(tmp_path: Path) -> 
     kernel.tofile(tmp_path / "kernel.bin")
     result = run("compare", tmp_path / "kernel.bin", reference, "--dtype", "float32")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "float32/float64" in result.stdout
+    assert "float32 against float64" in result.stdout
 
 
 def test_compare_plot_problems_are_found_before_the_work(
@@ -334,6 +337,7 @@ def test_compare_plot_problems_are_found_before_the_work(
         str(png),
     )
     assert "compare passed" in result.stdout
+    assert result.stdout.endswith(f"wrote {png}\n")
 
 
 def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
@@ -365,7 +369,14 @@ def test_fixture_user_errors(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere" / "x.safetensors"
     assert_user_error(run("fixture", "-o", missing), f"{missing}: the folder")
     huge = ["-B", "100000", "-S", "100000", "-H", "64", "-N", "128"]
-    assert_user_error(run("fixture", *huge, "-o", tmp_path / "x"), "needs about 9.3 PiB of memory")
+    huge_path = tmp_path / "x.safetensors"
+    assert_user_error(run("fixture", *huge, "-o", huge_path), "needs about 9.3 PiB of memory")
+    assert list(tmp_path.iterdir()) == []
+    # A fixture is written under a .safetensors name, unless told otherwise.
+    assert_user_error(
+        run("fixture", "-o", tmp_path / "x.npy"),
+        f"gdn-layout fixture: error: {tmp_path / 'x.npy'}: a fixture is a safetensors file",
+    )
     assert list(tmp_path.iterdir()) == []
 
 
@@ -382,7 +393,7 @@ def test_inspect_user_errors(tmp_path: Path) -> None:
 
 def test_bad_flag_values_are_one_line_errors() -> None:
     assert_user_error(run("describe", "--seq", "-3"), "expected a non-negative integer, got -3")
-    assert_user_error(run("describe", "--dtype", "int8"), "expected one of float16, bfloat16")
+    assert_user_error(run("describe", "--dtype", "int8"), "a floating dtype (bfloat16/bf16")
     assert_user_error(run("fixture", "--gate-regime", "wild", "-o", "x"), "invalid choice: 'wild'")
     assert_user_error(run("frobnicate"), "invalid choice")
 
@@ -441,15 +452,19 @@ def test_a_real_terminal_gets_the_progress_bar(tmp_path: Path) -> None:
     assert "reference backward [" in b"".join(chunks).decode()
 
 
-def test_bfloat16_without_its_extra_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bfloat16_without_its_extra_names_the_extra(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` fail
-    assert_user_error(run("describe", "--dtype", "bfloat16"), "pip install 'gdn-layout[bfloat16]'")
+    result = run("fixture", "--dtype", "bf16", "-o", tmp_path / "x.safetensors")
+    assert_user_error(result, "pip install 'gdn-layout[bfloat16]'")
+    assert run("describe", "--dtype", "bfloat16").returncode == 0  # byte counts need no extra
 
 
 def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     # End to end: `python -m gdn_layout`, exit statuses and streams as a shell sees them.
     result = run_process("fixture", "-B", "1", "-S", "3", "-H", "1", "-N", "2", "-o", "x.st",
-                         cwd=tmp_path)  # fmt: skip
+                         "--any-suffix", cwd=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # no progress bar into a pipe
     assert result.stdout.startswith("wrote x.st (")

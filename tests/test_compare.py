@@ -149,13 +149,18 @@ def test_rms_ratio_passes_uniform_bf16_noise_that_fails_elementwise() -> None:
     actual = expected * (1 + 4e-3 * rng.standard_normal(expected.size))
     elementwise = compare(actual, expected, layout, rtol=1e-4, atol=1e-6)
     assert set(elementwise.failed) == set(layout.names)
-    by_rms = compare(actual, expected, layout, rtol=1e-4, atol=1e-6, max_rms_ratio=1e-2)
+    by_rms = compare(actual, expected, layout, max_rms_ratio=1e-2)
     assert by_rms.passed
     for grad in by_rms.grads:
         assert grad.mode == "rms"
         assert 2e-3 < grad.rms_ratio < 6e-3
-        assert grad.mismatches > 0  # still reported, not judged
+        assert grad.mismatches == 0  # out/size counts what the RMS criterion counts
     assert not compare(actual, expected, layout, max_rms_ratio=1e-3).passed
+    # rtol/atol given with max_rms_ratio: both apply.
+    both = compare(actual, expected, layout, rtol=1e-4, atol=1e-6, max_rms_ratio=1e-2)
+    assert set(both.failed) == set(layout.names)
+    assert all(g.mode == "both" and g.mismatches > 0 for g in both.grads)
+    assert both["dq"].criterion == "rtol=0.0001 atol=1e-06 rms ratio<=0.01"
 
 
 def test_rms_ratio_definition() -> None:
@@ -228,11 +233,18 @@ def test_per_gradient_tolerance_mappings() -> None:
 def test_default_tolerances_follow_the_less_precise_dtype() -> None:
     layout = _layout()
     expected = _reference(layout)
-    assert compare(expected.astype(np.float32), expected, layout)["dq"].rtol == 1.3e-6
-    assert compare(expected, expected.astype(np.float16), layout)["dq"].rtol == 1e-3
+    # Given one of rtol and atol, the other defaults by the less precise dtype.
+    f32 = expected.astype(np.float32)
+    assert compare(f32, expected, layout, atol=1e-5)["dq"].rtol == 1.3e-6
+    assert compare(expected, expected.astype(np.float16), layout, atol=0)["dq"].rtol == 1e-3
     bf16 = expected.astype(ml_dtypes.bfloat16)
-    assert compare(bf16, expected.astype(np.float16), layout)["dq"].rtol == 1.6e-2
-    assert compare(expected, expected, layout)["dq"].atol == 1e-7
+    assert compare(bf16, expected.astype(np.float16), layout, atol=0)["dq"].rtol == 1.6e-2
+    assert compare(expected, expected, layout, rtol=0)["dq"].atol == 1e-7
+    # Given neither, float64 is judged elementwise and the others against their floors.
+    assert compare(expected, expected, layout)["dq"].mode == "elementwise"
+    assert compare(f32, expected, layout)["dq"].mode == "calibrated"
+    assert compare(f32, expected, layout)["dq"].judged_dtype == "float32"
+    assert compare(bf16, expected.astype(np.float16), layout)["dq"].judged_dtype == "bfloat16"
 
 
 # -- NaN and Inf ----------------------------------------------------------------------------
@@ -256,7 +268,11 @@ def test_nan_and_inf_counts_and_judgement() -> None:
     assert dq.worst == (0, 1, 2, 3)
     assert math.isnan(dq.worst_actual or 0.0)
     assert dq.mismatches == dq.nonfinite_mismatches == 1
-    assert dq.max_abs_error == 0.0  # over finite pairs only
+    # A NaN mismatch makes the error figures NaN, an Inf mismatch makes them Inf.
+    assert math.isnan(dq.max_abs_error)
+    assert math.isnan(dq.rms_ratio)
+    assert re.search(r"^dq\s.*  nan  ", str(result), re.MULTILINE)
+    assert result["dk"].max_abs_error == math.inf
     assert dq.error_map[1, 2] == math.inf
     dk = result["dk"]
     assert (dk.inf_actual, dk.inf_expected, dk.worst) == (1, 0, (1, 1, 1, 1))
@@ -278,7 +294,8 @@ def test_nonfinite_mismatch_fails_rms_mode() -> None:
     actual = expected.copy()
     unpack(actual, layout).dv[0, 3, 1, 2] = np.nan
     grad = compare(actual, expected, layout, max_rms_ratio=10.0)["dv"]
-    assert grad.rms_ratio == 0.0
+    assert math.isnan(grad.rms_ratio)
+    assert grad.mismatches == 1
     assert not grad.passed
     assert grad.worst == (0, 3, 1, 2)
 
@@ -308,7 +325,8 @@ def test_bfloat16_against_float64() -> None:
     assert result["dk"].actual_dtype == "bfloat16"
     assert 0 < result["dk"].max_rel_error <= 2**-8
     assert not compare(actual, expected, layout, rtol=1e-5).passed
-    assert compare(actual, expected, layout, rtol=1e-5, max_rms_ratio=5e-3).passed
+    assert compare(actual, expected, layout, max_rms_ratio=5e-3).passed
+    assert not compare(actual, expected, layout, rtol=1e-5, max_rms_ratio=5e-3).passed
 
 
 def test_float16_both_sides() -> None:
@@ -358,7 +376,7 @@ def test_large_gradient_is_compared_in_chunks(monkeypatch: pytest.MonkeyPatch) -
 def test_validation_errors() -> None:
     layout = _layout()
     good = _reference(layout)
-    with pytest.raises(TypeError, match=r"compare: actual must be a NumPy array, got list"):
+    with pytest.raises(TypeError, match=r"compare: actual must be an array .*, got list"):
         compare(list(good), good, layout)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"compare: layout must be a GdnBackwardLayout, got dict"):
         compare(good, good, {"batch": 1})  # type: ignore[arg-type]
@@ -470,8 +488,10 @@ def test_str_and_html_reports() -> None:
     assert (
         lines[0] == "compare FAILED (dk, dstate): B=2 S=5 H=3 N=4, per-channel gate, carried state"
     )
-    assert len(lines) == 2 + 1 + 6
-    assert len({len(line) for line in lines[1:3]}) == 1  # header and rule line up
+    assert lines[1] == "float64 against float64; rtol=1e-07 atol=1e-07"
+    assert len(lines) == 2 + 2 + 6
+    assert len({len(line) for line in lines[2:4]}) == 1  # header and rule line up
+    assert max(len(line) for line in lines) <= 100
     for name in ("dq", "dk", "dv", "dg", "dbeta", "dstate"):
         assert re.search(rf"^{name}\s", text, re.MULTILINE)
     assert re.search(r"^dk\s.*\[0, 4, 1, 3\].*FAIL$", text, re.MULTILINE)

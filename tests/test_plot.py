@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import runpy
 import struct
 import subprocess
@@ -216,9 +217,11 @@ def test_plot_errors_heatmap_locates_the_error(
         assert panels["dstate"].images[0].get_array().shape == (4, 8)
         assert peak("dstate") == (2, 5)  # (h, key row i)
         assert panels["dq"].get_title().startswith("dq ok: max |a-e| ")
-    assert panels["dk"].get_title() == "dk FAIL: 1 of 1536 out, worst [1, 17, 3, 5]\n" + (
-        "max |a-e| over b, n"
-    )
+    # float32 against float64: judged by the calibrated criterion, whose verdict has a line.
+    dk_title = panels["dk"].get_title().splitlines()
+    assert dk_title[0] == "dk FAIL: 1 of 1536 out, worst [1, 17, 3, 5]"
+    assert re.fullmatch(r"error/floor \S+ > 16", dk_title[1])
+    assert dk_title[2] == "max |a-e| over b, n"
     assert panels["dbeta"].get_title().endswith("\nmax |a-e| over b")
     if carry:
         assert panels["dstate"].get_title().endswith("\nmax |a-e| over b, j")
@@ -257,6 +260,27 @@ def test_out_of_tolerance_cells_are_outlined_exactly() -> None:
     assert [t.get_text() for t in legend.get_texts()] == ["out of tolerance"]
 
 
+def test_the_mismatch_map_counts_what_the_active_criterion_counts() -> None:
+    layout = GdnBackwardLayout(2, 8, 3, 2)
+    actual, expected = _buffers(layout)  # float32 against float64: the calibrated criterion
+    unpack(actual, layout).dk[1, 4, 2, 0] += 1.0
+    calibrated = compare(actual, expected, layout)
+    assert calibrated["dk"].mode == "calibrated"
+    for result in (
+        calibrated,
+        compare(actual, expected, layout, max_rms_ratio=10.0),
+        compare(actual, expected, layout, rtol=0.0, atol=1e-3, max_rms_ratio=10.0),
+        compare(actual, expected, layout, rtol=0.0, atol=1e-9),
+    ):
+        for grad in result.grads:
+            assert int(grad.mismatch_map.sum()) == grad.mismatches, (grad.mode, grad.name)
+    assert calibrated["dk"].mismatches == 1
+    assert calibrated["dk"].mismatch_map[1, 4, 2] == 1  # [b, s, h]
+    panel = _panels(plot_errors(calibrated))["dk"]
+    assert _outlined(panel) == _border({(2, 4)})  # the table's 1 of 96, and only it
+    assert panel.get_title().splitlines()[1].startswith("error/floor ")
+
+
 def test_too_many_out_cells_to_outline_are_shaded() -> None:
     layout = GdnBackwardLayout(1, 2000, 3, 1)
     expected = np.zeros(layout.total_elems)
@@ -282,7 +306,8 @@ def test_rms_judged_gradients_are_not_outlined() -> None:
     rms = compare(actual, expected + 1.0, result.layout, max_rms_ratio=10.0)
     panels = _panels(plot_errors(rms, only_failed=False))
     assert all(not _outlined(ax) for ax in panels.values())
-    assert rms["dk"].mismatches > 0
+    # Every element is off, but the RMS criterion alone counts only non-finite mismatches.
+    assert rms["dk"].mismatches == int(rms["dk"].mismatch_map.sum()) == 0
     assert panels["dk"].get_title().startswith("dk ok: max |a-e| ")
     unpack(actual, rms.layout).dv[1, 3, 2, 0] = np.nan
     strict = compare(actual, expected + 1.0, rms.layout, max_rms_ratio=0.5)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
+from ._criteria import K
 from ._tables import fmt_float, html_table, text_table
 from .layout import GdnBackwardLayout, gradient_axes, layout_caption
 
@@ -33,11 +34,14 @@ class GradComparison:
     size
         Number of elements.
     rtol, atol
-        The elementwise tolerances used for ``mismatches``.
+        The elementwise tolerances used for ``mismatches`` (for the calibrated criterion,
+        ``rtol=0`` and ``atol`` the largest error allowed).
     max_rms_ratio
         The RMS criterion, or None when the gradient is judged elementwise.
     max_abs_error
-        Max ``|a - e|`` over pairs that are both finite (0.0 when none).
+        Max ``|a - e|`` over pairs that are both finite (0.0 when none); NaN when a
+        non-finite mismatch involves a NaN, else Inf when there is one (as are
+        ``max_rel_error`` and ``rms_ratio``).
     max_rel_error
         Max ``|a - e| / |e|`` over those pairs; ``inf`` when some ``e == 0``
         has ``a != 0``.
@@ -45,7 +49,9 @@ class GradComparison:
         ``rms(a - e) / rms(e)`` over those pairs; 0.0 when both are zero, ``inf``
         when only the reference is.
     mismatches
-        Elements out of elementwise tolerance, non-finite mismatches included.
+        What the criterion counts: elements out of elementwise tolerance (or over the
+        calibrated largest error), non-finite mismatches included; with ``max_rms_ratio``
+        alone, the non-finite mismatches.
     nonfinite_mismatches
         Pairs with a non-finite side that do not match (see the module).
     nan_actual, inf_actual, nan_expected, inf_expected
@@ -71,9 +77,9 @@ class GradComparison:
         binned as ``error_map`` is; ``error_map`` is its maximum over the batch. For plots;
         not part of equality or ``to_dict``.
     mismatch_map
-        How many elements of each cell of ``batch_error_map`` are out of elementwise tolerance
-        (non-finite mismatches included), int64. For plots; not part of equality or
-        ``to_dict``.
+        How many elements of each cell of ``batch_error_map`` ``mismatches`` counts (what
+        the active criterion counts, non-finite mismatches included), int64; its sum is
+        ``mismatches``. For plots; not part of equality or ``to_dict``.
     error_map_bins
         How many positions along each axis of ``error_map`` (and of the last two axes of
         ``batch_error_map``) one cell covers, keeping its largest error: ``(1, 1)`` unless
@@ -81,6 +87,12 @@ class GradComparison:
     batch_bins
         How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
         is so large that a map per batch element would pass 2**20 cells.
+    elementwise
+        Whether ``rtol``/``atol`` applied (with ``max_rms_ratio`` too when it is set).
+    floor, judged_dtype, error_floor_ratio
+        The calibrated criterion's ``(rms, max)`` floors, the dtype they are for, and the
+        larger of ``rms_ratio / floor_rms`` and ``max_abs_error / rms(expected) /
+        floor_max``; None when the gradient was judged by explicit tolerances.
     """
 
     name: str
@@ -109,11 +121,26 @@ class GradComparison:
     mismatch_map: NDArray[np.int64] = field(compare=False, repr=False)
     error_map_bins: tuple[int, int] = field(default=(1, 1), compare=False, repr=False)
     batch_bins: int = field(default=1, compare=False, repr=False)
+    elementwise: bool = True
+    floor: tuple[float, float] | None = None
+    judged_dtype: str | None = None
+    error_floor_ratio: float | None = None
 
     @property
-    def mode(self) -> Literal["elementwise", "rms"]:
-        """How ``passed`` was judged: ``"rms"`` when ``max_rms_ratio`` is set."""
-        return "elementwise" if self.max_rms_ratio is None else "rms"
+    def mode(self) -> Literal["elementwise", "rms", "both", "calibrated"]:
+        """How ``passed`` was judged: ``"calibrated"`` against the floors, ``"rms"`` by
+        ``max_rms_ratio`` alone, ``"both"`` by it and ``rtol``/``atol``, else
+        ``"elementwise"``."""
+        if self.floor is not None:
+            return "calibrated"
+        if self.max_rms_ratio is None:
+            return "elementwise"
+        return "both" if self.elementwise else "rms"
+
+    @property
+    def limit(self) -> float:
+        """The calibrated criterion's bound on :attr:`error_floor_ratio` (see ``K``)."""
+        return K.get(self.judged_dtype or "", math.nan)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -123,9 +150,12 @@ class GradComparison:
     @property
     def criterion(self) -> str:
         """The pass criterion in words, e.g. ``"rtol=1e-05 atol=1e-08"``."""
-        if self.max_rms_ratio is not None:
-            return f"rms ratio<={self.max_rms_ratio:.3g}"
-        return f"rtol={self.rtol:.3g} atol={self.atol:.3g}"
+        if self.floor is not None:
+            return f"error/floor<={self.limit:g} ({self.judged_dtype})"
+        if self.max_rms_ratio is None:
+            return f"rtol={self.rtol:.3g} atol={self.atol:.3g}"
+        rms = f"rms ratio<={self.max_rms_ratio:.3g}"
+        return f"rtol={self.rtol:.3g} atol={self.atol:.3g} {rms}" if self.elementwise else rms
 
     @property
     def exact(self) -> bool:
@@ -138,6 +168,10 @@ class GradComparison:
             return f"{self.name}[]"
         return f"{self.name}[{', '.join(map(str, self.worst))}]"
 
+    def __str__(self) -> str:
+        """The one-line :meth:`summary` with the verdict."""
+        return f"{'ok' if self.passed else 'FAIL'} {self.summary()}"
+
     def summary(self) -> str:
         """One line: the worst element, its values and why the gradient passes or fails."""
         if self.worst is None:
@@ -145,14 +179,23 @@ class GradComparison:
         a, e = self.worst_actual, self.worst_expected
         head = f"{self.where()}: actual {_value(a)} expected {_value(e)}"
         facts = []
-        if self.max_rms_ratio is None:
+        if self.floor is not None:
+            ratio = self.error_floor_ratio
+            verb = "<=" if ratio is not None and ratio <= self.limit else ">"
+            facts.append(
+                f"error/floor {fmt_float(ratio)} {verb} {self.limit:g} "
+                f"(floors for {self.judged_dtype}: rms ratio {self.floor[0]:.3g}, "
+                f"max error {self.floor[1]:.3g} x rms(expected)); "
+                f"{self.mismatches} of {self.size} over the max error"
+            )
+        elif self.max_rms_ratio is None or self.elementwise:
             assert e is not None
             allowed = self.atol + self.rtol * abs(e) if math.isfinite(e) else 0.0
             facts.append(
                 f"{self.mismatches} of {self.size} out of tolerance "
                 f"(|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|; here {allowed:.3g})"
             )
-        else:
+        if self.floor is None and self.max_rms_ratio is not None:
             verb = "<=" if self.rms_ratio <= self.max_rms_ratio else ">"
             facts.append(f"rms ratio {self.rms_ratio:.3g} {verb} {self.max_rms_ratio:.3g}")
         if self.nonfinite_mismatches:
@@ -194,6 +237,10 @@ class GradComparison:
             "worst": None if self.worst is None else list(self.worst),
             "worst_actual": _json_float(self.worst_actual),
             "worst_expected": _json_float(self.worst_expected),
+            "elementwise": self.elementwise,
+            "floor": None if self.floor is None else [_json_float(f) for f in self.floor],
+            "judged_dtype": self.judged_dtype,
+            "error_floor_ratio": _json_float(self.error_floor_ratio),
             "passed": self.passed,
         }
 
@@ -246,36 +293,82 @@ class Comparison:
         verdict = "passed" if self.passed else f"FAILED ({', '.join(self.failed)})"
         return f"compare {verdict}: {layout_caption(self.layout)}"
 
-    def _cells(self) -> list[list[str]]:
-        return [
-            [
-                g.name,
-                str(g.shape),
-                f"{g.actual_dtype}/{g.expected_dtype}",
-                fmt_float(g.max_abs_error),
-                fmt_float(g.max_rel_error),
-                fmt_float(g.rms_ratio),
-                f"{g.mismatches}/{g.size}",
-                f"{g.nan_actual}/{g.nan_expected}",
-                f"{g.inf_actual}/{g.inf_expected}",
-                "-" if g.exact or g.worst is None else str(list(g.worst)),
-                g.criterion,
-                "ok" if g.passed else "FAIL",
-            ]
-            for g in self.grads
+    def _columns(self) -> list[tuple[str, str, list[str]]]:
+        """Every column: header, alignment and one cell per gradient."""
+        gs = self.grads
+        columns = [
+            ("grad", "l", [g.name for g in gs]),
+            ("shape", "l", [str(g.shape) for g in gs]),
+            ("dtypes", "l", [f"{g.actual_dtype}/{g.expected_dtype}" for g in gs]),
+            ("max abs", "r", [fmt_float(g.max_abs_error) for g in gs]),
+            ("max rel", "r", [fmt_float(g.max_rel_error) for g in gs]),
+            ("rms ratio", "r", [fmt_float(g.rms_ratio) for g in gs]),
+            ("error/floor", "r", [fmt_float(g.error_floor_ratio) for g in gs]),
+            ("out/size", "r", [f"{g.mismatches}/{g.size}" for g in gs]),
+            ("nan a/e", "r", [f"{g.nan_actual}/{g.nan_expected}" for g in gs]),
+            ("inf a/e", "r", [f"{g.inf_actual}/{g.inf_expected}" for g in gs]),
+            ("worst", "l", ["-" if g.exact or g.worst is None else str(list(g.worst)) for g in gs]),
+            ("criterion", "l", [g.criterion for g in gs]),
+            ("result", "l", ["ok" if g.passed else "FAIL" for g in gs]),
         ]
+        return columns
+
+    def table(self, *, wide: bool = False, width: int = 100) -> str:
+        """The report as text: a title, the table and, where every gradient shares them, the
+        dtypes and the criterion on a line of their own.
+
+        Unless ``wide``, columns that say nothing here are left out (NaN/Inf counts that are
+        all zero, an error/floor column without a calibrated criterion), then the least useful
+        (``shape``, ``max rel``, ...) until every line fits ``width`` characters; a last line
+        names what was left out. ``wide=True`` shows every column.
+        """
+        columns = self._columns()
+        if wide:
+            return f"{self._title()}\n{_render(columns)}"
+        by_name = {header: cells for header, _, cells in columns}
+        shared = []
+        skip = set()
+        for header in ("dtypes", "criterion"):
+            if len(set(by_name[header])) == 1 and self.grads:
+                shared.append(
+                    by_name[header][0]
+                    if header == "criterion"
+                    else by_name[header][0].replace("/", " against ")
+                )
+                skip.add(header)
+        if all(g.error_floor_ratio is None for g in self.grads):
+            skip.add("error/floor")
+        for header in ("nan a/e", "inf a/e"):
+            if all(cell == "0/0" for cell in by_name[header]):
+                skip.add(header)
+        kept = [c for c in columns if c[0] not in skip]
+        dropped = []
+        for header in _DROP_ORDER:
+            if _width(kept) <= width:
+                break
+            if any(c[0] == header for c in kept):
+                kept = [c for c in kept if c[0] != header]
+                dropped.append(header)
+        lines = [self._title()]
+        if shared:
+            lines.append("; ".join(shared))
+        lines.append(_render(kept))
+        if dropped:
+            lines.append(f"(left out to fit {width} columns: {', '.join(dropped)}; wide shows all)")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
-        return f"{self._title()}\n{text_table(_HEADERS, self._cells(), align=_ALIGN)}"
+        return self.table()
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
 
     def _repr_html_(self) -> str:
+        columns = self._columns()
         return html_table(
-            _HEADERS,
-            self._cells(),
-            align=_ALIGN,
+            [c[0] for c in columns],
+            [list(row) for row in zip(*(c[2] for c in columns), strict=True)],
+            align="".join(c[1] for c in columns),
             caption=self._title(),
             row_styles=["" if g.passed else "background:#fdd" for g in self.grads],
         )
@@ -290,21 +383,17 @@ class Comparison:
         return plot_errors(self, **options)
 
 
-_HEADERS = [
-    "grad",
-    "shape",
-    "dtypes",
-    "max abs",
-    "max rel",
-    "rms ratio",
-    "out/size",
-    "nan a/e",
-    "inf a/e",
-    "worst",
-    "criterion",
-    "result",
-]
-_ALIGN = "lllrrrrrrlll"
+#: The columns a narrow table leaves out first, in that order.
+_DROP_ORDER = ("shape", "max rel", "dtypes", "criterion", "inf a/e", "nan a/e", "max abs")
+
+
+def _render(columns: list[tuple[str, str, list[str]]]) -> str:
+    rows = [list(row) for row in zip(*(c[2] for c in columns), strict=True)]
+    return text_table([c[0] for c in columns], rows, align="".join(c[1] for c in columns))
+
+
+def _width(columns: list[tuple[str, str, list[str]]]) -> int:
+    return max(len(line) for line in _render(columns).splitlines())
 
 
 def _value(x: float | None) -> str:

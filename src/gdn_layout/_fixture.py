@@ -14,9 +14,10 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
+from ._criteria import Floors, decode_floors, encode_floors
 from ._dtypes import resolve
-from ._files import NotRegularFileError, atomic_write, open_regular
-from ._safetensors import Entry, FixtureError, dtype_code, looks_like_safetensors, reason
+from ._files import atomic_write, open_regular
+from ._safetensors import Entry, FixtureError, dtype_code, reason
 from ._version import __version__
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
@@ -28,10 +29,8 @@ __all__ = [
     "Fixture",
     "FixtureError",
     "GdnInputs",
-    "PackedFile",
     "check_seed",
     "load_fixture",
-    "open_packed",
     "resolve_dtype",
     "save_fixture",
 ]
@@ -96,6 +95,9 @@ class Fixture:
     regime: str | None = field(default=None, kw_only=True)
     seed: int | None = field(default=None, kw_only=True)
     compute_dtype: str | None = field(default=None, kw_only=True)
+    #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.compare`):
+    #: ``{dtype: {gradient: (rms, max)}}``, or None.
+    floors: Floors | None = field(default=None, kw_only=True)
     #: The file this fixture was loaded from, and the gdn-layout version that wrote it.
     path: Path | None = field(default=None, kw_only=True)
     writer_version: str | None = field(default=None, kw_only=True)
@@ -172,6 +174,8 @@ class Fixture:
             meta["regime"] = self.regime
         if self.compute_dtype is not None:
             meta["compute_dtype"] = self.compute_dtype
+        if self.floors is not None:
+            meta["floors"] = encode_floors(self.floors)
         return meta
 
 
@@ -310,11 +314,13 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     }
     try:
         seed = int(metadata["seed"]) if "seed" in metadata else None
+        floors = decode_floors(metadata["floors"]) if "floors" in metadata else None
         return Fixture(
             **arrays,
             regime=metadata.get("regime"),
             seed=seed,
             compute_dtype=metadata.get("compute_dtype"),
+            floors=floors,
             path=path,
             writer_version=metadata.get("gdn_layout_version"),
         )
@@ -401,74 +407,3 @@ def _check_entries(entries: list[Entry], layout: GdnBackwardLayout, path: Path) 
 
 
 # -- any packed buffer --------------------------------------------------------------------------
-
-
-class PackedFile(NamedTuple):
-    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``".npy"`` or ``"raw"``;
-    ``layout`` is the one a fixture states, else None."""
-
-    path: str
-    kind: str
-    packed: NDArray[Any]
-    layout: GdnBackwardLayout | None
-
-
-def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
-    """Read a packed buffer lazily (memory-mapped) from a fixture, a .npy or a raw file.
-
-    Parameters
-    ----------
-    path
-        The file. What it holds is known from its first bytes; a damaged fixture or .npy
-        file by its suffix.
-    dtype
-        The dtype of a raw binary file; fixtures and .npy files carry their own.
-
-    Raises
-    ------
-    FileNotFoundError
-        ``path`` does not exist.
-    ValueError
-        The file cannot be read as a packed buffer (:class:`FixtureError` for a fixture, and
-        for a path that is not a regular file or cannot be read).
-    """
-    file = Path(path)
-    try:
-        with open_regular(file) as stream:
-            head = stream.read(9)
-            size = os.fstat(stream.fileno()).st_size
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-    except NotRegularFileError as err:
-        raise FixtureError(str(err)) from None
-    except OSError as err:
-        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
-    kind = _sniff(file, head, size)
-    if kind == "fixture":
-        fixture = load_fixture(path)
-        return PackedFile(path, kind, fixture.packed, fixture.layout)
-    if kind == ".npy":
-        if not head.startswith(b"\x93NUMPY"):
-            raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
-        try:
-            packed = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, EOFError) as error:  # of Python objects, or a damaged header
-            raise ValueError(f"{path}: cannot be read as a packed buffer: {error}") from None
-        return PackedFile(path, kind, packed, None)
-    if dtype is None:
-        raise ValueError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
-    resolved = resolve(dtype, "dtype")
-    if size % resolved.itemsize:
-        raise ValueError(f"{path}: {size} bytes is not a whole number of {resolved.name} elements")
-    raw = np.memmap(path, dtype=resolved, mode="r") if size else np.empty(0, resolved)
-    return PackedFile(path, kind, raw, None)
-
-
-def _sniff(path: Path, head: bytes, size: int) -> str:
-    """What a file holds, from its first bytes; a damaged fixture or .npy by its name."""
-    name = path.name.lower()
-    if head.startswith(b"\x93NUMPY") or name.endswith(".npy"):
-        return ".npy"
-    if looks_like_safetensors(head, size) or name.endswith(".safetensors"):
-        return "fixture"
-    return "raw"

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,27 @@ import numpy as np
 
 from . import reference
 from ._checks import require_matplotlib
+from ._cli_values import (
+    add_file_arguments,
+    add_layout_arguments,
+    dimension,
+    dtype_name,
+    tolerance,
+)
 from ._dtypes import resolve
-from ._fixture import REGIMES, FixtureError, PackedFile, load_fixture, open_packed, save_fixture
-from ._limits import human_bytes as _human
-from ._limits import impossible_arrays, memory_refusal
-from ._progress import Progress as _Progress
+from ._fixture import REGIMES, FixtureError, load_fixture, save_fixture
+from ._limits import human_bytes, impossible_arrays, memory_refusal
+from ._packed import PackedFile, open_packed
+from ._progress import Progress
 from ._stats import grad_stats, grads_text
+from ._version import __version__
 from .compare import compare
 from .generate import make_fixture, write_suite
-from .layout import GRADIENT_NAMES, GdnBackwardLayout, layout_caption, layout_table, layout_text
+from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
+from .suites import MANIFEST, verify_suite
 
 __all__ = ["main"]
-
-_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
 
 
 class UsageError(Exception):
@@ -44,7 +50,9 @@ class UsageError(Exception):
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # said by the command that was given, not by the top-level parser
+        args.subcommands[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         result: int = args.run(args)
     except BrokenPipeError:
@@ -73,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="gdn-layout",
         description="The packed-gradient layout of RLX's GatedDeltaNetBackward.",
     )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {__version__}", help="print the version"
+    )
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
@@ -83,9 +94,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the layout table: name, shape, offset, length and bytes of each "
         "gradient in the packed buffer.",
     )
-    _add_layout_arguments(describe, batch=1, seq=2048, heads=16, state_size=128)
+    add_layout_arguments(describe, batch=1, seq=2048, heads=16, state_size=128)
     describe.add_argument(
-        "--dtype", default="float32", type=_dtype_name, help="for the bytes column (%(default)s)"
+        "--dtype", default="float32", type=dtype_name, help="for the bytes column (%(default)s)"
     )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(run=_describe)
@@ -96,12 +107,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Draw inputs as the op expects them, run the float64 reference forward and "
         "backward, and write inputs, dy, y and the packed gradient to a safetensors file.",
     )
-    _add_layout_arguments(fixture, batch=2, seq=64, heads=3, state_size=16)
+    add_layout_arguments(fixture, batch=2, seq=64, heads=3, state_size=16)
     fixture.add_argument(
-        "--dtype", default="float32", type=_dtype_name, help="of the stored tensors (%(default)s)"
+        "--dtype", default="float32", type=dtype_name, help="of the stored tensors (%(default)s)"
     )
     fixture.add_argument(
-        "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
+        "--seed", type=dimension, default=0, help="of the random inputs (%(default)s)"
     )
     fixture.add_argument(
         "--gate-regime",
@@ -111,13 +122,20 @@ def _parser() -> argparse.ArgumentParser:
         "-exp(A_log)*softplus(a+dt_bias); extreme: g in [-30, -10]",
     )
     target = fixture.add_mutually_exclusive_group(required=True)
-    target.add_argument("-o", "--output", metavar="PATH", help="the fixture file to write")
+    target.add_argument(
+        "-o", "--output", metavar="PATH", help="the fixture file to write (.safetensors)"
+    )
     target.add_argument(
         "--suite",
         metavar="DIR",
         help="write the standard coverage set and its manifest.json into DIR instead",
     )
     fixture.add_argument("--force", action="store_true", help="replace existing files")
+    fixture.add_argument(
+        "--any-suffix",
+        action="store_true",
+        help="write -o PATH even when its name does not end in .safetensors",
+    )
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)
 
@@ -127,8 +145,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Per-gradient shape, dtype, min, max, mean, RMS, NaN and Inf counts of a "
         "fixture, a .npy file or a raw binary file (raw needs --dtype and the layout flags).",
     )
-    inspect.add_argument("path", metavar="PATH")
-    _add_file_arguments(inspect)
+    inspect.add_argument(
+        "path", metavar="PATH", help="a fixture, a safetensors file, a .npy or a raw file"
+    )
+    add_file_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_inspect)
 
@@ -139,9 +159,15 @@ def _parser() -> argparse.ArgumentParser:
         "tolerance, 1 not, 2 for usage or file errors. Each file is a fixture, a .npy or a raw "
         "binary file; a fixture supplies the layout.",
     )
-    compare.add_argument("actual", metavar="ACTUAL")
-    compare.add_argument("expected", metavar="EXPECTED")
-    _add_file_arguments(compare)
+    compare.add_argument(
+        "actual", metavar="ACTUAL", help="the kernel's packed gradient, as a file of any kind"
+    )
+    compare.add_argument(
+        "expected",
+        metavar="EXPECTED",
+        help="the reference: usually a fixture, which brings the layout and the floors",
+    )
+    add_file_arguments(compare)
     for flag, what in (
         ("--rtol", "relative tolerance"),
         ("--atol", "absolute tolerance"),
@@ -149,11 +175,14 @@ def _parser() -> argparse.ArgumentParser:
     ):
         compare.add_argument(
             flag,
-            type=_tolerance,
+            type=tolerance,
             metavar="X|NAME=X,...",
             help=f"{what}: one number, or per gradient, e.g. dq=1e-3,dg=2e-3",
         )
     compare.add_argument("--json", action="store_true", help="print JSON instead of a report")
+    compare.add_argument(
+        "--wide", action="store_true", help="every column, even past 100 characters a line"
+    )
     compare.add_argument(
         "--plot",
         metavar="FILE",
@@ -161,68 +190,30 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.set_defaults(run=_compare)
 
+    verify = commands.add_parser(
+        "verify",
+        help="check a suite's files against its manifest",
+        description="Check every file of a fixture suite against its manifest.json: size, "
+        "SHA-256, layout, regime and seed. Exit status: 0 intact, 1 some files differ (listed), "
+        "2 no readable manifest.",
+    )
+    verify.add_argument("suite", metavar="SUITE", help="the suite's folder")
+    verify.set_defaults(run=_verify)
+
     demo = commands.add_parser(
         "demo",
         help="the whole round trip on a small case, with defaults",
         description="Make a fixture with the float64 reference in a temporary folder, reload it "
         "memory-mapped, unpack it, and compare a float32 recomputation against it.",
     )
-    _add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16, flags=True)
+    add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16, flags=True)
     demo.add_argument(
-        "--seed", type=_dimension, default=0, help="of the random inputs (%(default)s)"
+        "--seed", type=dimension, default=0, help="of the random inputs (%(default)s)"
     )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(run=_demo)
+    parser.set_defaults(subcommands=commands.choices)
     return parser
-
-
-def _add_file_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group(
-        "raw and .npy files", "a fixture carries its own layout and dtype; other files need these"
-    )
-    group.add_argument(
-        "--dtype",
-        type=_dtype_name,
-        help="the dtype of a raw binary file (fixtures and .npy files carry their own)",
-    )
-    group.add_argument("--batch", "-B", type=_dimension)
-    group.add_argument("--seq", "-S", type=_dimension)
-    group.add_argument("--heads", "-H", type=_dimension)
-    group.add_argument("--state-size", "-N", type=_dimension)
-    group.add_argument("--per-channel", action="store_true", default=None)
-    group.add_argument("--carry-state", action="store_true", default=None)
-
-
-def _add_layout_arguments(
-    parser: argparse.ArgumentParser,
-    *,
-    batch: int,
-    seq: int,
-    heads: int,
-    state_size: int,
-    flags: bool = False,
-) -> None:
-    group = parser.add_argument_group("layout")
-    # None marks a flag the user did not give, so that `fixture --suite` can refuse it.
-    parser.set_defaults(layout_defaults=(batch, seq, heads, state_size, flags))
-    for flag, short, default, what in (
-        ("--batch", "-B", batch, "batch size B"),
-        ("--seq", "-S", seq, "sequence length S"),
-        ("--heads", "-H", heads, "heads H"),
-        ("--state-size", "-N", state_size, "state (head) size N"),
-    ):
-        group.add_argument(flag, short, type=_dimension, help=f"{what} (default: {default})")
-    # With flags on by default, --no-per-channel and --no-carry-state turn them off.
-    action = argparse.BooleanOptionalAction if flags else "store_true"
-    group.add_argument(
-        "--per-channel", action=action, default=None, help="gate per key channel: g is [B, S, H, N]"
-    )
-    group.add_argument(
-        "--carry-state",
-        action=action,
-        default=None,
-        help="an initial state is given: dstate is packed",
-    )
 
 
 def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
@@ -255,7 +246,7 @@ def _given_layout_flags(args: argparse.Namespace) -> list[str]:
 
 def _describe(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
-    dtype = resolve(args.dtype, "--dtype")
+    dtype = args.dtype  # a name: byte counts need no optional package, bfloat16's included
     if args.json:
         rows = layout_table(layout, dtype)
         document: dict[str, Any] = {
@@ -283,26 +274,33 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if args.suite is not None:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
-        progress = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
+        progress = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
         paths = write_suite(
             args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
         )
         progress.done()
         total = sum(path.stat().st_size for path in paths)
-        print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({_human(total)})")
+        print(
+            f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({human_bytes(total)})"
+        )
         return 0
+    if not args.any_suffix and not args.output.lower().endswith(".safetensors"):
+        raise UsageError(
+            f"{args.output}: a fixture is a safetensors file; name it *.safetensors "
+            "(or pass --any-suffix)"
+        )
     layout = _layout_from(args)
     if (why := memory_refusal(layout)) is not None:
         raise UsageError(why)
     regime = args.gate_regime or "mixed"
-    progress = _Progress(enabled=not args.quiet and sys.stderr.isatty())
+    progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
     fixture = make_fixture(
         layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
     )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()
     print(
-        f"wrote {path} ({_human(path.stat().st_size)}): {layout!r}, {args.dtype}, "
+        f"wrote {path} ({human_bytes(path.stat().st_size)}): {layout!r}, {args.dtype}, "
         f"gate regime {regime}, seed {args.seed}"
     )
     return 0
@@ -343,17 +341,31 @@ def _compare(args: argparse.Namespace) -> int:
         rtol=args.rtol,
         atol=args.atol,
         max_rms_ratio=args.max_rms_ratio,
+        floors=expected.floors if expected.floors is not None else actual.floors,
     )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result)
+        print(result.table(wide=args.wide))
     if args.plot is not None:
         from .plot import plot_errors
 
         sys.stdout.flush()
         plot_errors(result, path=args.plot)
+        print(f"wrote {args.plot}")
     return 0 if result.passed else 1
+
+
+def _verify(args: argparse.Namespace) -> int:
+    problems = verify_suite(args.suite)
+    if problems:
+        print(f"{args.suite}: {len(problems)} file(s) differ from {MANIFEST}:")
+        for problem in problems:
+            print(f"  {problem}")
+        return 1
+    count = len(json.loads((Path(args.suite) / MANIFEST).read_text())["fixtures"])
+    print(f"{args.suite}: {count} fixtures match {MANIFEST}")
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -367,13 +379,15 @@ def _demo(args: argparse.Namespace) -> int:
         print(layout_text(layout, np.float64))
         stdout = sys.stdout
         stdout.flush()  # the table first, then any progress bar on stderr
-        bar = _Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
+        bar = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
         fixture = make_fixture(
             layout, dtype=np.float64, regime="mixed", seed=args.seed, progress=bar.update
         )
         bar.done()
         save_fixture(path, fixture)
-        print(f"\n2. a float64 reference fixture: {_human(path.stat().st_size)} of safetensors")
+        print(
+            f"\n2. a float64 reference fixture: {human_bytes(path.stat().st_size)} of safetensors"
+        )
         loaded = load_fixture(path)
         mapped = all(isinstance(a, np.memmap) for a in loaded.tensors().values())
         print(f"   reloaded memory-mapped: {mapped}; its gradients, unpacked without a copy:")
@@ -382,8 +396,8 @@ def _demo(args: argparse.Namespace) -> int:
         bar.label = "float32 recomputation"
         recomputed = reference.backward(*loaded.inputs, dtype=np.float32, progress=bar.update)
         bar.done()
-        result = compare(recomputed, loaded.packed, layout, rtol=1e-4, atol=1e-5)
-        print("\n3. a float32 recomputation against it (rtol=1e-4, atol=1e-5):")
+        result = compare(recomputed, loaded.packed, layout, floors=loaded.floors)
+        print("\n3. a float32 recomputation against it, judged against the fixture's floors:")
         print(result)
     return 0 if result.passed else 1
 
@@ -449,44 +463,3 @@ def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:
             f"{layout.total_elems}"
         )
     return unpack(source.packed, layout)
-
-
-def _tolerance(text: str) -> float | dict[str, float]:
-    try:
-        if "=" not in text:
-            _check_tolerances(text, [float(text)])
-            return float(text)
-        pairs = [item.split("=", 1) for item in text.split(",")]
-        named = {name.strip(): float(value) for name, value in pairs}
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number or NAME=NUMBER pairs like dq=1e-3,dg=2e-3, got {text!r}"
-        ) from None
-    if len(named) != len(pairs):
-        raise argparse.ArgumentTypeError(f"a gradient is named twice in {text!r}")
-    _check_tolerances(text, named.values(), named)
-    return named
-
-
-def _check_tolerances(text: str, values: Iterable[float], names: Iterable[str] = ()) -> None:
-    if not set(names) <= set(GRADIENT_NAMES) or not all(0 <= v < math.inf for v in values):
-        raise argparse.ArgumentTypeError(
-            f"expected numbers >= 0 and < inf, for gradients among {', '.join(GRADIENT_NAMES)}, "
-            f"got {text!r}"
-        )
-
-
-def _dtype_name(text: str) -> str:
-    if text not in _DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(_DTYPE_NAMES)}, got {text!r}")
-    return text
-
-
-def _dimension(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value

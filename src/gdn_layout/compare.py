@@ -1,10 +1,28 @@
 """Compare a packed gradient buffer with a reference, gradient by gradient.
 
-Each gradient is judged on its own, either elementwise (``numpy.isclose`` semantics:
-``|a - e| <= atol + rtol * |e|`` for every element) or, when ``max_rms_ratio`` is given for
-it, by the RMS error ratio ``rms(a - e) / rms(e) <= max_rms_ratio``: the figure
-flash-linear-attention gates its kernel tests on, because bf16/f16 kernels cannot meet
-elementwise tolerances. Errors are computed in float64 whatever the two dtypes are.
+Each gradient is judged on its own, by one of these criteria:
+
+calibrated (the default for float32, float16 and bfloat16)
+    A correct kernel differs from the float64 truth by its precision's rounding, whose
+    *floors* a fixture stores per gradient (:attr:`~gdn_layout.Fixture.floors`; pass them as
+    ``floors=``; see :mod:`gdn_layout._criteria`): the RMS error ratio and the largest error
+    over the gradient's RMS of the reference computed in float32 (and rounded to float16 or
+    bfloat16). Judged in the less precise of the two dtypes, a gradient passes when its RMS
+    ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)`` are both at
+    most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16, chosen from
+    measurement (``benchmarks/calibrate_tolerances.py``). ``error_floor_ratio`` is the larger
+    of the two ratios; ``out/size`` counts the elements over the largest error allowed.
+    Without ``floors``, the floors are the largest measured over the suite's first four regimes:
+    float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``, bfloat16 ``(4e-3, 5e-2)``.
+elementwise (``rtol`` or ``atol`` given, and float64 against float64 by default)
+    ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
+    not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:
+    1e-3/1e-5, float32: 1.3e-6/1e-5, float64: 1e-7/1e-7).
+RMS (``max_rms_ratio`` given)
+    ``rms(a - e) / rms(e) <= max_rms_ratio``, the figure flash-linear-attention gates its
+    kernel tests on. Given with ``rtol`` or ``atol``, both criteria apply.
+
+Errors are computed in float64 whatever the two dtypes are.
 
 Non-finite values:
 
@@ -14,8 +32,9 @@ Non-finite values:
 * Every other pair with a non-finite side (NaN against a number, ``inf`` against a number or
   ``-inf``) is a *non-finite mismatch*: it is out of tolerance, has error ``inf`` in the error
   map, and fails its gradient in both modes, since an RMS figure cannot account for it.
-* ``max_abs_error``, ``max_rel_error`` and ``rms_ratio`` are taken over the pairs in which
-  both values are finite; NaN and Inf are counted on each side separately.
+* ``max_abs_error``, ``max_rel_error`` and ``rms_ratio`` are taken over the pairs in which both
+  values are finite, unless there is a non-finite mismatch: then they are NaN (a NaN is
+  involved) or Inf, so that the report shows it. NaN and Inf are counted on each side apart.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -32,39 +51,34 @@ Non-finite values:
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
-from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ._arrays import as_packed
 from ._checks import not_a_layout
 from ._comparison import Comparison, GradComparison
+from ._criteria import (
+    DEFAULT_TOLERANCES,
+    FLOOR_DTYPES,
+    Floors,
+    K,
+    Tolerance,
+    calibration,
+    least_precise,
+    per_grad,
+)
 from ._dtypes import is_floating
 from ._errormap import ErrorMap, chunks
 from ._stats import Norm, rms_ratio_of
-from .layout import GRADIENT_NAMES, GdnBackwardLayout, Segment, layout_caption
+from .layout import GdnBackwardLayout, Segment, layout_caption
 
-__all__ = ["Comparison", "GradComparison", "assert_close", "compare", "error_map"]
+__all__ = ["Comparison", "GradComparison", "K", "as_packed", "assert_close", "compare", "error_map"]
 
-Number = float | np.floating[Any] | np.integer[Any]
-#: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
-Tolerance = Number | Mapping[str, Number]
 _Cell = TypeVar("_Cell", bound=np.generic)
-
-
-#: Default (rtol, atol) by the less precise of the two dtypes, as torch.testing.assert_close
-#: chooses them; longdouble is judged like float64.
-_DEFAULT_TOLERANCES = {
-    "bfloat16": (1.6e-2, 1e-5),
-    "float16": (1e-3, 1e-5),
-    "float32": (1.3e-6, 1e-5),
-    "float64": (1e-7, 1e-7),
-}
-#: Less precise first.
-_PRECISION_RANK = ("bfloat16", "float16", "float32", "float64", "longdouble")
 
 
 def compare(
@@ -76,31 +90,36 @@ def compare(
     atol: Tolerance | None = None,
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
+    floors: Floors | None = None,
 ) -> Comparison:
     """Compare the packed buffer ``actual`` with ``expected`` under ``layout``.
 
     Both must be 1-D float arrays (float16, bfloat16, float32, float64) of length
-    ``layout.total_elems``; their dtypes may differ. ``rtol``, ``atol`` and ``max_rms_ratio``
-    are each a float for every gradient or a mapping from gradient name to float; a name a
-    mapping leaves out gets the default. The default ``rtol``/``atol`` depend on the less
-    precise of the two dtypes (bfloat16: 1.6e-2/1e-5, float16: 1e-3/1e-5, float32:
-    1.3e-6/1e-5, float64: 1e-7/1e-7); a gradient with a ``max_rms_ratio`` is judged by it
-    instead of elementwise. See the module for how NaN and Inf are judged.
+    ``layout.total_elems``, or anything :func:`as_packed` reads as one (a torch tensor, any
+    object with ``__dlpack__`` or ``__array__``); their dtypes may differ. ``rtol``, ``atol``
+    and ``max_rms_ratio`` are each a float for every gradient or a mapping from gradient name
+    to float. A gradient given none of them is judged by the calibrated criterion against
+    ``floors`` (a fixture's :attr:`~gdn_layout.Fixture.floors`, or the defaults); see the
+    module for the criteria and for how NaN and Inf are judged.
 
     Parameters
     ----------
-    actual, expected : numpy.ndarray
+    actual, expected : array_like
         1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
-        elements; their dtypes may differ.
+        elements, or what :func:`as_packed` reads as one; their dtypes may differ.
     layout : GdnBackwardLayout
         The layout of both.
     rtol, atol : float or mapping of str to float, optional
-        Elementwise tolerances, for every gradient or by gradient name; left out, the default
-        of the less precise dtype.
+        Elementwise tolerances, for every gradient or by gradient name; the one left out
+        defaults by the less precise dtype.
     max_rms_ratio : float or mapping of str to float, optional
-        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` instead.
+        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` (and by ``rtol``/``atol``
+        too when either is given).
     equal_nan : bool
         Whether NaN against NaN matches.
+    floors : mapping, optional
+        The precision floors of the calibrated criterion, used for a gradient given none of
+        the three above (:attr:`~gdn_layout.Fixture.floors`); left out, the defaults.
 
     Returns
     -------
@@ -132,28 +151,47 @@ def compare(
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
+    actual = as_packed(actual, "actual")
+    expected = as_packed(expected, "expected")
     _check_buffer("actual", actual, layout)
     _check_buffer("expected", expected, layout)
     actual, expected = np.asarray(actual), np.asarray(expected)
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
-    default_rtol, default_atol = _default_tolerances(actual.dtype, expected.dtype)
-    rtols = _per_grad("rtol", rtol)
-    atols = _per_grad("atol", atol)
-    rms_limits = _per_grad("max_rms_ratio", max_rms_ratio)
-    grads = tuple(
-        _compare_grad(
-            seg,
-            actual[seg.offset : seg.offset + seg.length],
-            expected[seg.offset : seg.offset + seg.length],
-            rtols.get(seg.name, default_rtol),
-            atols.get(seg.name, default_atol),
-            rms_limits.get(seg.name),
-            bool(equal_nan),
+    judged = least_precise(actual.dtype, expected.dtype)
+    default_rtol, default_atol = DEFAULT_TOLERANCES.get(judged, DEFAULT_TOLERANCES["float64"])
+    rtols = per_grad("rtol", rtol)
+    atols = per_grad("atol", atol)
+    rms_limits = per_grad("max_rms_ratio", max_rms_ratio)
+    grads = []
+    for seg in layout.segments():
+        a = actual[seg.offset : seg.offset + seg.length]
+        e = expected[seg.offset : seg.offset + seg.length]
+        given = [d.get(seg.name) for d in (rtols, atols, rms_limits)]
+        if given == [None, None, None] and judged in FLOOR_DTYPES:
+            c = calibration(floors, judged, seg.name, e)
+            result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, bool(equal_nan))
+            ratio = c.ratio(result.rms_ratio, result.max_abs_error)
+            grads.append(
+                dataclasses.replace(
+                    result, floor=c.floor, judged_dtype=judged, error_floor_ratio=ratio
+                )
+            )
+            continue
+        r, t, m = given
+        grads.append(
+            _compare_grad(
+                seg,
+                a,
+                e,
+                default_rtol if r is None else r,
+                default_atol if t is None else t,
+                m,
+                bool(equal_nan),
+                elementwise=m is None or r is not None or t is not None,
+            )
         )
-        for seg in layout.segments()
-    )
-    return Comparison(layout, grads)
+    return Comparison(layout, tuple(grads))
 
 
 def assert_close(
@@ -165,6 +203,7 @@ def assert_close(
     atol: Tolerance | None = None,
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
+    floors: Floors | None = None,
 ) -> Comparison:
     """:func:`compare`, raising AssertionError naming each failing gradient; for pytest.
 
@@ -172,18 +211,8 @@ def assert_close(
 
     Parameters
     ----------
-    actual, expected : numpy.ndarray
-        1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
-        elements; their dtypes may differ.
-    layout : GdnBackwardLayout
-        The layout of both.
-    rtol, atol : float or mapping of str to float, optional
-        Elementwise tolerances, for every gradient or by gradient name; left out, the default
-        of the less precise dtype.
-    max_rms_ratio : float or mapping of str to float, optional
-        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` instead.
-    equal_nan : bool
-        Whether NaN against NaN matches.
+    actual, expected, layout, rtol, atol, max_rms_ratio, equal_nan, floors
+        As for :func:`compare`.
 
     Returns
     -------
@@ -222,6 +251,7 @@ def assert_close(
         atol=atol,
         max_rms_ratio=max_rms_ratio,
         equal_nan=equal_nan,
+        floors=floors,
     )
     if not result.passed:
         lines = [
@@ -333,36 +363,6 @@ def _check_plain_values(which: str, buffer: np.ndarray[Any, Any], func: str) -> 
         )
 
 
-def _default_tolerances(*dtypes: np.dtype[Any]) -> tuple[float, float]:
-    names = [d.name if d.name in _PRECISION_RANK else "float64" for d in dtypes]
-    least = min(names, key=_PRECISION_RANK.index)
-    return _DEFAULT_TOLERANCES.get(least, _DEFAULT_TOLERANCES["float64"])
-
-
-def _number(what: str, value: object) -> float:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise TypeError(f"compare: {what} must be a float, got {type(value).__name__} {value!r}")
-    number = float(value)
-    if not number >= 0 or math.isinf(number):
-        raise ValueError(f"compare: {what} must be a finite float >= 0, got {value!r}")
-    return number
-
-
-def _per_grad(what: str, value: Tolerance | None) -> dict[str, float]:
-    """The values given for ``what``, by gradient name; names left out are absent."""
-    if value is None:
-        return {}
-    if isinstance(value, Mapping):
-        unknown = sorted(str(k) for k in value if k not in GRADIENT_NAMES)
-        if unknown:
-            raise ValueError(
-                f"compare: {what} has unknown gradient names {unknown}; "
-                f"expected names among {', '.join(GRADIENT_NAMES)}"
-            )
-        return {name: _number(f"{what}[{name!r}]", value[name]) for name in value}
-    return dict.fromkeys(GRADIENT_NAMES, _number(what, value))
-
-
 # -- the comparison itself -----------------------------------------------------------------
 
 
@@ -374,6 +374,8 @@ def _compare_grad(
     atol: float,
     max_rms_ratio: float | None,
     equal_nan: bool,
+    *,
+    elementwise: bool = True,
 ) -> GradComparison:
     name, shape = seg.name, seg.shape
     # Chunks of elements, never of rows: a dstate row alone is N * N elements. The per-batch
@@ -382,7 +384,7 @@ def _compare_grad(
     emap = ErrorMap(shape)
     transpose = seg.axes[1] == "h"
 
-    nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = 0
+    nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = bad_nan = 0
     max_abs = max_rel = 0.0
     # |a - e| of two finite values overflows past the largest float; such pairs go into
     # norm_half as |a/2 - e/2|, so that the RMS ratio stays exact up to the largest values.
@@ -390,7 +392,6 @@ def _compare_grad(
     best = -math.inf
     worst_index: int | None = None
     worst_a = worst_e = 0.0
-    elementwise = max_rms_ratio is None
 
     for start, stop in chunks(shape):
         a = actual[start:stop].astype(np.float64)
@@ -412,12 +413,14 @@ def _compare_grad(
             matched = bad & ((a == e) | (equal_nan & a_nan & e_nan))
             bad &= ~matched
             bad_count += int(bad.sum())
+            bad_nan += int((bad & (a_nan | e_nan)).sum())
             diff_map = np.where(bad, np.inf, diff)
         else:
             diff_map = diff
         allowed = atol + rtol * abs_e
         out = (diff > allowed) | bad
-        mismatches += int(out.sum())
+        counted = out if elementwise else bad  # what the criterion counts, element by element
+        mismatches += int(counted.sum())
         if finite.any():
             max_abs = max(max_abs, float(diff.max()))
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -439,14 +442,14 @@ def _compare_grad(
             best = float(score[local])
             worst_index = start + local
             worst_a, worst_e = float(a[local]), float(e[local])
-        emap.update(start, diff_map, out)
+        emap.update(start, diff_map, counted)
 
     rms_ratio = rms_ratio_of(norm_diff, norm_half, norm_exp)
-    if elementwise:
-        passed = mismatches == 0
-    else:
-        assert max_rms_ratio is not None
-        passed = bad_count == 0 and rms_ratio <= max_rms_ratio
+    if bad_count:  # the error of a non-finite mismatch is NaN (or Inf), whatever the rest is
+        max_abs = max_rel = rms_ratio = math.nan if bad_nan else math.inf
+    passed = bad_count == 0 and mismatches == 0
+    if max_rms_ratio is not None:
+        passed = passed and rms_ratio <= max_rms_ratio
     worst = (
         None if worst_index is None else tuple(int(i) for i in np.unravel_index(worst_index, shape))
     )
@@ -481,6 +484,7 @@ def _compare_grad(
         mismatch_map=_read_only(counts),
         error_map_bins=(bins[2], bins[1]) if transpose else (bins[1], bins[2]),
         batch_bins=bins[0],
+        elementwise=elementwise,
     )
 
 

@@ -16,6 +16,11 @@ order. Its ``__metadata__`` (string values only) records:
 ``seed``, ``regime``, ``compute_dtype``
     how the data was made, when known: the seed and gate regime of :func:`draw_inputs`, and
     the dtype the reference computed ``y`` and ``packed`` in.
+``floors``
+    the precision floors of each gradient for float32, float16 and bfloat16, as JSON
+    ``{dtype: {gradient: [rms, max]}}``, measured by :func:`make_fixture`; what
+    :func:`~gdn_layout.compare` judges a kernel against (see :mod:`gdn_layout.compare`).
+    Files without it load as before.
 
 The record and its files are in :mod:`gdn_layout._fixture`, the format in
 :mod:`gdn_layout._safetensors` and generation in :mod:`gdn_layout.generate`; this module
@@ -52,11 +57,10 @@ from ._fixture import (
     Fixture,
     FixtureError,
     GdnInputs,
-    PackedFile,
     load_fixture,
-    open_packed,
     save_fixture,
 )
+from ._packed import PackedFile, open_packed
 from .generate import draw_inputs, make_fixture, write_suite
 
 __all__ = [

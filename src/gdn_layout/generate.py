@@ -21,6 +21,7 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import reference
 from ._checks import not_a_layout
+from ._criteria import measure_floors
 from ._files import atomic_write, install_folder, remove_abandoned, temporary_name
 from ._fixture import (
     FORMAT,
@@ -170,12 +171,18 @@ def make_fixture(
     regime: str = "mixed",
     seed: int = 0,
     progress: Callable[[float], object] | None = None,
+    calibrate: bool = True,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
     The reference runs in float64 on the inputs as stored (already cast to ``dtype``), and its
     results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
     inputs, up to that final rounding. ``progress`` is passed to the reference backward.
+
+    With ``calibrate=True`` (the default) the reference also runs in float32 on the stored
+    inputs, and the precision floors of every gradient (float32, and float16 and bfloat16 by
+    rounding that result) are measured against the float64 result and kept in
+    :attr:`Fixture.floors`; :func:`~gdn_layout.compare` judges against them.
 
     Parameters
     ----------
@@ -187,11 +194,15 @@ def make_fixture(
         As for :func:`draw_inputs`.
     progress : callable, optional
         Called with the fraction of the backward done.
+    calibrate : bool
+        Whether to measure the precision floors (below) and keep them in
+        :attr:`Fixture.floors`.
 
     Returns
     -------
     Fixture
-        With ``regime``, ``seed`` and ``compute_dtype="float64"`` recorded.
+        With ``regime``, ``seed``, ``compute_dtype="float64"`` and, when calibrated, the
+        floors recorded.
 
     Raises
     ------
@@ -213,6 +224,10 @@ def make_fixture(
     if isinstance(y, tuple):  # (y, final_state) when the state is carried
         y = y[0]
     packed = reference.backward(*wide, dtype=np.float64, progress=progress)
+    floors = None
+    if calibrate:
+        low = reference.backward(*x, dtype=np.float32)
+        floors = measure_floors(low, packed, layout)
     target = x.q.dtype
     return Fixture(
         *x,
@@ -221,6 +236,7 @@ def make_fixture(
         regime=regime,
         seed=int(seed),
         compute_dtype="float64",
+        floors=floors,
     )
 
 

@@ -17,7 +17,7 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 from ._checks import check_shape, dimension, flag, not_a_layout, shape_of, usize_product, usize_sum
-from ._dtypes import resolve
+from ._dtypes import dtype_name, itemsize
 from ._tables import html_table, text_table
 
 if TYPE_CHECKING:
@@ -281,7 +281,7 @@ class GdnBackwardLayout:
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
         """
-        return self.total_elems * resolve(dtype, "nbytes: dtype").itemsize
+        return self.total_elems * itemsize(dtype, "nbytes: dtype")
 
     def __str__(self) -> str:
         """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
@@ -444,9 +444,9 @@ def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> li
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout)
-    itemsize = resolve(dtype, "dtype").itemsize
+    size = itemsize(dtype, "dtype")
     return [
-        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * itemsize)
+        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * size)
         for seg in layout.segments()
     ]
 
@@ -484,7 +484,7 @@ def _table(layout: GdnBackwardLayout, dtype: DTypeLike) -> tuple[list[list[str]]
     rows = layout_table(layout, dtype)
     body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
     body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
-    return body, f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}"
+    return body, f"{layout_caption(layout)}; {dtype_name(dtype, 'dtype')}"
 
 
 def layout_caption(layout: GdnBackwardLayout) -> str:

@@ -184,11 +184,13 @@ def plot_errors(
 
     * ``batch``: None (the default) takes the largest error over the batch; an index
       ``0 <= batch < B`` shows that batch element alone.
-    * Cells holding an element out of the gradient's elementwise tolerance are outlined in red
-      (shaded red instead when there are too many to outline; not for a gradient judged by its
-      RMS ratio, which has no per-element verdict); cells holding a NaN or Inf mismatch are
-      filled magenta, a colour the colour map (viridis) never uses. A legend under the panels
-      explains the marks present.
+    * Cells holding an element its criterion counts out (``out/size`` of the table: out of
+      the elementwise tolerance, or over the calibrated criterion's largest error) are
+      outlined in red (shaded red instead when there are too many to outline; not for a
+      gradient judged by its RMS ratio alone, which has no per-element verdict); cells holding
+      a NaN or Inf mismatch are filled magenta, a colour the colour map (viridis) never uses.
+      A legend under the panels explains the marks present. A failing calibrated gradient's
+      title gives its ``error/floor`` against the limit.
     * ``names`` picks the panels; by default every gradient, or only the failing ones when
       something failed (``only_failed`` overrides that: True keeps only failing gradients when
       there are any, False draws them all).
@@ -302,14 +304,19 @@ def _heatmap(
         last = min(first + grad.batch_bins, grad.shape[0]) - 1
         reduced.insert(0, f"b={first}..{last} (binned)")
     over = f"max |a-e| over {', '.join(reduced)}" if reduced else "|a-e|"
-    outlined = grad.max_rms_ratio is None  # an RMS-judged gradient has no per-element verdict
-    if not grad.passed and outlined:
+    outlined = grad.elementwise  # judged by its RMS ratio alone: no per-element verdict
+    ratio = f"error/floor {fmt_float(grad.error_floor_ratio)} > {grad.limit:g}"
+    if not grad.passed and outlined and grad.mismatches:
         head = f"{grad.name} FAIL: {grad.mismatches} of {grad.size} out"
         if grad.worst is not None:
             head += f", worst [{', '.join(map(str, grad.worst))}]"
+        if grad.floor is not None:  # the calibrated verdict on a line of its own
+            head += f"\n{ratio}"
     elif not grad.passed and grad.nonfinite_mismatches:
         n = grad.nonfinite_mismatches
         head = f"{grad.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
+    elif not grad.passed and grad.floor is not None:
+        head = f"{grad.name} FAIL: {ratio}"
     elif not grad.passed:
         head = f"{grad.name} FAIL: rms ratio {fmt_float(grad.rms_ratio)} > {grad.max_rms_ratio:.3g}"
     else:

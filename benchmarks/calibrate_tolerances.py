@@ -1,0 +1,169 @@
+"""Measure the calibrated criterion: floors, correct kernels against them, injected bugs.
+
+Writes the standard suite in float32, float16 and bfloat16 into a temporary folder, then for
+every case compares correct kernels (the reference in float32, chunked and step by step, its
+output rounded to float16 and bfloat16) and three injected bugs (one wrong element, two heads
+swapped, the state dropped at a chunk boundary) with the default, calibrated criterion.
+Prints the largest error/floor ratio of each correct kernel, the smallest of each bug on the
+gradients it touches, and how many cases each passes or fails.
+
+    python benchmarks/calibrate_tolerances.py
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from numpy.typing import NDArray
+
+from gdn_layout import Comparison, GdnBackwardLayout, compare, unpack
+from gdn_layout._criteria import K
+from gdn_layout.fixtures import Fixture, load_fixture, write_suite
+from gdn_layout.reference import backward
+
+Kernel = Callable[[Fixture], NDArray[Any] | None]
+
+
+def f32(fx: Fixture) -> NDArray[Any]:
+    return backward(*fx.inputs, dtype=np.float32)
+
+
+def f32_recurrent(fx: Fixture) -> NDArray[Any]:
+    return backward(*fx.inputs, dtype=np.float32, method="recurrent")
+
+
+def cast(dtype: Any) -> Kernel:
+    return lambda fx: f32(fx).astype(dtype)
+
+
+def wrong_element(fx: Fixture) -> NDArray[Any]:
+    out = f32(fx)
+    dk = unpack(out, fx.layout).dk
+    if dk.size == 0:
+        return out
+    flat = dk.reshape(-1)
+    flat[flat.size // 2] += float(np.sqrt(np.mean(np.square(flat, dtype=np.float64))))
+    return out
+
+
+def swapped_heads(fx: Fixture) -> NDArray[Any] | None:
+    if fx.layout.heads < 2:
+        return None
+    out = f32(fx)
+    dv = unpack(out, fx.layout).dv
+    dv[:, :, [0, 1]] = dv[:, :, [1, 0]]
+    return out
+
+
+def dropped_state(fx: Fixture) -> NDArray[Any] | None:
+    """A chunked kernel that forgets the state at the boundary ``S // 2``."""
+    layout, x = fx.layout, fx.inputs
+    cut = layout.seq // 2
+    if cut == 0:
+        return None
+    q, k, v, g, beta, dy = (np.asarray(a) for a in x[:6])
+    head = backward(
+        q[:, :cut],
+        k[:, :cut],
+        v[:, :cut],
+        g[:, :cut],
+        beta[:, :cut],
+        dy[:, :cut],
+        x.state,
+        dtype=np.float32,
+    )
+    tail = backward(
+        q[:, cut:],
+        k[:, cut:],
+        v[:, cut:],
+        g[:, cut:],
+        beta[:, cut:],
+        dy[:, cut:],
+        dtype=np.float32,
+    )
+    first = unpack(head, GdnBackwardLayout.from_inputs(x.q[:, :cut], x.g[:, :cut], x.state))
+    second = unpack(tail, GdnBackwardLayout.from_inputs(x.q[:, cut:], x.g[:, cut:]))
+    out = np.empty(layout.total_elems, np.float32)
+    grads = unpack(out, layout)
+    for name in ("dq", "dk", "dv", "dg", "dbeta"):
+        target = getattr(grads, name)
+        target[:, :cut] = getattr(first, name)
+        target[:, cut:] = getattr(second, name)
+    if grads.dstate is not None:
+        grads.dstate[...] = first.dstate
+    return out
+
+
+CORRECT = {
+    "float32 (chunked)": f32,
+    "float32 (step by step)": f32_recurrent,
+    "float16 output": cast(np.float16),
+    "bfloat16 output": cast(ml_dtypes.bfloat16),
+}
+BUGS = {
+    "one wrong element (dk += rms)": (wrong_element, ("dk",)),
+    "heads 0 and 1 of dv swapped": (swapped_heads, ("dv",)),
+    "state dropped at S//2": (dropped_state, None),
+}
+
+
+def _ratio(result: Comparison, name: str) -> float:
+    ratio = result[name].error_floor_ratio
+    return float("nan") if ratio is None else ratio
+
+
+def main() -> None:
+    print(f"K = {K}")
+    for dtype in ("float32", "float16", "bfloat16"):
+        with tempfile.TemporaryDirectory() as folder:
+            paths = write_suite(folder, dtype=dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
+            fixtures = [load_fixture(p) for p in paths]
+            print(f"\n== {dtype} suite: {len(fixtures)} cases")
+            worst_floor: dict[str, dict[str, float]] = {}
+            for fx in fixtures:
+                assert fx.floors is not None
+                for d, per in fx.floors.items():
+                    for rms, peak in per.values():
+                        w = worst_floor.setdefault(d, {"rms": 0.0, "max": 0.0})
+                        w["rms"], w["max"] = max(w["rms"], rms), max(w["max"], peak)
+            for d, w in worst_floor.items():
+                print(f"largest floor for {d}: rms {w['rms']:.3g}, max {w['max']:.3g}")
+            for label, kernel in CORRECT.items():
+                ratios, failed = [], 0
+                for fx in fixtures:
+                    out = kernel(fx)
+                    assert out is not None
+                    result = compare(out, fx.packed, fx.layout, floors=fx.floors)
+                    failed += not result.passed
+                    ratios += [_ratio(result, g.name) for g in result.grads if g.size]
+                print(
+                    f"correct {label:24s} failed {failed:3d}/{len(fixtures)}; error/floor "
+                    f"median {np.median(ratios):.3g}, max {max(ratios):.3g}"
+                )
+            for label, (kernel, touched) in BUGS.items():
+                for out_dtype in ("float32", "bfloat16"):
+                    counted = failed = 0
+                    least = float(np.inf)
+                    for fx in fixtures:
+                        out = kernel(fx)
+                        if out is None:
+                            continue
+                        if out_dtype == "bfloat16":
+                            out = out.astype(ml_dtypes.bfloat16)
+                        counted += 1
+                        result = compare(out, fx.packed, fx.layout, floors=fx.floors)
+                        failed += not result.passed
+                        names = touched or result.names
+                        least = min(least, max(_ratio(result, n) for n in names))
+                    print(
+                        f"bug {label:30s} {out_dtype:8s} failed {failed:3d}/{counted}; "
+                        f"smallest error/floor {least:.3g}"
+                    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The command line's argument types (tolerances, dtype names, dimensions) and the flag
+groups several commands share."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Iterable
+
+from ._dtypes import SPELLINGS, canonical_name
+from .layout import GRADIENT_NAMES
+
+__all__ = [
+    "add_file_arguments",
+    "add_layout_arguments",
+    "dimension",
+    "dtype_name",
+    "tolerance",
+]
+
+
+def tolerance(text: str) -> float | dict[str, float]:
+    try:
+        if "=" not in text:
+            _check_tolerances(text, [float(text)])
+            return float(text)
+        pairs = [item.split("=", 1) for item in text.split(",")]
+        named = {name.strip(): float(value) for name, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or NAME=NUMBER pairs like dq=1e-3,dg=2e-3, got {text!r}"
+        ) from None
+    if len(named) != len(pairs):
+        raise argparse.ArgumentTypeError(f"a gradient is named twice in {text!r}")
+    _check_tolerances(text, named.values(), named)
+    return named
+
+
+def _check_tolerances(text: str, values: Iterable[float], names: Iterable[str] = ()) -> None:
+    if not set(names) <= set(GRADIENT_NAMES) or not all(0 <= v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected numbers >= 0 and < inf, for gradients among {', '.join(GRADIENT_NAMES)}, "
+            f"got {text!r}"
+        )
+
+
+def dtype_name(text: str) -> str:
+    """A floating dtype in any common spelling (``bf16``, ``F32``, ``half``, ...), as its NumPy
+    name."""
+    name = canonical_name(text)
+    if name is None:
+        spellings = "; ".join("/".join(aliases) for aliases in SPELLINGS.values())
+        raise argparse.ArgumentTypeError(
+            f"expected a floating dtype ({spellings}, in any case), got {text!r}"
+        )
+    return name
+
+
+def dimension(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
+    return value
+
+
+def add_file_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say what a .npy, plain safetensors or raw file holds."""
+    group = parser.add_argument_group(
+        "other files",
+        "a fixture carries its own layout and dtype; a .npy, a plain safetensors file (its "
+        "tensor 'packed', or its only one) or a raw file takes the layout from these flags or "
+        "from the fixture it is compared with",
+    )
+    group.add_argument(
+        "--dtype",
+        type=dtype_name,
+        help="the dtype of a raw binary file (fixtures and .npy files carry their own)",
+    )
+    group.add_argument("--batch", "-B", type=dimension, help="batch size B")
+    group.add_argument("--seq", "-S", type=dimension, help="sequence length S")
+    group.add_argument("--heads", "-H", type=dimension, help="heads H")
+    group.add_argument("--state-size", "-N", type=dimension, help="state (head) size N")
+    group.add_argument(
+        "--per-channel",
+        action="store_true",
+        default=None,
+        help="the gate is per key channel: dg is [B, S, H, N]",
+    )
+    group.add_argument(
+        "--carry-state", action="store_true", default=None, help="dstate is packed last"
+    )
+
+
+def add_layout_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    state_size: int,
+    flags: bool = False,
+) -> None:
+    """The layout flags of the commands that make a layout, with their defaults."""
+    group = parser.add_argument_group("layout")
+    # None marks a flag the user did not give, so that `fixture --suite` can refuse it.
+    parser.set_defaults(layout_defaults=(batch, seq, heads, state_size, flags))
+    for flag, short, default, what in (
+        ("--batch", "-B", batch, "batch size B"),
+        ("--seq", "-S", seq, "sequence length S"),
+        ("--heads", "-H", heads, "heads H"),
+        ("--state-size", "-N", state_size, "state (head) size N"),
+    ):
+        group.add_argument(flag, short, type=dimension, help=f"{what} (default: {default})")
+    # With flags on by default, --no-per-channel and --no-carry-state turn them off.
+    action = argparse.BooleanOptionalAction if flags else "store_true"
+    group.add_argument(
+        "--per-channel", action=action, default=None, help="gate per key channel: g is [B, S, H, N]"
+    )
+    group.add_argument(
+        "--carry-state",
+        action=action,
+        default=None,
+        help="an initial state is given: dstate is packed",
+    )

@@ -1,0 +1,126 @@
+"""A pytest plugin: the cases of a fixture suite as the parameters of a ``gdn_case`` fixture.
+
+Installed with gdn-layout (through the ``pytest11`` entry point) and idle until asked:
+
+``pytest --gdn-suite DIR``
+    every test that takes ``gdn_case`` runs once per case of the suite in ``DIR``
+    (:func:`gdn_layout.suites.load_suite`, which checks the manifest first), with the case's
+    name as the test id;
+``pytest --gdn-layout B,S,H,N[,channel][,state]``
+    the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
+    computed by the reference when the tests are collected, in ``--gdn-dtype``
+    (float32 by default) with ``--gdn-seed``.
+
+Without either option a test that takes ``gdn_case`` is skipped. A kernel test is then::
+
+    def test_my_kernel(gdn_case):
+        gdn_case.check(my_backward(*gdn_case.inputs))
+
+:meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
+and the coordinates of its worst element; the criterion is the calibrated one unless
+tolerances are passed to it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .suites import Case
+
+__all__ = ["gdn_case"]
+
+_CASES = pytest.StashKey[list[Case]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gdn-layout", "kernel test cases of gdn-layout")
+    group.addoption(
+        "--gdn-suite",
+        metavar="DIR",
+        help="parametrize the gdn_case fixture over the cases of the fixture suite in DIR",
+    )
+    group.addoption(
+        "--gdn-layout",
+        metavar="B,S,H,N[,channel][,state]",
+        help="parametrize gdn_case over cases computed now for this layout (no suite needed)",
+    )
+    group.addoption(
+        "--gdn-regime",
+        choices=("zero", "mild", "strong", "mixed", "qwen", "extreme"),
+        help="with --gdn-layout: only this gate regime (default: every one)",
+    )
+    group.addoption(
+        "--gdn-dtype", default="float32", help="with --gdn-layout: the cases' dtype (float32)"
+    )
+    group.addoption(
+        "--gdn-seed", type=int, default=0, help="with --gdn-layout: the inputs' seed (0)"
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    suite = config.getoption("gdn_suite", None)
+    spec = config.getoption("gdn_layout", None)
+    if suite is None and spec is None:
+        return
+    if suite is not None and spec is not None:
+        raise pytest.UsageError("--gdn-suite and --gdn-layout: give one of them")
+    from ._fixture import FixtureError
+
+    try:
+        if suite is not None:
+            from .suites import load_suite
+
+            cases = load_suite(suite)
+        else:
+            cases = _layout_cases(config, spec)
+    except (FixtureError, ValueError, TypeError, ImportError) as err:
+        raise pytest.UsageError(f"gdn-layout: {err}") from None
+    config.stash[_CASES] = cases
+
+
+def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
+    from .fixtures import REGIMES
+    from .layout import GdnBackwardLayout
+    from .suites import make_case
+
+    parts = [p.strip().lower() for p in spec.split(",")]
+    flags = set(parts[4:])
+    if len(parts) < 4 or not flags <= {"channel", "state"}:
+        raise ValueError(f"--gdn-layout expects B,S,H,N[,channel][,state], got {spec!r}")
+    try:
+        dims = [int(p) for p in parts[:4]]
+    except ValueError:
+        raise ValueError(f"--gdn-layout expects four integers first, got {spec!r}") from None
+    batch, seq, heads, state_size = dims
+    layout = GdnBackwardLayout(
+        batch,
+        seq,
+        heads,
+        state_size,
+        gate_per_channel="channel" in flags,
+        carry_state="state" in flags,
+    )
+    regime = config.getoption("gdn_regime")
+    regimes = REGIMES if regime is None else (regime,)
+    dtype = config.getoption("gdn_dtype")
+    seed = config.getoption("gdn_seed")
+    return [make_case(layout, dtype=dtype, regime=r, seed=seed) for r in regimes]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "gdn_case" not in metafunc.fixturenames:
+        return
+    cases = metafunc.config.stash.get(_CASES, None)
+    if cases is not None:
+        metafunc.parametrize("gdn_case", cases, ids=[c.name for c in cases], indirect=True)
+
+
+@pytest.fixture
+def gdn_case(request: pytest.FixtureRequest) -> Any:
+    """One case of the suite given by ``--gdn-suite`` (or of ``--gdn-layout``): a
+    :class:`gdn_layout.suites.Case` with ``inputs``, ``expected``, ``layout`` and ``check``."""
+    if not hasattr(request, "param"):
+        pytest.skip("gdn_case needs --gdn-suite DIR or --gdn-layout B,S,H,N")
+    return request.param

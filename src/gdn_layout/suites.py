@@ -1,0 +1,238 @@
+"""Suites of fixtures as test cases: read a suite's manifest, check it, and judge a kernel.
+
+A suite is a folder written by :func:`gdn_layout.generate.write_suite` (``gdn-layout fixture
+--suite DIR``): fixture files and a ``manifest.json`` listing each with its layout, regime,
+seed, size and SHA-256. :func:`load_suite` checks every file against the manifest and returns
+one :class:`Case` per fixture; :meth:`Case.check` compares a kernel's packed output with the
+case's expected gradient and raises an AssertionError with the comparison table when it
+differs. :func:`make_case` builds a case without a suite, from a layout.
+
+>>> import numpy as np
+>>> from gdn_layout import GdnBackwardLayout
+>>> from gdn_layout.reference import backward
+>>> case = make_case(GdnBackwardLayout(1, 8, 2, 4, carry_state=True), regime="mild", seed=3)
+>>> case.name, case.expected.shape
+('b1s8h2n4-scalar-state-mild-seed3', (256,))
+>>> result = case.check(backward(*case.inputs, dtype=np.float32))
+>>> result.passed
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from numpy.typing import DTypeLike, NDArray
+
+from ._comparison import Comparison
+from ._criteria import Tolerance
+from ._fixture import Fixture, FixtureError, GdnInputs, load_fixture
+from .compare import compare
+from .generate import make_fixture
+from .layout import GdnBackwardLayout, layout_caption
+
+__all__ = ["MANIFEST", "Case", "load_suite", "make_case", "verify_suite"]
+
+#: The name of a suite's manifest, in the suite's folder.
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """One test case of a suite: a fixture and the name a test runner shows for it.
+
+    ``inputs`` are ``q, k, v, g, beta, dy, state`` in the reference's argument order (so
+    ``backward(*case.inputs)`` works) and ``expected`` is the packed float64-reference gradient,
+    in the fixture's dtype.
+    """
+
+    name: str
+    fixture: Fixture = field(repr=False)
+
+    @property
+    def layout(self) -> GdnBackwardLayout:
+        return self.fixture.layout
+
+    @property
+    def inputs(self) -> GdnInputs:
+        return self.fixture.inputs
+
+    @property
+    def expected(self) -> NDArray[Any]:
+        return self.fixture.packed
+
+    @property
+    def regime(self) -> str | None:
+        return self.fixture.regime
+
+    @property
+    def seed(self) -> int | None:
+        return self.fixture.seed
+
+    @property
+    def path(self) -> Path | None:
+        return self.fixture.path
+
+    def compare(
+        self,
+        actual: object,
+        *,
+        rtol: Tolerance | None = None,
+        atol: Tolerance | None = None,
+        max_rms_ratio: Tolerance | None = None,
+    ) -> Comparison:
+        """:func:`~gdn_layout.compare` of ``actual`` (any array: NumPy, torch, anything with
+        ``__dlpack__`` or ``__array__``) with the expected gradient, against the fixture's
+        floors unless tolerances are given."""
+        return compare(
+            actual,  # type: ignore[arg-type]
+            self.expected,
+            self.layout,
+            rtol=rtol,
+            atol=atol,
+            max_rms_ratio=max_rms_ratio,
+            floors=self.fixture.floors,
+        )
+
+    def check(
+        self,
+        actual: object,
+        *,
+        rtol: Tolerance | None = None,
+        atol: Tolerance | None = None,
+        max_rms_ratio: Tolerance | None = None,
+    ) -> Comparison:
+        """:meth:`compare`, raising AssertionError with the table and the worst element of
+        each failing gradient; returns the comparison when every gradient passes."""
+        __tracebackhide__ = True  # pytest shows the caller's line, not this one
+        result = self.compare(actual, rtol=rtol, atol=atol, max_rms_ratio=max_rms_ratio)
+        if not result.passed:
+            lines = [f"case {self.name}: gradient(s) {', '.join(result.failed)} differ", ""]
+            lines.append(str(result))
+            lines.append("")
+            lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
+            raise AssertionError("\n".join(lines))
+        return result
+
+
+def make_case(
+    layout: GdnBackwardLayout,
+    *,
+    dtype: DTypeLike = np.float32,
+    regime: str = "mixed",
+    seed: int = 0,
+    name: str | None = None,
+) -> Case:
+    """A case computed now by the reference (:func:`~gdn_layout.generate.make_fixture`),
+    without a suite; its name says its layout, regime and seed unless ``name`` is given."""
+    fixture = make_fixture(layout, dtype=dtype, regime=regime, seed=seed)
+    if name is None:
+        gate = "channel" if layout.gate_per_channel else "scalar"
+        state = "state" if layout.carry_state else "nostate"
+        name = (
+            f"b{layout.batch}s{layout.seq}h{layout.heads}n{layout.state_size}"
+            f"-{gate}-{state}-{regime}-seed{seed}"
+        )
+    return Case(name, fixture)
+
+
+def verify_suite(directory: str | os.PathLike[str]) -> list[str]:
+    """Check a suite's files against its manifest; return one line per problem (none: intact).
+
+    Each listed file must exist with the size and SHA-256 the manifest gives, and its header
+    must state the manifest's layout, regime and seed; a fixture file in the folder that the
+    manifest does not list is a problem too.
+
+    Raises
+    ------
+    FixtureError
+        The manifest is missing or cannot be read.
+    """
+    root = Path(directory)
+    entries = _manifest_entries(root)
+    problems: list[str] = []
+    listed = set()
+    for entry in entries:
+        name = entry["file"]
+        listed.add(name)
+        problem = _check_entry(root, entry)
+        if problem is not None:
+            problems.append(f"{name}: {problem}")
+    strays = sorted(
+        p.name for p in root.glob("*.safetensors") if p.name not in listed and p.is_file()
+    )
+    problems.extend(f"{name}: not in the manifest" for name in strays)
+    return problems
+
+
+def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
+    """The cases of the suite in ``directory``, in the manifest's order, after checking every
+    file against the manifest (:func:`verify_suite`). The fixtures are memory-mapped.
+
+    Raises
+    ------
+    FixtureError
+        The manifest is missing or unreadable, or a file differs from it (the message lists
+        every one).
+    """
+    root = Path(directory)
+    problems = verify_suite(root)
+    if problems:
+        raise FixtureError(
+            f"{root}: {len(problems)} file(s) differ from {MANIFEST}:\n  " + "\n  ".join(problems)
+        )
+    return [
+        Case(entry["file"].removesuffix(".safetensors"), load_fixture(root / entry["file"]))
+        for entry in _manifest_entries(root)
+    ]
+
+
+def _manifest_entries(root: Path) -> list[dict[str, Any]]:
+    path = root / MANIFEST
+    if not path.is_file():
+        raise FixtureError(f"{root}: not a suite: no {MANIFEST}")
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise FixtureError(f"{path}: not JSON: {err}") from None
+    entries = document.get("fixtures") if isinstance(document, dict) else None
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict)
+        and isinstance(e.get("file"), str)
+        and Path(e["file"]).name == e["file"]
+        and isinstance(e.get("sha256"), str)
+        for e in entries
+    ):
+        raise FixtureError(f"{path}: not a suite manifest: no list of fixtures with sha256")
+    return entries
+
+
+def _check_entry(root: Path, entry: Mapping[str, Any]) -> str | None:
+    path = root / entry["file"]
+    if not path.is_file():
+        return "missing"
+    size = path.stat().st_size
+    if "bytes" in entry and entry["bytes"] != size:
+        return f"{size} bytes, the manifest says {entry['bytes']}"
+    with open(path, "rb") as file:
+        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    if digest != entry["sha256"]:
+        return f"SHA-256 {digest}, the manifest says {entry['sha256']}"
+    try:
+        fixture = load_fixture(path)
+        stated = GdnBackwardLayout.from_dict(entry.get("layout"))
+    except (FixtureError, ValueError, TypeError) as err:
+        return str(err).removeprefix(f"{path}: ")
+    if fixture.layout != stated:
+        return f"has {layout_caption(fixture.layout)}, the manifest says {layout_caption(stated)}"
+    for key in ("regime", "seed"):
+        if key in entry and entry[key] != getattr(fixture, key):
+            return f"{key} {getattr(fixture, key)!r}, the manifest says {entry[key]!r}"
+    return None

@@ -1,0 +1,233 @@
+"""Kernel output in any form, and a report that reads well: dtype spellings, flags, widths."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from gdn_layout import GdnBackwardLayout, __version__, compare, load_fixture, unpack
+from gdn_layout._arrays import as_packed
+from gdn_layout.cli import _parser, main
+from gdn_layout.fixtures import FixtureError, make_fixture, open_packed, save_fixture
+
+LAYOUT = GdnBackwardLayout(1, 5, 2, 4, carry_state=True)
+
+
+def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``gdn-layout ARGS`` in this process (as test_cli.py runs it), output captured."""
+    argv = [str(arg) for arg in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        try:
+            code = main(argv)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert message in result.stderr
+
+
+FLAGS = ["-B", "1", "-S", "5", "-H", "2", "-N", "4", "--carry-state"]
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("out") / "case.safetensors"
+    save_fixture(path, make_fixture(LAYOUT, regime="mild", seed=4))
+    return path
+
+
+def _kernel(case: Path) -> np.ndarray:
+    out = np.array(load_fixture(case).packed)
+    unpack(out, LAYOUT).dk[0, 3, 1, 2] += np.float32(0.5)
+    return out
+
+
+@pytest.mark.parametrize("name", ["packed", "grad"])
+def test_a_one_tensor_safetensors_file(case: Path, tmp_path: Path, name: str) -> None:
+    out = tmp_path / "kernel.safetensors"
+    save_file({name: _kernel(case)}, str(out))  # what a Rust test writes with the crate
+    source = open_packed(str(out))
+    assert source.kind == "safetensors"
+    assert source.layout is None
+    against_fixture = run("compare", out, case)
+    assert against_fixture.returncode == 1, against_fixture.stderr
+    assert re.search(r"^dk\s.*\[0, 3, 1, 2\]\s+FAIL$", against_fixture.stdout, re.MULTILINE)
+    with_flags = run("inspect", out, *FLAGS)
+    assert with_flags.returncode == 0, with_flags.stderr
+    assert with_flags.stdout.startswith(f"{out}: safetensors, float32, B=1 S=5 H=2 N=4")
+    assert_user_error(run("inspect", out), "no fixture gives the layout")
+
+
+def test_packed_is_chosen_among_several_tensors(case: Path, tmp_path: Path) -> None:
+    out = tmp_path / "two.safetensors"
+    kernel = _kernel(case)
+    save_file({"packed": kernel.reshape(1, -1), "other": np.zeros(3, np.float32)}, str(out))
+    assert np.array_equal(open_packed(str(out)).packed, kernel)
+    save_file({"a": kernel, "b": kernel}, str(out))
+    with pytest.raises(FixtureError, match="tensors a, b: name the packed gradient 'packed'"):
+        open_packed(str(out))
+
+
+def test_npy_and_raw_files(case: Path, tmp_path: Path) -> None:
+    kernel = _kernel(case)
+    np.save(tmp_path / "kernel.npy", kernel)
+    kernel.tofile(tmp_path / "kernel.bin")
+    for args in (
+        ["kernel.npy"],
+        ["kernel.bin", "--dtype", "F32"],
+        ["kernel.bin", "--dtype", "f32"],
+        ["kernel.bin", "--dtype", "single"],
+    ):
+        result = run("compare", *args, case, cwd=tmp_path)
+        assert result.returncode == 1, result.stderr
+        assert "compare FAILED (dk)" in result.stdout
+
+
+def test_any_array_in_python(case: Path) -> None:
+    fx = load_fixture(case)
+    kernel = _kernel(case)
+
+    class Wrapped:
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            return kernel
+
+    assert compare(Wrapped(), fx.packed, LAYOUT).failed == ("dk",)  # type: ignore[arg-type]
+    assert as_packed(kernel) is kernel
+    with pytest.raises(TypeError, match="must be an array"):
+        compare([0.0] * LAYOUT.total_elems, fx.packed, LAYOUT)  # type: ignore[arg-type]
+
+
+def test_torch_tensors_are_read_without_a_copy(case: Path) -> None:
+    torch = pytest.importorskip("torch")
+    fx = load_fixture(case)
+    tensor = torch.from_numpy(_kernel(case))
+    view = as_packed(tensor)
+    assert np.shares_memory(view, tensor.numpy())
+    assert compare(tensor, fx.packed, LAYOUT, floors=fx.floors).failed == ("dk",)
+    half = tensor.to(torch.bfloat16)
+    viewed = as_packed(half)
+    assert viewed.dtype == ml_dtypes.bfloat16
+    assert np.shares_memory(viewed, half.view(torch.int16).numpy())
+    assert compare(half, fx.packed, LAYOUT, floors=fx.floors).failed == ("dk",)
+
+
+# -- report clarity ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spellings", "nbytes"),
+    [
+        (["bfloat16", "bf16", "BF16"], "1248"),
+        (["float16", "f16", "F16", "half"], "1248"),
+        (["float32", "f32", "F32", "single"], "2496"),
+        (["float64", "f64", "F64", "double"], "4992"),
+    ],
+)
+def test_dtype_spellings_everywhere(
+    spellings: list[str], nbytes: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # byte counts need no ml_dtypes
+    layout = GdnBackwardLayout(2, 3, 4, 8)
+    for name in spellings:
+        assert str(layout.nbytes(name)) == nbytes
+        result = run("describe", "-B", "2", "-S", "3", "-H", "4", "-N", "8", "--dtype", name)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.splitlines()[-1].split()[-1] == nbytes
+
+
+def test_dtype_spellings_make_fixtures(tmp_path: Path) -> None:
+    result = run("fixture", "-B", "1", "-S", "2", "-H", "1", "-N", "2", "--dtype", "BF16",
+                 "-o", tmp_path / "x.safetensors")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "bfloat16" in result.stdout
+    assert load_fixture(tmp_path / "x.safetensors").dtype == ml_dtypes.bfloat16
+
+
+def test_version_and_errors_that_name_the_command(case: Path) -> None:
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--version"])
+    result = run("--version")
+    assert result.stdout == f"gdn-layout {__version__}\n"
+    assert_user_error(
+        run("compare", case, case, "extra"),
+        "gdn-layout compare: error: unrecognized arguments: extra",
+    )
+
+
+def test_every_flag_has_help() -> None:
+    parser = _parser()
+    commands = parser.parse_args(["describe"]).subcommands
+    for name, command in [("", parser), *commands.items()]:
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_tables_fit_100_columns_unless_wide(tmp_path: Path) -> None:
+    layout = GdnBackwardLayout(12, 1000, 16, 128, gate_per_channel=True, carry_state=True)
+    expected = np.zeros(layout.total_elems, np.float32)
+    actual = expected.copy()
+    grads = unpack(actual, layout)
+    grads.dq[11, 999, 15, 127] = np.nan
+    grads.dk[11, 998, 15, 127] = np.inf
+    result = compare(actual, expected, layout)
+    text = str(result)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "[11, 999, 15, 127]" in text
+    assert re.search(r"^dq\s+nan\s", text, re.MULTILINE)
+    assert re.search(r"^dk\s+inf\s", text, re.MULTILINE)
+    assert "nan a/e" in text.splitlines()[2]
+    assert "left out to fit 100 columns" in text.splitlines()[-1]
+    wide = result.table(wide=True)
+    assert max(len(line) for line in wide.splitlines()) > 100
+    for header in ("shape", "dtypes", "max rel", "criterion", "error/floor"):
+        assert header in wide.splitlines()[1]
+    np.save(tmp_path / "a.npy", actual)
+    np.save(tmp_path / "e.npy", expected)
+    flags = ["-B", "12", "-S", "1000", "-H", "16", "-N", "128", "--per-channel", "--carry-state"]
+    shown = run("compare", tmp_path / "a.npy", tmp_path / "e.npy", *flags, "--wide")
+    assert shown.stdout == wide + "\n"
+    data = json.loads(
+        run("compare", tmp_path / "a.npy", tmp_path / "e.npy", *flags, "--json").stdout
+    )
+    assert data["grads"][0]["max_abs_error"] == "nan"
+
+
+def test_a_gradient_prints_as_one_line() -> None:
+    expected = np.linspace(-1, 1, LAYOUT.total_elems)
+    actual = expected.copy()
+    unpack(actual, LAYOUT).dv[0, 1, 1, 2] += 0.5
+    grad = compare(actual, expected, LAYOUT)["dv"]
+    assert "\n" not in str(grad)
+    assert str(grad).startswith("FAIL dv[0, 1, 1, 2]: actual")
+    assert str(compare(actual, expected, LAYOUT)["dq"]).startswith("ok dq[")
+
+
+def test_a_fixture_under_another_name_is_still_read_as_one(tmp_path: Path) -> None:
+    path = tmp_path / "x.npy"
+    written = run("fixture", "-B", "1", "-S", "2", "-H", "1", "-N", "2", "-o", path, "--any-suffix")
+    assert written.returncode == 0, written.stderr
+    shown = run("inspect", path)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith(f"{path}: fixture, float32, B=1 S=2 H=1 N=2")

@@ -1,0 +1,191 @@
+"""Suites as test cases: load_suite, verify_suite, `gdn-layout verify` and the pytest plugin."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gdn_layout import GdnBackwardLayout, load_fixture
+from gdn_layout.cli import main
+from gdn_layout.fixtures import FixtureError
+from gdn_layout.reference import backward
+from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, verify_suite
+
+Suite = tuple[Path, list[Path]]
+
+
+def test_load_suite_gives_one_case_per_manifest_entry(suite: Suite) -> None:
+    root, paths = suite
+    cases = load_suite(root)
+    entries = json.loads((root / MANIFEST).read_text())["fixtures"]
+    assert [c.name + ".safetensors" for c in cases] == [e["file"] for e in entries]
+    assert [c.path for c in cases] == paths
+    for case, entry in zip(cases, entries, strict=True):
+        assert case.layout == GdnBackwardLayout.from_dict(entry["layout"])
+        assert (case.regime, case.seed) == (entry["regime"], entry["seed"])
+        assert case.expected.shape == (case.layout.total_elems,)
+        assert case.inputs.q.shape == case.layout.input_shape("q")
+        assert case.fixture.floors is not None
+
+
+@pytest.fixture
+def copy(suite: Suite, tmp_path: Path) -> Path:
+    root = tmp_path / "suite"
+    shutil.copytree(suite[0], root)
+    return root
+
+
+def test_verify_lists_every_file_that_differs(copy: Path) -> None:
+    assert verify_suite(copy) == []
+    files = sorted(copy.glob("*.safetensors"))
+    data = bytearray(files[0].read_bytes())
+    data[-1] ^= 1
+    files[0].write_bytes(bytes(data))
+    files[1].unlink()
+    with open(files[2], "ab") as extended:
+        extended.write(b"\0")
+    shutil.copy(files[3], copy / "stray.safetensors")
+    problems = verify_suite(copy)
+    assert len(problems) == 4
+    assert any(p.startswith(f"{files[0].name}: SHA-256 ") for p in problems)
+    assert f"{files[1].name}: missing" in problems
+    assert any(p.startswith(f"{files[2].name}: ") and "bytes" in p for p in problems)
+    assert problems[-1] == "stray.safetensors: not in the manifest"
+    with pytest.raises(FixtureError, match=r"4 file\(s\) differ"):
+        load_suite(copy)
+
+
+def test_verify_checks_the_layout_the_manifest_states(copy: Path) -> None:
+    document = json.loads((copy / MANIFEST).read_text())
+    document["fixtures"][0]["layout"]["heads"] += 1
+    document["fixtures"][1]["seed"] += 1
+    (copy / MANIFEST).write_text(json.dumps(document))
+    problems = verify_suite(copy)
+    assert len(problems) == 2
+    assert "the manifest says B=1 S=1 H=2" in problems[0]
+    assert "seed" in problems[1]
+
+
+def test_no_manifest_or_a_broken_one_is_unreadable(tmp_path: Path) -> None:
+    with pytest.raises(FixtureError, match=r"not a suite: no manifest\.json"):
+        verify_suite(tmp_path)
+    (tmp_path / MANIFEST).write_text("{")
+    with pytest.raises(FixtureError, match="not JSON"):
+        load_suite(tmp_path)
+    (tmp_path / MANIFEST).write_text('{"fixtures": [{"file": "../x", "sha256": ""}]}')
+    with pytest.raises(FixtureError, match="not a suite manifest"):
+        load_suite(tmp_path)
+
+
+def test_cli_verify_exit_codes(
+    copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["verify", str(copy)]) == 0
+    assert capsys.readouterr().out == f"{copy}: 168 fixtures match manifest.json\n"
+    victim = sorted(copy.glob("*.safetensors"))[5]
+    victim.unlink()
+    assert main(["verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert out == f"{copy}: 1 file(s) differ from manifest.json:\n  {victim.name}: missing\n"
+    assert main(["verify", str(tmp_path / "nothing")]) == 2
+    assert "gdn-layout verify: error:" in capsys.readouterr().err
+
+
+def test_check_raises_with_the_table_and_the_coordinates() -> None:
+    case = make_case(GdnBackwardLayout(1, 6, 2, 4), regime="mild", seed=2)
+    assert isinstance(case, Case)
+    good = backward(*case.inputs, dtype=np.float32)
+    assert case.check(good).passed
+    bad = good.copy()
+    bad[case.layout.segment("dg").offset + 3] += 1.0
+    with pytest.raises(AssertionError) as raised:
+        case.check(bad)
+    text = str(raised.value)
+    assert text.startswith(f"case {case.name}: gradient(s) dg differ")
+    assert "compare FAILED (dg)" in text
+    assert "dg[0, 1, 1]: actual" in text
+    assert case.compare(bad, rtol=1e-9, atol=10.0).passed
+
+
+# -- the pytest plugin ------------------------------------------------------------------------
+
+KERNEL_TESTS = """
+import numpy as np
+from gdn_layout import unpack
+from gdn_layout.reference import backward
+
+def test_correct(gdn_case):
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+
+def test_swapped_heads(gdn_case):
+    out = backward(*gdn_case.inputs, dtype=np.float32)
+    dv = unpack(out, gdn_case.layout).dv
+    if gdn_case.layout.heads > 1:
+        dv[:, :, [0, 1]] = dv[:, :, [1, 0]]
+    gdn_case.check(out)
+"""
+
+
+def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest.Pytester) -> None:
+    root, paths = suite
+    pytester.makepyfile(test_kernel=KERNEL_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-suite", str(root), "-rf")
+    names = [p.stem for p in paths]
+    multihead = {p.stem for p in paths if load_fixture(p).layout.heads > 1}
+    outcomes = result.parseoutcomes()
+    assert outcomes["passed"] == len(names) + len(names) - len(multihead)
+    assert outcomes["failed"] == len(multihead)
+    failed = {
+        line.split("[", 1)[1].split("]", 1)[0]
+        for line in result.outlines
+        if line.startswith("FAILED test_kernel.py::test_swapped_heads[")
+    }
+    assert failed == multihead
+    # Each failure names dv and only dv.
+    reports = [line for line in result.outlines if "gradient(s)" in line and "differ" in line]
+    assert len(reports) == len(multihead)
+    assert all(line.endswith("gradient(s) dv differ") for line in reports)
+
+
+def test_plugin_builds_cases_from_a_layout(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernel=KERNEL_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,5,2,4,channel,state")
+    result.assert_outcomes(passed=6, failed=6)  # one case per regime, the six of REGIMES
+    result.stdout.fnmatch_lines(["FAILED *test_swapped_heads?b1s5h2n4-channel-state-zero-seed0?"])
+    one = pytester.runpytest(
+        "-p", "no:cacheprovider", "--gdn-layout", "1,5,1,4", "--gdn-regime", "strong", "-v"
+    )
+    one.assert_outcomes(passed=2)
+    one.stdout.fnmatch_lines(["*test_correct?b1s5h1n4-scalar-nostate-strong-seed0? PASSED*"])
+    # Every regime can be chosen, the ones added after the first four too.
+    extreme = pytester.runpytest(
+        "-p", "no:cacheprovider", "--gdn-layout", "1,5,1,4", "--gdn-regime", "extreme", "-v"
+    )
+    extreme.assert_outcomes(passed=2)
+
+
+def test_plugin_is_idle_unless_asked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernel=KERNEL_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*gdn_case needs --gdn-suite DIR or --gdn-layout*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gdn-suite", "nowhere"], "*gdn-layout: nowhere: not a suite*"),
+        (["--gdn-layout", "1,2,3"], "*--gdn-layout expects B,S,H,N*"),
+        (["--gdn-layout", "1,2,x,4"], "*four integers*"),
+        (["--gdn-layout", "1,2,1,2", "--gdn-suite", "x"], "*give one of them*"),
+    ],
+)
+def test_plugin_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
+    pytester.makepyfile(test_kernel=KERNEL_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider", *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
