@@ -84,7 +84,17 @@ def test_floors_round_trip_through_the_file(tmp_path: Path, fixture: Fixture) ->
 
 @pytest.mark.parametrize(
     "text",
-    ['{"float32": {"dq": [1]}}', '{"float8": {}}', "[1]", "{", '{"float32": {"dx": [0, 0]}}'],
+    [
+        '{"float32": {"dq": [1]}}',
+        '{"float8": {}}',
+        "[1]",
+        "{",
+        '{"float32": {"dx": [0, 0]}}',
+        '{"float32": {"dq": [Infinity, 1e-5]}}',  # would let any error pass
+        '{"float32": {"dq": [NaN, 1e-5]}}',
+        '{"float32": {"dq": [true, false]}}',
+        '{"float32": {"dq": [-1e-5, 1e-5]}}',
+    ],
 )
 def test_malformed_floors_are_a_fixture_error(tmp_path: Path, text: str) -> None:
     with pytest.raises(ValueError, match="floors"):
@@ -214,3 +224,35 @@ def test_an_all_zero_gradient_passes_only_when_exact() -> None:
     result = compare(actual, expected, layout)
     assert result.failed == ("dq",)
     assert result["dq"].error_floor_ratio == math.inf
+
+
+@pytest.mark.parametrize(
+    ("floors", "error", "message"),
+    [
+        (
+            "x",
+            TypeError,
+            r"compare: floors must be a mapping \{dtype: \{gradient: \(rms, max\)\}\}, got str",
+        ),
+        ({"float8": {}}, ValueError, r"compare: floors: unknown dtype 'float8'"),
+        (
+            {"float32": [1.0]},
+            TypeError,
+            r"compare: floors\['float32'\] must be a mapping, got list",
+        ),
+        ({"float32": {"dq": (1.0,)}}, ValueError, r"compare: floors\['float32'\]\['dq'\] must be"),
+        (
+            {"float32": {"dq": (-1.0, "x")}},
+            ValueError,
+            r"two finite numbers >= 0; got \(-1.0, 'x'\)",
+        ),
+        ({"float32": {"dq": (float("inf"), 1.0)}}, ValueError, r"got \(inf, 1.0\)"),
+    ],
+)
+def test_bad_floors_are_refused_by_compare(
+    floors: object, error: type[Exception], message: str
+) -> None:
+    layout = GdnBackwardLayout(1, 2, 1, 2)
+    buffer = np.zeros(layout.total_elems, np.float32)
+    with pytest.raises(error, match=message):
+        compare(buffer, buffer.astype(np.float64), layout, floors=floors)  # type: ignore[arg-type]

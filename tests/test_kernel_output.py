@@ -231,3 +231,37 @@ def test_a_fixture_under_another_name_is_still_read_as_one(tmp_path: Path) -> No
     shown = run("inspect", path)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith(f"{path}: fixture, float32, B=1 S=2 H=1 N=2")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hint"),
+    [(np.int32, ""), (np.complex64, ""), (ml_dtypes.bfloat16, "save the raw bytes")],
+    ids=["int32", "complex64", "bfloat16-as-void"],
+)
+def test_a_npy_that_is_not_floating_is_the_users_error(
+    case: Path, tmp_path: Path, dtype: type[np.generic], hint: str
+) -> None:
+    # np.save writes bfloat16 as void bytes ('|V2'); none of these is a packed gradient.
+    path = tmp_path / "kernel.npy"
+    np.save(path, np.zeros(LAYOUT.total_elems, dtype=dtype))
+    for result in (run("compare", path, case), run("inspect", path, *FLAGS)):
+        assert_user_error(result, "a packed gradient has a floating dtype, got")
+        assert hint in result.stderr
+
+
+def test_error_map_reads_any_array_as_compare_does(case: Path) -> None:
+    from gdn_layout.compare import error_map
+
+    class Wrapped:
+        def __init__(self, array: np.ndarray) -> None:
+            self.array = array
+
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            return self.array
+
+    expected = np.array(load_fixture(case).packed)
+    actual = _kernel(case)
+    np.testing.assert_array_equal(
+        error_map(Wrapped(actual), Wrapped(expected), LAYOUT, "dk"),  # type: ignore[arg-type]
+        error_map(actual, expected, LAYOUT, "dk"),
+    )

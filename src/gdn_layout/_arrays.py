@@ -12,7 +12,7 @@ from ._dtypes import bfloat16
 __all__ = ["as_packed"]
 
 
-def as_packed(buffer: object, which: str = "actual") -> NDArray[Any]:
+def as_packed(buffer: object, which: str = "actual", func: str = "compare") -> NDArray[Any]:
     """A NumPy view of a packed buffer given as any array: a NumPy array as it is, an object
     with ``__dlpack__`` (a CPU torch or JAX array) read without a copy, else ``__array__``.
     A torch bfloat16 tensor is viewed as ml_dtypes' bfloat16, also without a copy."""
@@ -31,6 +31,6 @@ def as_packed(buffer: object, which: str = "actual") -> NDArray[Any]:
     if hasattr(buffer, "__array__"):
         return np.asarray(buffer)
     raise TypeError(
-        f"compare: {which} must be an array (NumPy, or any with __dlpack__ or __array__), "
+        f"{func}: {which} must be an array (NumPy, or any with __dlpack__ or __array__), "
         f"got {type(buffer).__name__}"
     )

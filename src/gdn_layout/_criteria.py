@@ -43,6 +43,7 @@ __all__ = [
     "K",
     "Tolerance",
     "calibration",
+    "checked_floors",
     "decode_floors",
     "encode_floors",
     "floor_for",
@@ -140,24 +141,45 @@ def decode_floors(text: str) -> dict[str, dict[str, tuple[float, float]]]:
         document: Any = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"floors is not JSON: {err}") from None
-    if not isinstance(document, dict):
-        raise ValueError("floors must be a JSON object of dtypes")
+    try:
+        return checked_floors(document, "floors")
+    except TypeError as err:  # the file's to fix, like every other damage
+        raise ValueError(str(err)) from None
+
+
+def checked_floors(value: object, where: str) -> dict[str, dict[str, tuple[float, float]]]:
+    """``value`` as floors: ``{dtype: {gradient: (rms, max)}}``, each figure a finite number
+    >= 0. A floor of inf, or one that is not a number, would let any error pass."""
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping {{dtype: {{gradient: (rms, max)}}}}, "
+            f"got {type(value).__name__}"
+        )
     floors: dict[str, dict[str, tuple[float, float]]] = {}
-    for dtype, per in document.items():
-        if dtype not in FLOOR_DTYPES or not isinstance(per, dict):
-            raise ValueError(f"floors: unknown dtype {dtype!r} or not an object")
+    for dtype, per in value.items():
+        if dtype not in FLOOR_DTYPES:
+            raise ValueError(f"{where}: unknown dtype {dtype!r}; expected among {FLOOR_DTYPES}")
+        if not isinstance(per, Mapping):
+            raise TypeError(f"{where}[{dtype!r}] must be a mapping, got {type(per).__name__}")
         parsed = {}
         for grad, pair in per.items():
-            if (
-                grad not in GRADIENT_NAMES
-                or not isinstance(pair, list)
-                or len(pair) != 2
-                or not all(isinstance(x, (int, float)) and x >= 0 for x in pair)
-            ):
-                raise ValueError(f"floors[{dtype!r}][{grad!r}] must be [rms, max] >= 0")
+            if grad not in GRADIENT_NAMES or not _is_floor(pair):
+                raise ValueError(
+                    f"{where}[{dtype!r}][{grad!r}] must be (rms, max) for a gradient among "
+                    f"{', '.join(GRADIENT_NAMES)}, two finite numbers >= 0; got {pair!r}"
+                )
             parsed[grad] = (float(pair[0]), float(pair[1]))
         floors[dtype] = parsed
     return floors
+
+
+def _is_floor(pair: object) -> bool:
+    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+        return False
+    numbers_only = all(
+        isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in pair
+    )
+    return numbers_only and all(math.isfinite(float(x)) and float(x) >= 0 for x in pair)
 
 
 def floor_for(floors: Floors | None, dtype: str, grad: str) -> tuple[float, float]:

@@ -27,7 +27,7 @@ from ._cli_values import (
     dtype_name,
     tolerance,
 )
-from ._dtypes import resolve
+from ._dtypes import is_floating, resolve
 from ._fixture import REGIMES, FixtureError, load_fixture, save_fixture
 from ._limits import human_bytes, impossible_arrays, memory_refusal
 from ._packed import PackedFile, open_packed
@@ -171,7 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     for flag, what in (
         ("--rtol", "relative tolerance"),
         ("--atol", "absolute tolerance"),
-        ("--max-rms-ratio", "judge by rms(actual - expected) / rms(expected) instead"),
+        (
+            "--max-rms-ratio",
+            "judge by rms(actual - expected) / rms(expected) (with --rtol/--atol, both apply)",
+        ),
     ):
         compare.add_argument(
             flag,
@@ -453,6 +456,16 @@ def _open(path: str, dtype: str | None) -> PackedFile:
 
 
 def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:
+    if not is_floating(source.packed.dtype):
+        hint = (
+            " (np.save writes bfloat16 as raw void bytes: save the raw bytes and pass --dtype bf16)"
+            if source.packed.dtype.kind == "V"
+            else ""
+        )
+        raise UsageError(
+            f"{source.path}: a packed gradient has a floating dtype, got {source.packed.dtype}"
+            + hint
+        )
     if source.packed.ndim != 1:
         raise UsageError(
             f"{source.path}: expected a 1-D packed buffer, got shape {source.packed.shape}"

@@ -68,6 +68,7 @@ from ._criteria import (
     K,
     Tolerance,
     calibration,
+    checked_floors,
     least_precise,
     per_grad,
 )
@@ -158,6 +159,7 @@ def compare(
     actual, expected = np.asarray(actual), np.asarray(expected)
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
+    floors = None if floors is None else checked_floors(floors, "compare: floors")
     judged = least_precise(actual.dtype, expected.dtype)
     default_rtol, default_atol = DEFAULT_TOLERANCES.get(judged, DEFAULT_TOLERANCES["float64"])
     rtols = per_grad("rtol", rtol)
@@ -310,6 +312,8 @@ def error_map(
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "error_map")
+    actual = as_packed(actual, "actual", "error_map")
+    expected = as_packed(expected, "expected", "error_map")
     _check_buffer("actual", actual, layout, "error_map")
     _check_buffer("expected", expected, layout, "error_map")
     actual, expected = np.asarray(actual), np.asarray(expected)

@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from ._fixture import REGIMES
 from .suites import Case
 
 __all__ = ["gdn_case"]
@@ -48,7 +49,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--gdn-regime",
-        choices=("zero", "mild", "strong", "mixed", "qwen", "extreme"),
+        choices=REGIMES,
         help="with --gdn-layout: only this gate regime (default: every one)",
     )
     group.addoption(

@@ -218,11 +218,14 @@ def _check_entry(root: Path, entry: Mapping[str, Any]) -> str | None:
     path = root / entry["file"]
     if not path.is_file():
         return "missing"
-    size = path.stat().st_size
-    if "bytes" in entry and entry["bytes"] != size:
-        return f"{size} bytes, the manifest says {entry['bytes']}"
-    with open(path, "rb") as file:
-        digest = hashlib.file_digest(file, "sha256").hexdigest()
+    try:
+        size = path.stat().st_size
+        if "bytes" in entry and entry["bytes"] != size:
+            return f"{size} bytes, the manifest says {entry['bytes']}"
+        with open(path, "rb") as file:
+            digest = hashlib.file_digest(file, "sha256").hexdigest()
+    except OSError as err:
+        return f"cannot be read: {err.strerror or err}"
     if digest != entry["sha256"]:
         return f"SHA-256 {digest}, the manifest says {entry['sha256']}"
     try:
