@@ -185,6 +185,7 @@ def test_every_flag_has_help() -> None:
 
 
 def test_tables_fit_100_columns_unless_wide(tmp_path: Path) -> None:
+    # A model-sized layout: the widest coordinates a report shows.
     layout = GdnBackwardLayout(12, 1000, 16, 128, gate_per_channel=True, carry_state=True)
     expected = np.zeros(layout.total_elems, np.float32)
     actual = expected.copy()
@@ -203,14 +204,19 @@ def test_tables_fit_100_columns_unless_wide(tmp_path: Path) -> None:
     assert max(len(line) for line in wide.splitlines()) > 100
     for header in ("shape", "dtypes", "max rel", "criterion", "error/floor"):
         assert header in wide.splitlines()[1]
+
+
+def test_the_command_line_prints_the_same_tables(tmp_path: Path) -> None:
+    expected = np.zeros(LAYOUT.total_elems, np.float32)
+    actual = expected.copy()
+    unpack(actual, LAYOUT).dq[0, 4, 1, 3] = np.nan
+    result = compare(actual, expected, LAYOUT)
     np.save(tmp_path / "a.npy", actual)
     np.save(tmp_path / "e.npy", expected)
-    flags = ["-B", "12", "-S", "1000", "-H", "16", "-N", "128", "--per-channel", "--carry-state"]
-    shown = run("compare", tmp_path / "a.npy", tmp_path / "e.npy", *flags, "--wide")
-    assert shown.stdout == wide + "\n"
-    data = json.loads(
-        run("compare", tmp_path / "a.npy", tmp_path / "e.npy", *flags, "--json").stdout
-    )
+    files = (tmp_path / "a.npy", tmp_path / "e.npy")
+    assert run("compare", *files, *FLAGS).stdout == str(result) + "\n"
+    assert run("compare", *files, *FLAGS, "--wide").stdout == result.table(wide=True) + "\n"
+    data = json.loads(run("compare", *files, *FLAGS, "--json").stdout)
     assert data["grads"][0]["max_abs_error"] == "nan"
 
 

@@ -19,7 +19,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ._checks import MAX_NBYTES, array_can_exist
-from ._dtypes import BF16_HINT, bfloat16
+from ._dtypes import BF16_HINT, bfloat16, itemsize
 from ._files import open_regular
 
 __all__ = [
@@ -49,14 +49,9 @@ _MAX_SPECIAL: Final = 1_000_000
 #: What the nesting depth is read from: brackets, and the quotes that say which brackets are
 #: inside strings (once escaped backslashes and quotes are removed).
 _NOT_SPECIAL: Final = bytes(set(range(256)) - set(b'[]{}"'))
-#: Each supported code: the NumPy dtype name and the item size.
-_CODES: Final = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-}
-_CODE_OF_NAME: Final = {name: code for code, (name, _) in _CODES.items()}
+#: Each supported code and its NumPy dtype name.
+_CODES: Final = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_CODE_OF_NAME: Final = {name: code for code, name in _CODES.items()}
 #: The dtypes a fixture can hold, by name.
 DTYPE_NAMES: Final = tuple(_CODE_OF_NAME)
 # Valid safetensors codes that a fixture never holds, to tell "unsupported" from "unknown".
@@ -130,7 +125,7 @@ def dtype_of_code(code: str, name: str, path: Path) -> np.dtype[Any]:
         except ImportError:
             raise ImportError(f"{path}: tensor {name!r} is BF16; {BF16_HINT}") from None
     if code in _CODES:
-        little: np.dtype[Any] = np.dtype(_CODES[code][0]).newbyteorder("<")
+        little: np.dtype[Any] = np.dtype(_CODES[code]).newbyteorder("<")
         return little
     if code in _OTHER_CODES:
         raise FixtureError(
@@ -145,7 +140,7 @@ def dtype_of_code(code: str, name: str, path: Path) -> np.dtype[Any]:
 def data_order(codes: Mapping[str, str]) -> list[str]:
     """The official writer's order of tensors ``name -> code``: wider dtypes first, then by
     name, so that every tensor stays aligned."""
-    return sorted(codes, key=lambda name: (-_CODES[codes[name]][1], name))
+    return sorted(codes, key=lambda name: (-itemsize(_CODES[codes[name]], name), name))
 
 
 def encode_header(
