@@ -217,8 +217,9 @@ def test_realistic_gates(gates: str, per_channel: bool, carry: bool, dtype: DTyp
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seed", range(4))
 def test_keys_of_norm_three(seed: int, dtype: DTypeLike) -> None:
-    """|k| = 3, g uniform in [-0.1, 0], S=130, N=16: the chunk's triangular system is badly
-    conditioned there (float64 y was off by up to 2.5e-11)."""
+    """|k| = 3, g uniform in [-0.1, 0], S=130, N=16: a chunk's triangular system is badly
+    conditioned there (float64 y was off by up to 2.5e-11); such steps now take the
+    step-by-step form."""
     check(Case(1, 130, 1, 16, gates="uniform-0.1,0", norms="key3", seed=seed), dtype)
 
 
@@ -375,3 +376,59 @@ def test_gradients_match_differences_in_hard_regimes(
                 f"{case} d{name}{index}: {grad[index]:.15g} vs differences {estimate:.15g} "
                 f"(allowed {allowed:.3g})"
             )
+
+
+# --------------------------------------------------------------------------------------------
+# Cases random draws found, and where the default method takes the step-by-step form
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_a_state_that_decays_into_the_subnormal_range(per_channel: bool, dtype: DTypeLike) -> None:
+    """beta = 0 writes nothing: the final state is the carried one times exp(-90), below
+    float32's smallest normal number. Its factor must stay subnormal, not become zero."""
+    case = Case(1, 18, 1, 5, gates="const-5", per_channel=per_channel, carry=True, beta="zero")
+    inputs = case.draw(np.float32)
+    assert 0 < np.abs(truth(inputs)[0]["final"]).max() < np.finfo(np.float32).tiny
+    check(case, dtype)
+
+
+#: Random draws that broke an earlier default method, each with what it did there.
+FOUND = [
+    # dq 19x the float32 recurrence's error: keys up to norm 4, beta = 1, N = 3
+    Case(2, 31, 2, 3, norms="upto4", beta="one", seed=1),
+    # y and dq 56x to 91x: a state that grows to 2e5 over 70 steps, N = 1
+    Case(1, 70, 1, 1, gates="spiky", norms="upto4", seed=1705268387),
+    # dq 54x: keys of norm 3, beta 0, 1 or uniform, N = 2
+    Case(2, 70, 1, 2, carry=True, norms="key3", beta="mixed", seed=2004260863),
+    # dk not finite in float32 where the recurrence stays below 1e30
+    Case(1, 70, 1, 32, per_channel=True, norms="raw", beta="one", seed=466143726),
+]
+
+
+@pytest.mark.parametrize("case", FOUND, ids=str)
+def test_cases_found_by_random_draws(case: Case) -> None:
+    check_float32(case)
+    check_float64(case)
+
+
+@pytest.mark.parametrize(
+    ("case", "chunked"),
+    [
+        (Case(1, 40, 2, 4, beta="one"), True),  # unit keys: beta |k|^2 = 1
+        (Case(1, 40, 2, 4, norms="key1.4", beta="one"), True),  # 1.96
+        (Case(1, 40, 2, 4, norms="key1.5", beta="one"), False),  # 2.25
+        (Case(1, 40, 2, 4, norms="upto4", beta="uniform"), False),
+        (Case(1, 40, 2, 1, beta="one", per_channel=True), False),  # N = 1
+    ],
+    ids=str,
+)
+def test_the_chunked_form_runs_where_it_suits_the_inputs(case: Case, chunked: bool) -> None:
+    """The default method takes the step-by-step form for N = 1 and for a step with
+    beta |k|^2 > 2: its results are then bit for bit those of method="recurrent"."""
+    inputs = case.draw(np.float64)
+    default = library(inputs, np.float64)
+    steps = library(inputs, np.float64, method="recurrent")
+    same = all(np.array_equal(default[name], steps[name]) for name in default)
+    assert same is not chunked

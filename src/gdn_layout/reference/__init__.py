@@ -29,7 +29,10 @@ Two formulations compute the same function:
     gates it spans, the system is inverted by halves, and each gate's gradient is summed only
     from the terms its decay scales, so no result is a difference of large terms. Chunks are
     cut short only where a factor would grow past ``exp(20)`` (gates above zero) or, with a
-    per-channel gate, where the log-gate drifts by more than 20 within a chunk.
+    per-channel gate, where the log-gate drifts by more than 20 within a chunk. Two kinds of
+    input take the step-by-step form instead, where chunks would round worse and gain
+    nothing: ``N = 1``, and a step with ``beta |k|^2 > 2`` (keys far from unit norm, outside
+    the op's regime), whose update ``I - beta k k^T`` expands the state.
 
 Accuracy, tested against a step-by-step oracle in extended precision over constant and mixed
 strong decay (log-gates down to -80), realistic Qwen3-Next gates, spiky gates, q and k of
@@ -61,7 +64,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from ..packing import check_out, unpack
 from . import _chunked, _recurrent
-from ._inputs import validate
+from ._inputs import Inputs, validate
 
 __all__ = ["Method", "backward", "default_checkpoint_every", "forward"]
 
@@ -169,7 +172,7 @@ def forward(
         else (inputs.state.copy())
     )
     with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-        if method == "recurrent":
+        if _form(method, inputs) == "recurrent":
             _recurrent.forward_steps(inputs, final, 0, s, y=y)
         else:
             _chunked.forward(inputs, final, y)
@@ -251,6 +254,7 @@ def backward(
     """
     inputs = validate(q, k, v, g, beta, state, dy, dtype)
     _check_method(method)
+    method = _form(method, inputs)
     layout = inputs.layout
     every = _checkpoint_interval(checkpoint_every, layout.seq)
     if checkpoint_every is None and method == "chunked":
@@ -295,6 +299,11 @@ def default_checkpoint_every(seq: int) -> int:
     (23, 64, 1)
     """
     return max(1, math.isqrt(max(seq, 1) - 1) + 1)
+
+
+def _form(method: Method, inputs: Inputs) -> Method:
+    """The form that computes ``method`` on ``inputs``: the chunked one where it suits them."""
+    return "chunked" if method == "chunked" and _chunked.suits(inputs) else "recurrent"
 
 
 def _check_method(method: object) -> None:

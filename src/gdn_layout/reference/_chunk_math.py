@@ -7,7 +7,6 @@ chunks, when the chunks of an interval are stacked).
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -25,13 +24,12 @@ def cumulative(gates: _Array) -> _Array:
 def exp_to(exponent: _Array, dtype: np.dtype[Any], where: _Array | bool = True) -> _Array:
     """``exp`` of a float64 exponent, rounded once to ``dtype``; 0 outside ``where``.
 
-    A factor below ``dtype``'s smallest normal number is 0 too: a subnormal factor adds
-    nothing measurable next to the normal terms it is summed with, and would slow every
-    product it enters by orders of magnitude.
+    A factor below ``dtype``'s smallest normal number stays subnormal, as the step-by-step
+    form's would: where nothing else is written (``beta = 0``), a result of that size is made
+    of such factors alone.
     """
-    normal = (exponent >= math.log(np.finfo(dtype).tiny)) & where
     out = np.zeros(exponent.shape, np.float64)
-    np.exp(exponent, where=normal, out=out)
+    np.exp(exponent, where=where, out=out)
     return out.astype(dtype, copy=False)
 
 

@@ -75,6 +75,22 @@ _STACK = 1
 _CHUNK_PER_STATE_SIZE = 4
 
 
+#: Largest ``beta |k|^2`` of a step the chunked form takes. Up to 2 a step's map of the state,
+#: ``I - beta k k^T``, does not expand it; beyond, the state grows step after step and the
+#: chunk's triangular system amplifies rounding that the step-by-step form does not make.
+_MAX_STEP_GAIN = 2.0
+
+
+def suits(x: Inputs) -> bool:
+    """Whether the chunked form is as exact as the step-by-step one on ``x``: more than one
+    key channel (with one, a chunk's products are scalars: there is nothing to gain) and no
+    step that expands the state (``beta |k|^2 <= 2``, which keys of unit norm always meet)."""
+    if x.q.shape[3] <= 1:
+        return False
+    gain = np.einsum("bhsn,bhsn->bhs", x.k, x.k, dtype=np.float64) * x.beta
+    return bool(gain.size == 0 or gain.max() <= _MAX_STEP_GAIN)
+
+
 def chunk_length(state_size: int) -> int:
     """The longest chunk for states of ``state_size``."""
     return max(1, min(_MAX_CHUNK, _CHUNK_PER_STATE_SIZE * state_size))
