@@ -29,10 +29,12 @@ Two formulations compute the same function:
     gates it spans, the system is inverted by halves, and each gate's gradient is summed only
     from the terms its decay scales, so no result is a difference of large terms. Chunks are
     cut short only where a factor would grow past ``exp(20)`` (gates above zero) or, with a
-    per-channel gate, where the log-gate drifts by more than 20 within a chunk. Two kinds of
-    input take the step-by-step form instead, where chunks would round worse and gain
-    nothing: ``N = 1``, and a step with ``beta |k|^2 > 2`` (keys far from unit norm, outside
-    the op's regime), whose update ``I - beta k k^T`` expands the state.
+    per-channel gate, where the log-gate drifts by more than 20 within a chunk. Three kinds
+    of input take the step-by-step form instead, where chunks would round worse and gain
+    nothing: ``N = 1``; a step with ``beta |k|^2 > 2`` (keys far from unit norm, outside the
+    op's regime), whose update ``I - beta k k^T`` expands the state; and a per-channel gate
+    whose fastest channel decays by more than 2.5 per step on average, where chunks would be
+    shorter than 8 steps.
 
 Accuracy, tested against a step-by-step oracle in extended precision over constant and mixed
 strong decay (log-gates down to -80), realistic Qwen3-Next gates, spiky gates, q and k of
