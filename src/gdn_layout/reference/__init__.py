@@ -29,12 +29,11 @@ Two formulations compute the same function:
     gates it spans, the system is inverted by halves, and each gate's gradient is summed only
     from the terms its decay scales, so no result is a difference of large terms. Chunks are
     cut short only where a factor would grow past ``exp(20)`` (gates above zero) or, with a
-    per-channel gate, where the log-gate drifts by more than 20 within a chunk. Three kinds
-    of input take the step-by-step form instead, where chunks would round worse and gain
-    nothing: ``N = 1``; a step with ``beta |k|^2 > 2`` (keys far from unit norm, outside the
-    op's regime), whose update ``I - beta k k^T`` expands the state; and a per-channel gate
-    whose fastest channel decays by more than 2.5 per step on average, where chunks would be
-    shorter than 8 steps.
+    per-channel gate, where the log-gate drifts by more than 20 within a chunk. Two kinds of
+    input take the step-by-step form instead, with its checkpoint interval and memory, where
+    chunks would round worse and gain nothing: ``N = 1``, and a step with
+    ``beta |k|^2 > 2`` (keys far from unit norm, outside the op's regime), whose update
+    ``I - beta k k^T`` expands the state.
 
 Accuracy, tested against a step-by-step oracle in extended precision over constant and mixed
 strong decay (log-gates down to -80), realistic Qwen3-Next gates, spiky gates, q and k of
@@ -155,6 +154,7 @@ def forward(
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (rng.standard_normal((1, 6, 2, 4)) for _ in range(3))
+    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)  # keys of unit norm
     >>> g, beta = -rng.random((1, 6, 2)), rng.random((1, 6, 2))
     >>> y = forward(q, k, v, g, beta)
     >>> y.shape, y.dtype
@@ -218,7 +218,8 @@ def backward(
     checkpoint_every : int, optional
         The recurrent method's checkpoint interval ``C`` (default
         :func:`default_checkpoint_every`, about ``sqrt(S)``), and the chunked method's batch
-        of steps; the module docstring says what memory each needs.
+        of steps (its checkpoint interval where it takes the step-by-step form); the module
+        docstring says what memory each needs.
     method : {"chunked", "recurrent"}
         As :func:`forward`.
     progress : callable, optional
@@ -244,6 +245,7 @@ def backward(
     >>> from gdn_layout import GdnBackwardLayout, unpack
     >>> rng = np.random.default_rng(0)
     >>> q, k, v, dy = (rng.standard_normal((1, 6, 2, 4)) for _ in range(4))
+    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)  # keys of unit norm
     >>> g, beta = -rng.random((1, 6, 2)), rng.random((1, 6, 2))
     >>> state = rng.standard_normal((1, 2, 4, 4))
     >>> flat = backward(q, k, v, g, beta, dy, state)
