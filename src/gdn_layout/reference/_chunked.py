@@ -13,7 +13,7 @@ for all of them; only the state's own recurrence, forward and backward, steps fr
 chunk. A batch holds one chunk's worth of steps by default: full chunks stay one to a batch,
 whose matrices fit in cache, and the short chunks of fast per-channel decay share one.
 
-Three choices keep it as exact as the step-by-step form in every gate regime:
+Three choices keep its rounding near the step-by-step form's in every gate regime:
 
 * Every decay factor is ``exp(g[s+1] + ... + g[t])``, its exponent summed in float64 from the
   gates it spans, so a factor is rounded once and, for decaying gates, never exceeds 1. A
