@@ -18,6 +18,7 @@ it shows that the bound is reachable on every input drawn here.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -448,3 +449,17 @@ def test_the_chunked_form_runs_where_it_suits_the_inputs(case: Case, chunked: bo
     steps = library(inputs, np.float64, method="recurrent")
     same = all(np.array_equal(default[name], steps[name]) for name in default)
     assert same is not chunked
+
+
+def test_a_key_too_large_to_square_counts_as_expanding() -> None:
+    """beta |k|^2 of a key of norm 1e160 overflows to NaN where beta = 0; that must not hide
+    a later step with beta |k|^2 = 9, nor warn."""
+    inputs = Case(1, 4, 1, 4, beta="one").draw(np.float64)
+    inputs["k"][0, 0] *= 1e160
+    inputs["beta"][0, 0] = 0.0
+    inputs["k"][0, 1] *= 3.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default = library(inputs, np.float64)
+    steps = library(inputs, np.float64, method="recurrent")
+    assert all(np.array_equal(default[name], steps[name]) for name in default)
