@@ -260,11 +260,8 @@ def backward(
     """
     inputs = validate(q, k, v, g, beta, state, dy, dtype)
     _check_method(method)
-    method = _form(method, inputs)
     layout = inputs.layout
     every = _checkpoint_interval(checkpoint_every, layout.seq)
-    if checkpoint_every is None and method == "chunked":
-        every = _chunked.default_interval(layout.seq, layout.state_size)
     if out is None:
         flat = np.empty(layout.total_elems, dtype=inputs.q.dtype)
     else:
@@ -275,8 +272,11 @@ def backward(
                 f"got {out.dtype}"
             )
         flat = out
+    form = _form(method, inputs)  # once every argument is checked: it reads all of k
+    if checkpoint_every is None and form == "chunked":
+        every = _chunked.default_interval(layout.seq, layout.state_size)
     grads = unpack(flat, layout)
-    sweep = _recurrent.backward if method == "recurrent" else _chunked.backward
+    sweep = _recurrent.backward if form == "recurrent" else _chunked.backward
     with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
         sweep(inputs, grads, every, _ticker(progress, 2 * math.ceil(layout.seq / every)))
     for name, grad in zip(layout.names, grads, strict=False):
