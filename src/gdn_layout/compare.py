@@ -6,14 +6,15 @@ calibrated (the default for float32, float16 and bfloat16)
     A correct kernel differs from the float64 truth by its precision's rounding, whose
     *floors* a fixture stores per gradient (:attr:`~gdn_layout.Fixture.floors`; pass them as
     ``floors=``; see :mod:`gdn_layout._criteria`): the RMS error ratio and the largest error
-    over the gradient's RMS of the reference computed in float32 (and rounded to float16 or
-    bfloat16). Judged in the less precise of the two dtypes, a gradient passes when its RMS
-    ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)`` are both at
-    most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16, chosen from
-    measurement (``benchmarks/calibrate_tolerances.py``). ``error_floor_ratio`` is the larger
-    of the two ratios; ``out/size`` counts the elements over the largest error allowed.
-    Without ``floors``, the floors are the largest measured over the suite's first four regimes:
-    float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``, bfloat16 ``(4e-3, 5e-2)``.
+    over the gradient's RMS of the spec's step-by-step form computed in float32 (and rounded
+    to float16 or bfloat16). Judged in the less precise of the two dtypes, a gradient passes
+    when its RMS ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)``
+    are both at most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16,
+    chosen from measurement (``benchmarks/calibrate_tolerances.py``). ``error_floor_ratio``
+    is the larger of the two ratios; ``out/size`` counts the elements over the largest error
+    allowed. Without ``floors``, the floors are defaults above every floor measured over the
+    suite's first four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``, bfloat16
+    ``(4e-3, 5e-2)``.
 elementwise (``rtol`` or ``atol`` given, and float64 against float64 by default)
     ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
     not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:

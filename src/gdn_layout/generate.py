@@ -179,10 +179,12 @@ def make_fixture(
     results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
     inputs, up to that final rounding. ``progress`` is passed to the reference backward.
 
-    With ``calibrate=True`` (the default) the reference also runs in float32 on the stored
-    inputs, and the precision floors of every gradient (float32, and float16 and bfloat16 by
-    rounding that result) are measured against the float64 result and kept in
-    :attr:`Fixture.floors`; :func:`~gdn_layout.compare` judges against them.
+    With ``calibrate=True`` (the default) the spec's step-by-step form also runs in float32 on
+    the stored inputs (the reference's ``method="recurrent"``: the plain float32 arithmetic of
+    the op, not the reference's own, which keeps its backward sweep in float64), and the
+    precision floors of every gradient (float32, and float16 and bfloat16 by rounding that
+    result) are measured against the float64 result and kept in :attr:`Fixture.floors`;
+    :func:`~gdn_layout.compare` judges against them.
 
     Parameters
     ----------
@@ -226,7 +228,7 @@ def make_fixture(
     packed = reference.backward(*wide, dtype=np.float64, progress=progress)
     floors = None
     if calibrate:
-        low = reference.backward(*x, dtype=np.float32)
+        low = reference.backward(*x, dtype=np.float32, method="recurrent")
         floors = measure_floors(low, packed, layout)
     target = x.q.dtype
     return Fixture(

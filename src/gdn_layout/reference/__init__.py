@@ -27,33 +27,33 @@ Two formulations compute the same function:
     a few matrix products per chunk instead of sequential updates, and the chunks of a
     batch stacked into one set of products. Each decay factor's exponent sums exactly the
     gates it spans, the system is inverted by halves, and each gate's gradient is summed only
-    from the terms its decay scales, so no result is a difference of large terms. Chunks are
-    cut short only where a factor would grow past ``exp(20)`` (gates above zero) or, with a
-    per-channel gate, where the log-gate drifts by more than 20 within a chunk. Two kinds of
-    input take the step-by-step form instead, with its checkpoint interval and memory, where
-    chunks would round worse and gain nothing: ``N = 1``, and a step with
-    ``beta |k|^2 > 2`` (keys far from unit norm, outside the op's regime), whose update
-    ``I - beta k k^T`` expands the state.
+    from the terms its decay scales, so no result is a difference of large terms; in a
+    float32 computation the backward sweep runs in float64, because its sums (a gate's terms,
+    the state's cotangent) can still cancel many times over. Chunks are cut short only where
+    a factor would grow past ``exp(20)`` (gates above zero) or, with a per-channel gate, where
+    the log-gate drifts by more than 20 within a chunk. Two kinds of input take the
+    step-by-step form instead, with its checkpoint interval and memory, where chunks would
+    round worse and gain nothing: ``N = 1``, and a step with ``beta |k|^2 > 2`` (keys far
+    from unit norm, outside the op's regime), whose update ``I - beta k k^T`` expands the
+    state.
 
 Accuracy, tested against a step-by-step oracle in extended precision over constant and mixed
 strong decay (log-gates down to -80), realistic Qwen3-Next gates, spiky gates, q and k of
 norm up to 4, ``beta`` of 0 and 1, N from 1 to 128 and S up to a few thousand: in float64
 every gradient, ``y`` and the final state are within ``1e-12`` of the truth relative to the
 largest element of each; in float32 the error is within ten times that of the float32
-step-by-step recurrence on the same inputs, except on rare inputs under fast decay whose gate
-gradient cancels 35- to 45-fold, where it has been seen up to 2.5 times over. Where the
-recurrence itself overflows (keys far from unit norm over many steps) the result is not
-finite and a FloatingPointError says so.
+step-by-step recurrence on the same inputs. Where the recurrence itself overflows (keys far
+from unit norm over many steps) the result is not finite and a FloatingPointError says so.
 
 Memory of the backward, beyond the inputs' converted copies and the packed output (both
 ``O(B*S*H*N)``): the recurrent method checkpoints the state every ``C = checkpoint_every``
 steps (default :func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward sweep and
 recomputes each interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
-elements. The chunked method keeps what its forward sweep solved for the backward sweep, the
-state entering every chunk and the chunk's matrices: ``O(B*S*H*(N + L + N*N/L))`` elements
-with ``L`` the chunk length, a few times the inputs; its ``checkpoint_every`` is how many
-steps it stacks into one batch of matrix products (default: one chunk's worth), and bounds
-the chunk length.
+elements. The chunked method keeps, from its forward sweep for the backward sweep, the state
+entering every chunk and, with a per-head gate, the chunk's pair decays:
+``O(B*S*H*(L + N*N/L))`` elements with ``L`` the chunk length, about the size of the inputs;
+its ``checkpoint_every`` is how many steps it stacks into one batch of matrix products
+(default: one chunk's worth), and bounds the chunk length.
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def backward(
     dy : array_like
         ``[B, S, H, N]``, the cotangent of ``y``.
     dtype : {float64, float32}
-        The computation dtype, and that of the result.
+        The computation dtype, and that of the result. The chunked form's backward sweep
+        computes in float64 whatever it is (see the module docstring), so float32 takes about
+        the time of float64, in about half its memory.
     out : ndarray, optional
         A writable 1-D array of ``dtype`` with ``layout.total_elems`` elements; it is filled
         and returned.

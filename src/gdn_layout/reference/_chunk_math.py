@@ -148,11 +148,19 @@ def straddling(couplings: _Array) -> _Array:
     rows with an earlier step ``s``; it straddles ``t`` when ``s < t <= t'``. Returns
     ``[B, H, C, 1]``.
     """
-    size = couplings.shape[3]
-    later = lower_mask(size, couplings.dtype, True).copy()
-    later[size:] += np.eye(size, dtype=later.dtype)  # t' >= t, in both blocks
-    summed: _Array = np.sum(np.matmul(couplings, _before(size, couplings.dtype)) * later, axis=2)
+    b, h, _, size = couplings.shape
+    by_step = couplings.reshape(b, h, 2, size, size).sum(axis=2)  # q and k rows of step t'
+    before = np.matmul(by_step, _before(size, couplings.dtype))  # [t', t]: s < t
+    summed: _Array = np.sum(before * _later(size, couplings.dtype), axis=2)
     return summed[..., None]
+
+
+@functools.lru_cache(maxsize=16)
+def _later(size: int, dtype: np.dtype[Any]) -> _Array:
+    """``[t', t]``: 1 where ``t' >= t``."""
+    mask = np.tri(size, dtype=dtype)
+    mask.flags.writeable = False
+    return mask
 
 
 @functools.lru_cache(maxsize=16)
@@ -191,13 +199,15 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
     masks = _block_masks(count, w.dtype)
     blocks = np.arange(count)
 
-    # t', s and t in one block: [t', t, s] masked by s < t <= t', then against y
-    inside = wp.reshape(batch, heads, 2, count, _BLOCK, count, _BLOCK)[..., blocks, :, blocks, :]
-    inside = np.moveaxis(inside, 0, 3)[:, :, :, :, :, None, :] * masks.inside
-    summed = np.matmul(inside.reshape(batch, heads, 2, count, _BLOCK**2, _BLOCK), yb[:, :, None])
-    out = np.einsum(
-        "bhcjpti,bhcjpi->bhjti", summed.reshape(batch, heads, 2, count, _BLOCK, _BLOCK, n), xb
-    )
+    # t', s and t in one block: for each row t' of the [q; k] blocks, its couplings with
+    # s < t <= t' against y, times x[t'] (one row at a time keeps the temporaries small)
+    out = np.zeros((batch, heads, count, _BLOCK, n), np.result_type(w, x, y))
+    for c in range(2):
+        square = wp[:, :, c].reshape(batch, heads, count, _BLOCK, count, _BLOCK)
+        diagonal = np.moveaxis(square[..., blocks, :, blocks, :], 0, 2)  # [B, H, K, t', s]
+        for row in range(_BLOCK):
+            couplings = diagonal[:, :, :, row, None, :] * masks.inside[row]  # [B, H, K, t, s]
+            out += np.matmul(couplings, yb) * xb[:, :, c, :, row, None, :]
     # t' in t's block (t' >= t), s in an earlier block
     wm = wp * masks.earlier
     xv = np.sum(xp * np.matmul(wm, yp[:, :, None]), axis=2).reshape(out.shape)
@@ -206,11 +216,13 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
     yu = yp * np.sum(np.matmul(transposed(wm), xp), axis=2)
     out[:, :, :, 1:] += np.cumsum(yu.reshape(out.shape)[:, :, :, :-1], axis=3)
     # s in a block before t's, t' in a block after it: block-to-block totals
-    totals = np.empty((batch, heads, count, count, n), w.dtype)  # [K, L]: s in K, t' in L
+    totals = np.zeros((batch, heads, count, count, n), w.dtype)  # [K, L]: s in K, t' in L
     for block in range(count):
         cols = slice(block * _BLOCK, (block + 1) * _BLOCK)
-        partial = np.matmul(wp[..., cols], yb[:, :, None, block])  # [B, H, 2, full, N]
-        totals[:, :, block] = np.einsum("bhclpi,bhclpi->bhli", partial.reshape(xb.shape), xb)
+        for c in range(2):
+            partial = np.matmul(wp[:, :, c, :, cols], yb[:, :, block])  # [B, H, full, N]
+            partial = partial.reshape(xb[:, :, c].shape)
+            totals[:, :, block] += np.einsum("bhlpi,bhlpi->bhli", partial, xb[:, :, c])
     out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
     result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
     return result

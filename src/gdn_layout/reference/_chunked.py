@@ -13,7 +13,7 @@ for all of them; only the state's own recurrence, forward and backward, steps fr
 chunk. A batch holds one chunk's worth of steps by default: full chunks stay one to a batch,
 whose matrices fit in cache, and the short chunks of fast per-channel decay share one.
 
-Three choices keep its rounding near the step-by-step form's in every gate regime:
+Four choices keep its rounding near the step-by-step form's in every gate regime:
 
 * Every decay factor is ``exp(g[s+1] + ... + g[t])``, its exponent summed in float64 from the
   gates it spans, so a factor is rounded once and, for decaying gates, never exceeds 1. A
@@ -25,6 +25,13 @@ Three choices keep its rounding near the step-by-step form's in every gate regim
 * The gate gradient sums, for each step, only the couplings that pass through that step's
   decay (see :func:`gate_gradient`): under strong decay it is tiny, and a form that adds and
   takes away large couplings would bury it in their rounding.
+* The backward sweep runs in float64 even in a float32 computation: from the float32 inputs
+  and the state entering each chunk, kept by the float32 forward sweep, it solves each
+  chunk's system again. Its sums can cancel many times over: a gate's couplings 35- to
+  45-fold under fast decay, and the state's cotangent, stepped back through chunks whose
+  updates nearly erase the state (keys near unit norm, ``beta = 1``, small N). Rounded to
+  float32 term by term, their errors can outweigh the result; products of float32 numbers
+  are exact in float64, which leaves the inputs' and the entry states' own rounding.
 
 Inputs it does not suit (:func:`suits`: a single key channel, or a step whose update expands
 the state) are left to the step-by-step form.
@@ -206,52 +213,65 @@ class _Prepared(NamedTuple):
     to_end: _Array  # exp(G_end - G): decay from step t to the chunk's end, [B, V, L, Ng]
     xe: _Array  # e * rows: [qe; ke]
     lx: _Array  # [lq; lk]: decayed products of rows with k, masked; [B, V, m*L, L]
-    pairs: _Array | None  # per-head gate: the decay from step s to t >= s, [B, V, L, L]
-    decay: _Array | None  # per-head gate: lx = (rows @ k^T) * decay
+    pairs: _Array | None  # per-head gate: the decay from step s to t >= s, float64, [B, V, L, L]
     f: _Array | None  # per-channel gate: exp(H), H = G - G[0], [B, V, L, N]
     fi: _Array | None  # exp(-H); then lx = (f * rows) @ (fi * k)^T, masked
     inv: _Array  # inv(I + beta * lk), unit lower-triangular, [B, V, L, L]
     kd: _Array  # to_end * k: k decayed to the chunk's end
 
+    @property
+    def k(self) -> _Array:
+        """The keys: the last block of ``rows``."""
+        return self.rows[:, :, -self.lx.shape[-1] :]
+
 
 class _Kept(NamedTuple):
-    """What the forward sweep keeps of a stack for the backward sweep: the costly parts."""
+    """What the forward sweep keeps of a stack for the backward sweep."""
 
     bounds: list[tuple[int, int]]
-    pairs: _Array | None  # per-head gate: the pair decays, [B, V, L, L]
-    inv: _Array
-    solved: _Solved
+    pairs: _Array | None  # per-head gate: the pair decays, float64, [B, V, L, L]
+    entries: _Array  # the state entering each chunk, [B, V, N, N]
 
 
-def _prepare(st: _Stack, kept: _Kept | None = None) -> _Prepared:
-    """The stack's state-independent matrices; the pair decays and the inverse from ``kept``
-    when the forward sweep made them."""
-    size, k = st.length, st.k
-    dtype = k.dtype
-    rows = k if st.q is None else np.concatenate((st.q, k), axis=2)
+#: The dtype of the backward sweep.
+_WIDE = np.dtype(np.float64)
+
+
+def _prepare(st: _Stack, kept: _Kept | None = None, rows: _Array | None = None) -> _Prepared:
+    """The stack's state-independent matrices; the pair decays from ``kept`` when the forward
+    sweep made them. ``rows``, ``[q; k]`` already formed, sets the dtype."""
+    size = st.length
+    if rows is None:
+        rows = st.k if st.q is None else np.concatenate((st.q, st.k), axis=2)
+    dtype = rows.dtype
+    k = rows[:, :, -size:]
     mask = lower_mask(size, dtype, st.q is not None)
     e, to_end = decays(st.g, dtype)
-    pairs = decay = f = fi = None
+    pairs = f = fi = None
     if st.g.shape[-1] == 1:
-        pairs = pair_decay(st.g[..., 0], dtype) if kept is None else kept.pairs
+        pairs = pair_decay(st.g[..., 0], _WIDE) if kept is None else kept.pairs
         assert pairs is not None
-        decay = pairs * mask if st.q is None else np.concatenate((pairs, pairs), axis=2) * mask
         lx = np.matmul(rows, transposed(k))
-        lx *= decay
+        _by_pair(lx, pairs)
+        lx *= mask
     else:
         big_h = np.zeros(st.g.shape, np.float64)
         np.cumsum(st.g[:, :, 1:], axis=2, dtype=np.float64, out=big_h[:, :, 1:])
         f, fi = exp_to(big_h, dtype), exp_to(-big_h, dtype)
         lx = np.matmul(stepwise(f, rows), transposed(fi * k))
         lx *= mask
-    if kept is None:
-        system = st.beta * lx[:, :, -size:]
-        system[..., np.arange(size), np.arange(size)] = 1
-        inv = unit_lower_inverse(system)
-    else:
-        inv = kept.inv
+    system = st.beta * lx[:, :, -size:]
+    system[..., np.arange(size), np.arange(size)] = 1
+    inv = unit_lower_inverse(system)
     xe = stepwise(e, rows)
-    return _Prepared(rows, e, to_end, xe, lx, pairs, decay, f, fi, inv, to_end * k)
+    return _Prepared(rows, e, to_end, xe, lx, pairs, f, fi, inv, to_end * k)
+
+
+def _by_pair(lx: _Array, pairs: _Array) -> None:
+    """Scale each ``[C, C]`` block of ``lx`` ``[B, V, m*C, C]`` by the pair decays, in place."""
+    b, v, size = pairs.shape[:3]
+    blocks = lx.reshape(b, v, lx.shape[2] // size, size, size)
+    np.multiply(blocks, pairs[:, :, None], out=blocks, casting="same_kind")
 
 
 class _Solved(NamedTuple):
@@ -302,9 +322,9 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
 def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
     """Backward by chunks, ``every`` steps stacked at a time.
 
-    The forward sweep keeps, for the backward sweep, the state entering every chunk, what
-    each step wrote, and the costly matrices (pair decays, inverse): ``O(B*S*H*(N + L +
-    N*N/L))`` elements, about the size of the inputs. The rest is formed again.
+    The forward sweep keeps, for the backward sweep, the state entering every chunk and the
+    pair decays: ``O(B*S*H*(L + N*N/L))`` elements, about the size of the inputs. The backward
+    sweep forms the rest again, in float64: each chunk's system, and what each step wrote.
     """
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
@@ -314,24 +334,64 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
         bounds = chunks(x.g, t0, min(t0 + every, s), length)
         pre = _prepare(st := _stack(x, bounds, backward=False))
         solved = _advance(st, pre, state)
-        kept.append(_Kept(bounds, pre.pairs, pre.inv, solved))
+        kept.append(_Kept(bounds, pre.pairs, solved.entries))
         tick()
     del state
 
-    d_state = np.zeros((b, h, n, n), x.q.dtype)
+    d_state = np.zeros((b, h, n, n), _WIDE)
+    wide = _Widener()
     while kept:
         stack = kept.pop()
         st = _stack(x, stack.bounds, backward=True)
-        _backward_stack(x, grads, st, _prepare(st, stack), stack.solved, d_state)
+        assert st.q is not None
+        assert st.dy is not None
+        rows = wide.rows(st.q, st.k)
+        st = st._replace(
+            v=wide("v", st.v), g=wide("g", st.g), beta=wide("beta", st.beta), dy=wide("dy", st.dy)
+        )
+        pre = _prepare(st, stack, rows)
+        _backward_stack(x, grads, st, pre, wide("entries", stack.entries), d_state)
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
 
 
+class _Widener:
+    """Float64 copies of a stack's arrays, made into buffers reused from stack to stack.
+
+    A fresh copy for every stack is mapped and faulted in anew each time: in float32 at S=512,
+    H=8, N=64 per head, 9,000 minor page faults per backward against 3,700 with the buffers.
+    Each buffer holds one stack's copy at a time.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, _Array] = {}
+
+    def _buffer(self, name: str, shape: tuple[int, ...]) -> _Array:
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.shape != shape:
+            buffer = self._buffers[name] = np.empty(shape, _WIDE)
+        return buffer
+
+    def __call__(self, name: str, a: _Array) -> _Array:
+        """``a`` in float64: ``a`` itself if it is, else its copy in the buffer ``name``."""
+        if a.dtype == _WIDE:
+            return a
+        buffer = self._buffer(name, a.shape)
+        np.copyto(buffer, a)
+        return buffer
+
+    def rows(self, q: _Array, k: _Array) -> _Array:
+        """``[q; k]`` along time, in float64."""
+        b, v, size, n = k.shape
+        return np.concatenate((q, k), axis=2, out=self._buffer("rows", (b, v, 2 * size, n)))
+
+
 def _backward_stack(
-    x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, solved: _Solved, d_state: _Array
+    x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, s0: _Array, d_state: _Array
 ) -> None:
-    """Backward of the stacked chunks ``st``; ``d_state`` goes from their end to their entry.
+    """Backward of the stacked chunks ``st`` entered with the states ``s0``; ``d_state`` goes
+    from their end to their entry.
 
     The state's cotangent steps back chunk by chunk; everything else is done for all the
     chunks at once, on rows stacked as ``[q; k]`` where products share an operand.
@@ -339,14 +399,18 @@ def _backward_stack(
     assert st.dy is not None
     bounds = st.bounds
     size, c, ng = st.length, x.scale, st.g.shape[-1]
-    dy, beta = st.dy, st.beta
+    dy, beta, k = st.dy, st.beta, pre.k
     lq, lk = pre.lx[:, :, :size], pre.lx[:, :, size:]
     qe, ke = pre.xe[:, :, :size], pre.xe[:, :, size:]
+    r = st.v - np.matmul(ke, s0)  # what each step writes is u = inv @ (beta * r)
+    u = np.matmul(pre.inv, beta * r)
 
     # dS steps back: dS_entry = e_end * dS + qe^T @ (c dy) - ke^T @ (beta * d_w), with
     # d_w = inv^T @ d_u and d_u = kd @ dS + c * lq^T @ dy.
-    d_u_local = st.split(np.matmul(transposed(lq), dy) * c)
-    from_dy = st.split(np.matmul(transposed(qe), dy) * c)
+    cot = np.empty_like(pre.xe)  # [c * dy; d_w], then [c * dy; -d_r]
+    c_dy = np.multiply(dy, c, out=cot[:, :, :size])
+    d_u_local = st.split(np.matmul(transposed(lq), c_dy))
+    from_dy = st.split(np.matmul(transposed(qe), c_dy))
     kd, inv_t = st.split(pre.kd), st.split(transposed(pre.inv))
     ke_t, beta_s, e_end = st.split(transposed(ke)), st.split(beta), st.split(pre.e[:, :, -1])
     d_ends = np.empty((*kd.shape[:3], *d_state.shape[2:]), d_state.dtype)
@@ -359,24 +423,22 @@ def _backward_stack(
         d_state *= row_scale(e_end[:, :, j])
         d_state += from_dy[:, :, j]
         d_state -= np.matmul(ke_t[:, :, j], beta_s[:, :, j] * d_w[:, :, j])
+    del d_u_local, from_dy
     heads = pre.e.shape[1]
     d_end, d_w = _merge(d_ends, heads), _merge(d_w, heads)
-    s0 = solved.entries
 
     # S_end = e_end * S0 + kd^T @ u: the couplings with the chunk's exit
-    ud = np.matmul(solved.u, transposed(d_end))  # d kd
-    exit_terms = pre.kd * ud
+    ud = np.matmul(u, transposed(d_end))  # d kd
     through = pre.e[:, :, -1] * reduce_gate(np.sum(s0 * d_end, axis=-1), ng)
     d_k = pre.to_end * ud
+    exit_terms = np.multiply(ud, pre.kd, out=ud)
 
     # u = inv @ (beta * r) and y = c * (qe @ S0 + lq @ u): stacked cotangent rows
     # [c * dy; d_w] @ u^T hold d_lq and -d_am, with am = I + beta * lk.
-    cot = np.empty_like(pre.xe)
-    np.multiply(dy, c, out=cot[:, :, :size])
     cot[:, :, size:] = d_w
-    d_lx = np.matmul(cot, transposed(solved.u))
-    r = st.v - np.matmul(ke, s0)
+    d_lx = np.matmul(cot, transposed(u))
     d_beta = np.sum(d_w * r, axis=-1)
+    del r
     d_beta -= np.sum(d_lx[:, :, size:] * lk, axis=-1)
     d_lx *= lower_mask(size, d_lx.dtype, True)
     d_lx[:, :, size:] *= -beta  # d_lk = tril(beta * d_am, -1)
@@ -385,25 +447,29 @@ def _backward_stack(
     # y = c * qe @ S0 and r = v - ke @ S0: cotangent rows [c * dy; -d_r] against S0
     np.negative(d_r, out=cot[:, :, size:])
     d_xe = np.matmul(cot, transposed(s0))
+    del cot
     d_rows = stepwise(pre.e, d_xe)
+    entry = block_sum(np.multiply(d_xe, pre.xe, out=d_xe), size)
+    del d_xe
 
     # [lq; lk]: decayed products of [q; k] with k
-    if pre.decay is not None:
-        d_raw = d_lx * pre.decay
-        d_rows += np.matmul(d_raw, st.k)
-        d_k += np.matmul(transposed(d_raw), pre.rows)
+    if pre.pairs is not None:
         couplings = straddling(pre.lx * d_lx)
+        _by_pair(d_lx, pre.pairs)  # now the gradient of rows @ k^T
+        d_rows += np.matmul(d_lx, k)
+        d_k += np.matmul(transposed(d_lx), pre.rows)
     else:
         assert pre.f is not None
         assert pre.fi is not None
-        xf, kb = stepwise(pre.f, pre.rows), pre.fi * st.k
+        xf, kb = stepwise(pre.f, pre.rows), pre.fi * k
         d_rows += stepwise(pre.f, np.matmul(d_lx, kb))
         d_k += pre.fi * np.matmul(transposed(d_lx), xf)
         couplings = straddling_split(d_lx, xf, kb)  # lx[t, s] split by key channel
+    del d_lx
     d_k += d_rows[:, :, size:]
 
     d_g = gate_gradient(
-        entry=reduce_gate(block_sum(d_xe * pre.xe, size), ng),
+        entry=reduce_gate(entry, ng),
         straddling=couplings,
         exit_=reduce_gate(exit_terms, ng),
         through=through,
