@@ -51,9 +51,10 @@ steps (default :func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward
 recomputes each interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
 elements. The chunked method keeps, from its forward sweep for the backward sweep, the state
 entering every chunk and, with a per-head gate, the chunk's pair decays:
-``O(B*S*H*(L + N*N/L))`` elements with ``L`` the chunk length, about the size of the inputs;
-its ``checkpoint_every`` is how many steps it stacks into one batch of matrix products
-(default: one chunk's worth), and bounds the chunk length.
+``O(B*S*H*(L + N*N/L))`` elements with ``L`` the chunk length: about the size of the inputs
+for full chunks, more where fast per-channel decay cuts chunks short (up to ``B*S*H*N*N``
+for chunks of one step). Its ``checkpoint_every`` is how many steps it stacks into one batch
+of matrix products (default: one chunk's worth), and bounds the chunk length.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def backward(
     dtype : {float64, float32}
         The computation dtype, and that of the result. The chunked form's backward sweep
         computes in float64 whatever it is (see the module docstring), so float32 takes about
-        the time of float64, in about half its memory.
+        the time of float64, in 0.55 to 0.75 of its memory.
     out : ndarray, optional
         A writable 1-D array of ``dtype`` with ``layout.total_elems`` elements; it is filled
         and returned.

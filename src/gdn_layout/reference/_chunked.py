@@ -270,6 +270,7 @@ def _prepare(st: _Stack, kept: _Kept | None = None, rows: _Array | None = None) 
 def _by_pair(lx: _Array, pairs: _Array) -> None:
     """Scale each ``[C, C]`` block of ``lx`` ``[B, V, m*C, C]`` by the pair decays, in place."""
     b, v, size = pairs.shape[:3]
+    assert lx.flags.c_contiguous  # so that the reshape is a view, which the update goes through
     blocks = lx.reshape(b, v, lx.shape[2] // size, size, size)
     np.multiply(blocks, pairs[:, :, None], out=blocks, casting="same_kind")
 
@@ -323,8 +324,10 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
     """Backward by chunks, ``every`` steps stacked at a time.
 
     The forward sweep keeps, for the backward sweep, the state entering every chunk and the
-    pair decays: ``O(B*S*H*(L + N*N/L))`` elements, about the size of the inputs. The backward
-    sweep forms the rest again, in float64: each chunk's system, and what each step wrote.
+    pair decays: ``O(B*S*H*(L + N*N/L))`` elements for chunks of ``L`` steps, about the size
+    of the inputs for full chunks, up to ``S*H*N*N`` where fast per-channel decay cuts them to
+    single steps. The backward sweep forms the rest again, in float64: each chunk's system,
+    and what each step wrote.
     """
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
