@@ -49,12 +49,11 @@ Memory of the backward, beyond the inputs' converted copies and the packed outpu
 ``O(B*S*H*N)``): the recurrent method checkpoints the state every ``C = checkpoint_every``
 steps (default :func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward sweep and
 recomputes each interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
-elements. The chunked method keeps, from its forward sweep for the backward sweep, the state
-entering every chunk and, with a per-head gate, the chunk's pair decays:
-``O(B*S*H*(L + N*N/L))`` elements with ``L`` the chunk length: about the size of the inputs
-for full chunks, more where fast per-channel decay cuts chunks short (up to ``B*S*H*N*N``
-for chunks of one step). Its ``checkpoint_every`` is how many steps it stacks into one batch
-of matrix products (default: one chunk's worth), and bounds the chunk length.
+elements. The chunked method stacks ``C = checkpoint_every`` steps into one batch of matrix
+products (default: one chunk's worth; it also bounds the chunk length) and keeps, from its
+forward sweep for the backward sweep, the state entering every batch and, with a per-head
+gate, the chunks' pair decays: ``O(B*S*H*(L + N*N/C))`` elements with ``L`` the chunk
+length, about the size of the inputs.
 """
 
 from __future__ import annotations

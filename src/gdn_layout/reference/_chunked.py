@@ -26,8 +26,8 @@ Four choices keep its rounding near the step-by-step form's in every gate regime
   decay (see :func:`gate_gradient`): under strong decay it is tiny, and a form that adds and
   takes away large couplings would bury it in their rounding.
 * The backward sweep runs in float64 even in a float32 computation: from the float32 inputs
-  and the state entering each chunk, kept by the float32 forward sweep, it solves each
-  chunk's system again. Its sums can cancel many times over: a gate's couplings 35- to
+  and the state entering each stack, kept by the float32 forward sweep, it steps through the
+  stack's chunks again. Its sums can cancel many times over: a gate's couplings 35- to
   45-fold under fast decay, and the state's cotangent, stepped back through chunks whose
   updates nearly erase the state (keys near unit norm, ``beta = 1``, small N). Rounded to
   float32 term by term, their errors can outweigh the result; products of float32 numbers
@@ -230,7 +230,7 @@ class _Kept(NamedTuple):
 
     bounds: list[tuple[int, int]]
     pairs: _Array | None  # per-head gate: the pair decays, float64, [B, V, L, L]
-    entries: _Array  # the state entering each chunk, [B, V, N, N]
+    entry: _Array  # the state entering the stack, [B, H, N, N]
 
 
 #: The dtype of the backward sweep.
@@ -323,11 +323,10 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
 def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
     """Backward by chunks, ``every`` steps stacked at a time.
 
-    The forward sweep keeps, for the backward sweep, the state entering every chunk and the
-    pair decays: ``O(B*S*H*(L + N*N/L))`` elements for chunks of ``L`` steps, about the size
-    of the inputs for full chunks, up to ``S*H*N*N`` where fast per-channel decay cuts them to
-    single steps. The backward sweep forms the rest again, in float64: each chunk's system,
-    and what each step wrote.
+    The forward sweep keeps, for the backward sweep, the state entering every stack and the
+    pair decays: ``O(B*S*H*(L + N*N/C))`` elements for chunks of ``L`` steps and stacks of
+    ``C = every``, about the size of the inputs. The backward sweep forms the rest again, in
+    float64: each chunk's system, the state entering it, and what each step wrote.
     """
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
@@ -336,8 +335,8 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
     for t0 in range(0, s, every):
         bounds = chunks(x.g, t0, min(t0 + every, s), length)
         pre = _prepare(st := _stack(x, bounds, backward=False))
-        solved = _advance(st, pre, state)
-        kept.append(_Kept(bounds, pre.pairs, solved.entries))
+        kept.append(_Kept(bounds, pre.pairs, state.copy()))
+        _advance(st, pre, state)
         tick()
     del state
 
@@ -353,7 +352,8 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
             v=wide("v", st.v), g=wide("g", st.g), beta=wide("beta", st.beta), dy=wide("dy", st.dy)
         )
         pre = _prepare(st, stack, rows)
-        _backward_stack(x, grads, st, pre, wide("entries", stack.entries), d_state)
+        solved = _advance(st, pre, wide("entry", stack.entry))  # in place: the copy is ours
+        _backward_stack(x, grads, st, pre, solved, d_state)
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
@@ -391,10 +391,9 @@ class _Widener:
 
 
 def _backward_stack(
-    x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, s0: _Array, d_state: _Array
+    x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, solved: _Solved, d_state: _Array
 ) -> None:
-    """Backward of the stacked chunks ``st`` entered with the states ``s0``; ``d_state`` goes
-    from their end to their entry.
+    """Backward of the stacked chunks ``st``; ``d_state`` goes from their end to their entry.
 
     The state's cotangent steps back chunk by chunk; everything else is done for all the
     chunks at once, on rows stacked as ``[q; k]`` where products share an operand.
@@ -405,8 +404,8 @@ def _backward_stack(
     dy, beta, k = st.dy, st.beta, pre.k
     lq, lk = pre.lx[:, :, :size], pre.lx[:, :, size:]
     qe, ke = pre.xe[:, :, :size], pre.xe[:, :, size:]
-    r = st.v - np.matmul(ke, s0)  # what each step writes is u = inv @ (beta * r)
-    u = np.matmul(pre.inv, beta * r)
+    s0, u = solved
+    r = st.v - np.matmul(ke, s0)  # u = inv @ (beta * r)
 
     # dS steps back: dS_entry = e_end * dS + qe^T @ (c dy) - ke^T @ (beta * d_w), with
     # d_w = inv^T @ d_u and d_u = kd @ dS + c * lq^T @ dy.
