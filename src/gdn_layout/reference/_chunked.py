@@ -449,7 +449,7 @@ def _backward_stack(
     # y = c * qe @ S0 and r = v - ke @ S0: cotangent rows [c * dy; -d_r] against S0
     np.negative(d_r, out=cot[:, :, size:])
     d_xe = np.matmul(cot, transposed(s0))
-    del cot
+    del cot, c_dy  # c_dy is a view of cot
     d_rows = stepwise(pre.e, d_xe)
     entry = block_sum(np.multiply(d_xe, pre.xe, out=d_xe), size)
     del d_xe
