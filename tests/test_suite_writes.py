@@ -6,18 +6,24 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gdn_layout.fixtures import write_suite
+from gdn_layout.suites import verify_suite
 
 generate = importlib.import_module("gdn_layout.generate")
+files = importlib.import_module("gdn_layout._files")
+remove_abandoned = files.remove_abandoned
 
 
 @pytest.fixture(autouse=True)
@@ -80,27 +86,163 @@ def test_overwrite_replaces_the_whole_suite(
 ) -> None:
     root = tmp_path / "suite"
     write_suite(root, seed=1)
-    (root / "stale-from-an-older-version.safetensors").write_bytes(b"stale")
     # A failed replacement keeps the old suite as it was.
     with monkeypatch.context() as patch:
         _fail_after(patch, 3)
         with pytest.raises(RuntimeError):
             write_suite(root, seed=2, overwrite=True)
     assert _siblings(root) == ["suite"]
-    assert (root / "stale-from-an-older-version.safetensors").exists()
+    assert _check_consistent(root)["seed"] == 1
     write_suite(root, seed=2, overwrite=True)
     assert _check_consistent(root)["seed"] == 2
     assert _siblings(root) == ["suite"]
 
 
-def test_overwrite_refuses_a_folder_that_is_not_a_suite(tmp_path: Path) -> None:
-    root = tmp_path / "home"
+@pytest.mark.parametrize(
+    "name", ["model-weights.safetensors", "kernel-output.npy", "notes", ".hidden"]
+)
+def test_overwrite_keeps_what_the_manifest_does_not_list(tmp_path: Path, name: str) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    (root / name).write_bytes(b"theirs")
+    with pytest.raises(FileExistsError, match=rf"it holds {re.escape(name)}, which its manifest"):
+        write_suite(root, seed=2, overwrite=True)
+    assert (root / name).read_bytes() == b"theirs"
+    (root / name).unlink()
+    assert _check_consistent(root)["seed"] == 1
+    assert _siblings(root) == ["suite"]
+
+
+@pytest.mark.parametrize(
+    ("manifest", "why"),
+    [
+        (None, "it has no manifest.json"),
+        ('{"fixtures": []}', "its manifest.json is not one gdn-layout wrote"),
+        ('{"format": "gdn-layout-fixture-suite"', "its manifest.json cannot be read"),
+        (b"\xff", "its manifest.json cannot be read"),
+    ],
+)
+def test_overwrite_refuses_a_folder_that_is_not_a_suite(
+    tmp_path: Path, manifest: str | bytes | None, why: str
+) -> None:
+    root = tmp_path / "models"
     root.mkdir()
-    (root / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match=r"not replaced: it holds notes\.txt"):
+    (root / "weights.safetensors").write_bytes(b"keep me")
+    if manifest is not None:
+        raw = manifest if isinstance(manifest, bytes) else manifest.encode()
+        (root / "manifest.json").write_bytes(raw)
+    with pytest.raises(FileExistsError, match=f"models is not replaced: {why}"):
         write_suite(root, overwrite=True)
-    assert (root / "notes.txt").read_text() == "keep me"
-    assert _siblings(root) == ["home"]
+    assert (root / "weights.safetensors").read_bytes() == b"keep me"
+    assert _siblings(root) == ["models"]
+
+
+def test_the_command_line_keeps_a_folders_own_files(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "weights.safetensors").write_bytes(b"keep me")
+    result = subprocess.run(
+        [sys.executable, "-m", "gdn_layout", "fixture", "--suite", str(root), "--force"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1
+    assert "models is not replaced: it has no manifest.json" in result.stderr
+    assert (root / "weights.safetensors").read_bytes() == b"keep me"
+
+
+#: Replaces the suite at argv[1] (seed 2 over seed 1) with three fixtures, and stops at the
+#: argv[2]-th call of a file-system operation of the replacement: SIGKILL (argv[3] "kill")
+#: or SIGINT ("int"), before the call or after it (argv[4]); argv[5] "fallback" replaces as
+#: where renameat2 is unavailable. Prints how many such calls a whole replacement made.
+_STOPPED = textwrap.dedent(
+    """
+    import os, shutil, signal, sys
+    import gdn_layout._files as files
+    import gdn_layout.generate as generate
+
+    cases = list(generate._suite_cases())[:3]
+    generate._suite_cases = lambda: iter(cases)
+    root, stop, how, when, mode = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+    if mode == "fallback":
+        files._exchange = lambda a, b: False
+    calls = [0]
+
+    def stopping(real):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            at = calls[0] == stop
+            if at and when == "before":
+                os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGINT)
+            try:
+                return real(*args, **kwargs)
+            finally:  # returned or raised
+                if at and when == "after":
+                    os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGINT)
+        return call
+
+    real_install = generate.install_folder
+
+    def install(*args, **kwargs):
+        os.rename, os.unlink, os.write = map(stopping, (os.rename, os.unlink, os.write))
+        shutil.rmtree = stopping(shutil.rmtree)
+        files._exchange = stopping(files._exchange)
+        return real_install(*args, **kwargs)
+
+    generate.install_folder = install
+    generate.write_suite(root, seed=2, overwrite=True)
+    print(calls[0])
+    """
+)
+
+
+def _stopped_replace(root: Path, stop: int, how: str, when: str, mode: str) -> tuple[int, str]:
+    result = subprocess.run(
+        [sys.executable, "-c", _STOPPED, str(root), str(stop), how, when, mode],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return result.returncode, result.stdout
+
+
+@pytest.mark.parametrize("mode", ["exchange", "fallback"])
+def test_a_replacement_stopped_anywhere_leaves_one_complete_suite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    cases = list(generate._suite_cases())[:3]
+    monkeypatch.setattr(generate, "_suite_cases", lambda: iter(cases))
+    first = tmp_path / "first" / "suite"
+    write_suite(first, seed=1)
+    shutil.copytree(first.parent, tmp_path / "count")
+    code, out = _stopped_replace(tmp_path / "count" / "suite", 0, "kill", "before", mode)
+    assert code == 0
+    calls = int(out)
+    assert calls >= 3
+    # Killed after one call is killed before the next; an interrupt runs handlers between.
+    stops = [(k, how, "before") for k in range(1, calls + 1) for how in ("kill", "int")]
+    stops += [(k, "int", "after") for k in range(1, calls + 1)] + [(calls, "kill", "after")]
+    roots = [tmp_path / str(i) / "suite" for i in range(len(stops))]
+    for root in roots:
+        shutil.copytree(first.parent, root.parent)
+    with ThreadPoolExecutor(2) as pool:  # each in a folder of its own, two at a time
+        runs = [
+            pool.submit(_stopped_replace, r, *stop, mode)
+            for r, stop in zip(roots, stops, strict=True)
+        ]
+        codes = [run.result()[0] for run in runs]
+    seen = set()
+    for root, stop, code in zip(roots, stops, codes, strict=True):
+        assert code != 0, stop
+        if mode == "exchange":  # the path is never without a complete suite
+            assert verify_suite(root) == [], stop
+        remove_abandoned(root.parent)  # what the next write does first
+        assert _siblings(root) == ["suite"], stop
+        assert verify_suite(root) == [], stop
+        seen.add(_check_consistent(root)["seed"])
+    assert seen == {1, 2}  # stopped before the swap, the old suite; after it, the new one
 
 
 #: Writes a suite; with a folder as its third argument, pauses after 4 fixtures until the
@@ -157,3 +299,24 @@ def test_the_current_folder_can_hold_a_suite(
     paths = write_suite(".")
     assert paths[0] == Path(".") / paths[0].name
     _check_consistent(tmp_path / "here")
+
+
+def test_a_file_that_arrives_during_a_replacement_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    real = files._exchange
+
+    def arriving(a: Path, b: Path) -> bool:
+        (root / "weights.safetensors").write_bytes(b"theirs")  # after the check, before the swap
+        monkeypatch.setattr(files, "_exchange", real)
+        return bool(real(a, b))
+
+    monkeypatch.setattr(files, "_exchange", arriving)
+    with pytest.raises(FileExistsError, match=r"it holds weights\.safetensors"):
+        write_suite(root, seed=2, overwrite=True)
+    assert (root / "weights.safetensors").read_bytes() == b"theirs"
+    (root / "weights.safetensors").unlink()
+    assert _check_consistent(root)["seed"] == 1
+    assert _siblings(root) == ["suite"]

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import importlib
+import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -16,10 +18,11 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import load_fixture, make_fixture, save_fixture
+from gdn_layout.fixtures import load_fixture, make_fixture, save_fixture, write_suite
 
 files = importlib.import_module("gdn_layout._files")
 codec = importlib.import_module("gdn_layout._safetensors")
+generate = importlib.import_module("gdn_layout.generate")
 
 LAYOUT = GdnBackwardLayout(1, 3, 2, 4)
 
@@ -68,18 +71,163 @@ def test_a_writer_killed_mid_write_leaves_no_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.skipif(os.name != "posix", reason="abandoned files are recognised by process id")
+def _others(folder: Path, *keep: str) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name not in keep)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="temporaries are reclaimed through flock")
 def test_a_killed_writers_named_temporary_is_removed_by_the_next_write(tmp_path: Path) -> None:
     _kill_mid_write(tmp_path / "x.safetensors", "named")
-    (left,) = tmp_path.iterdir()
-    assert left.name.startswith(".x.safetensors.")
-    assert left.name.endswith(".tmp")
-    assert left.stat().st_size >= 100_000
-    # A temporary of a running writer (this process) stays; the abandoned one goes.
-    alive = files.temporary_name(tmp_path / "y.safetensors")
-    alive.write_bytes(b"in progress")
-    save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [alive.name, "z.safetensors"]
+    left = sorted(tmp_path.iterdir(), key=lambda p: p.suffix)
+    assert [p.suffix for p in left] == [".0", ".gdn-lock"]  # the temporary and its record
+    assert left[0].name.startswith(".x.safetensors.")
+    assert left[0].stat().st_size >= 100_000
+    # The temporary of a running writer (this process, holding its record) stays.
+    with files.Temporaries(tmp_path / "y.safetensors") as running:
+        alive = running.new()
+        alive.write_bytes(b"in progress")
+        save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT))
+        assert _others(tmp_path, "z.safetensors") == sorted(
+            [alive.name, alive.with_suffix(".gdn-lock").name]
+        )
+        alive.unlink()
+    assert _others(tmp_path) == ["z.safetensors"]
+
+
+#: A writer that stalls mid-write as one in another PID namespace would look from here: its
+#: process id is one no process here has.
+_FOREIGN_WRITER = _KILLED_WRITER.replace(
+    "import sys, time", "import os, sys, time\nos.getpid = lambda: 2**22 + 12345"
+)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="temporaries are reclaimed through flock")
+def test_a_live_writer_whose_pid_is_not_seen_here_keeps_its_temporary(tmp_path: Path) -> None:
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _FOREIGN_WRITER, str(tmp_path / "x.safetensors"), "named"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == "writing"
+        before = _others(tmp_path)
+        save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT))
+        assert _others(tmp_path, "z.safetensors") == before  # still writing: kept
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=30)
+    save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT), overwrite=True)
+    assert _others(tmp_path) == ["z.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        ".x.safetensors.123.abcdef12.tmp",  # the name a temporary once had, of no live pid
+        ".x.safetensors.99999999999999999999.abcdef12.old",  # a "pid" past any integer type
+        ".x.safetensors." + "0" * 32 + ".gdn-lock",  # a record's name, holding something else
+        ".x.safetensors." + "0" * 32 + ".0",  # the name a recorded temporary would have
+    ],
+)
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_look_alike_of_a_temporary_survives_every_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, kind: str
+) -> None:
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", generate._SUITE_SHAPES[:1])
+    mine = tmp_path / name
+    if kind == "folder":
+        mine.mkdir()
+        (mine / "notes.txt").write_text("mine")
+    else:
+        mine.write_text("mine")
+    fixture = make_fixture(LAYOUT)
+    save_fixture(tmp_path / "x.safetensors", fixture)
+    save_fixture(tmp_path / "x.safetensors", fixture, overwrite=True)
+    write_suite(tmp_path / "suite")
+    write_suite(tmp_path / "suite", overwrite=True)
+    assert (mine / "notes.txt" if kind == "folder" else mine).read_text() == "mine"
+    assert _others(tmp_path) == sorted([name, "suite", "x.safetensors"])
+
+
+def test_a_forged_record_cannot_name_what_is_not_its_temporary(tmp_path: Path) -> None:
+    token = "1" * 32
+    (tmp_path / "notes.txt").write_text("mine")
+    lines = [
+        {"magic": "gdn-layout temporaries", "token": token, "target": "notes.txt"},
+        {"name": "notes.txt", "role": "new"},
+    ]
+    record = tmp_path / f".notes.txt.{token}.gdn-lock"
+    record.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    save_fixture(tmp_path / "x.safetensors", make_fixture(LAYOUT))
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert record.exists()
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["unnamed", "named"])
+def test_a_replaced_file_keeps_its_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    if fallback:
+        monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)
+    fixture = make_fixture(LAYOUT)
+    path = save_fixture(tmp_path / "x.safetensors", fixture)
+    path.chmod(0o600)
+    save_fixture(path, fixture, overwrite=True)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert _others(tmp_path) == ["x.safetensors"]
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)
+    return path
+
+
+def _null_device(path: Path) -> Path:
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    return path
+
+
+def _link(path: Path) -> Path:
+    (path.parent / "target.safetensors").write_bytes(b"theirs")
+    path.symlink_to("target.safetensors")
+    return path
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (_fifo, "a FIFO"),
+        pytest.param(
+            _null_device,
+            "a character device",
+            marks=pytest.mark.skipif(
+                os.name != "posix" or os.geteuid() != 0, reason="only the superuser makes devices"
+            ),
+        ),
+        (_link, "a symbolic link"),
+        (_folder, "a folder"),
+    ],
+)
+def test_overwrite_replaces_only_a_regular_file(tmp_path: Path, make: Any, kind: str) -> None:
+    node = make(tmp_path / "x.safetensors")
+    before = os.lstat(node)
+    with pytest.raises(files.NotRegularFileError, match=f"not replaced: .*{kind}") as info:
+        save_fixture(node, make_fixture(LAYOUT), overwrite=True)
+    assert str(node) in str(info.value)
+    after = os.lstat(node)
+    assert (after.st_mode, after.st_ino, after.st_rdev) == (
+        before.st_mode,
+        before.st_ino,
+        before.st_rdev,
+    )
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
 def test_the_named_fallback_still_writes_atomically(

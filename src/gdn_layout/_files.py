@@ -1,26 +1,48 @@
-"""Files: atomic writing (a reader sees the old file or the new one, never half of one), and
-opening for reading only what is a regular file."""
+"""Files: atomic writing (a reader sees the old file or folder or the new one, never half of
+one), temporaries that only their writer's successors may remove, and opening for reading only
+what is a regular file.
+
+A write never removes or replaces what the library did not make. Its temporaries are named in a
+record next to them (:class:`Temporaries`) that the live writer holds locked with ``flock``; a
+later write removes them only once it can take that lock, so a live writer in any process,
+container or PID namespace sharing the folder keeps its work, and a file that merely looks like
+a temporary is never touched.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import errno
+import json
 import os
 import re
 import secrets
 import shutil
 import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import IO, BinaryIO, Final
 
 __all__ = [
     "NotRegularFileError",
+    "Temporaries",
     "atomic_write",
     "install_folder",
     "open_regular",
     "remove_abandoned",
-    "temporary_name",
 ]
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no record is locked, nothing is reclaimed
+    fcntl = None  # type: ignore[assignment]
+
+
+class NotRegularFileError(OSError):
+    """A path that names a folder, a FIFO, a device or a socket where a file is expected."""
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
@@ -28,9 +50,10 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     ``path``; return ``path``.
 
     Nothing is left behind, even when the process is killed: on Linux the temporary file has
-    no name (``O_TMPFILE``) until it is linked in place. Elsewhere it has a name that carries
-    the writer's process id (:func:`temporary_name`), and every write into the folder first
-    removes the temporary files of writers that are no longer running.
+    no name (``O_TMPFILE``) until it is linked in place. Elsewhere, and for a replacement, it
+    has a name recorded by :class:`Temporaries`, which the next write into the folder removes
+    once this writer is gone. Only a regular file is replaced, and the replacement keeps its
+    permission bits (and, where allowed, its owner).
 
     Parameters
     ----------
@@ -39,85 +62,264 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     write
         Writes the whole content to the binary file it is given.
     overwrite
-        Replace an existing ``path``; without it an existing file is never replaced, not
-        even one that appears while ``write`` runs.
+        Replace an existing regular file at ``path``; without it an existing file is never
+        replaced, not even one that appears while ``write`` runs.
 
     Raises
     ------
     FileExistsError
         ``path`` exists and ``overwrite`` is false.
+    NotRegularFileError
+        ``path`` is a folder, a FIFO, a device, a socket or a symbolic link: never replaced.
     FileNotFoundError
         The folder of ``path`` does not exist.
     OSError
         Writing failed (a full disk, a read-only folder, ...); the error names ``path``.
     """
-    if not overwrite and path.exists():
+    if not overwrite and os.path.lexists(path):
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it")
+    old = _replaced(path) if overwrite else None
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path}: the folder {path.parent} does not exist")
     remove_abandoned(path.parent)
     try:
-        fd = _open_unnamed(path.parent)
-        if fd is None or not _write_unnamed(fd, path, write, overwrite):
-            _write_named(path, write, overwrite)
+        with Temporaries(path) as temporaries:
+            fd = _open_unnamed(path.parent)
+            if fd is None or not _write_unnamed(fd, path, write, old, overwrite, temporaries):
+                _write_named(path, write, old, overwrite, temporaries)
     except OSError as err:
         raise _naming(err, path) from None
     _fsync_dir(path.parent)
     return path
 
 
-def temporary_name(path: Path, suffix: str = "tmp") -> Path:
-    """A hidden name next to ``path`` for a temporary file or folder of this process: it
-    carries the process id, so that :func:`remove_abandoned` knows when it is abandoned."""
-    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.{suffix}")
+def _replaced(path: Path) -> os.stat_result | None:
+    """The status of the file ``path`` names, which a write may replace; None when there is
+    none. Anything but a regular file is refused: a write never replaces a device or a FIFO
+    (as root, ``/dev/null``) with a file."""
+    try:
+        status = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(status.st_mode):
+        raise NotRegularFileError(
+            f"{path}: not replaced: it is a symbolic link; give the path of the file it names"
+        )
+    _require_regular(status.st_mode, path, "not replaced: ")
+    return status
 
 
-#: The names :func:`temporary_name` makes.
-_TEMPORARY: Final = re.compile(r"\.(?P<name>.+)\.(?P<pid>[0-9]+)\.[0-9a-f]{8}\.(tmp|old)")
+def _keep_identity(fd: int, old: os.stat_result | None) -> None:
+    """Give the new file ``fd`` the permission bits, and where allowed the owner, of ``old``."""
+    if old is None:
+        return
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    if hasattr(os, "fchown") and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+        # An ordinary user cannot give a file away: it becomes theirs.
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, old.st_uid, old.st_gid)
+
+
+# -- temporaries ----------------------------------------------------------------------------------
+
+#: The record of a write's temporaries: ``.{name}.{token}.gdn-lock`` next to them.
+_RECORD: Final = re.compile(r"\.(?P<name>.*)\.(?P<token>[0-9a-f]{32})\.gdn-lock")
+#: What a record starts with: a file holding anything else is not a record.
+_MAGIC: Final = "gdn-layout temporaries"
+#: A record is at most this long; a longer file is not one.
+_RECORD_BYTES: Final = 1 << 16
+#: Of the target's name, this much goes into temporary names (a name has at most 255 bytes).
+_NAME_CHARS: Final = 64
+
+
+class Temporaries:
+    """The temporary files and folders of one write next to ``target``, named in a record that
+    this writer holds locked while it runs.
+
+    The record (``.{name}.{token}.gdn-lock``, ``token`` 128 random bits) is made on the first
+    :meth:`new` and holds one line per temporary, each appended before the temporary is made.
+    :func:`remove_abandoned` removes what a record names only once it can take the record's
+    lock, that is once its writer has ended however it ended; a temporary marked ``old`` (a
+    folder moved aside to be replaced) is moved back when nothing took its place.
+    Where ``flock`` is unavailable no record is made and nothing is ever reclaimed.
+
+    >>> import tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> with Temporaries(folder / "suite") as temporaries:
+    ...     built = temporaries.new()
+    ...     built.mkdir()
+    ...     remove_abandoned(folder)  # its writer runs: kept
+    ...     sorted(p.suffix for p in folder.iterdir())
+    ['.0', '.gdn-lock']
+    >>> remove_abandoned(folder)  # its writer is done: removed, and the record with it
+    >>> list(folder.iterdir())
+    []
+    """
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.token = secrets.token_hex(16)
+        self._stem = f".{target.name[:_NAME_CHARS]}.{self.token}"
+        self._fd: int | None = None
+        self._started = False
+        self._count = 0
+
+    def new(self, role: str = "new") -> Path:
+        """A fresh name next to the target, recorded (with ``role``, ``"new"`` or ``"old"``)
+        before it is returned."""
+        path = self.target.with_name(f"{self._stem}.{self._count}")
+        self._count += 1
+        self._mark(path, role)
+        return path
+
+    def _mark(self, path: Path, role: str) -> None:
+        """Record what ``path`` (one of :meth:`new`'s names) holds now."""
+        if not self._started:
+            self._started = True
+            self._fd = _lock_record(self.target.with_name(f"{self._stem}.gdn-lock"))
+            self._append({"magic": _MAGIC, "token": self.token, "target": self.target.name})
+        self._append({"name": path.name, "role": role})
+
+    def _append(self, line: dict[str, str]) -> None:
+        if self._fd is not None:
+            os.write(self._fd, (json.dumps(line) + "\n").encode())
+
+    def __enter__(self) -> Temporaries:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if self._fd is None:
+            return
+        # A temporary that is still there (an interrupted removal) keeps its record, for the
+        # next write to reclaim once this lock is released.
+        names = (self.target.with_name(f"{self._stem}.{i}") for i in range(self._count))
+        if not any(os.path.lexists(name) for name in names):
+            with contextlib.suppress(OSError):
+                os.unlink(self.target.with_name(f"{self._stem}.gdn-lock"))
+        os.close(self._fd)
+        self._fd = None
+
+
+def _lock_record(path: Path) -> int | None:
+    """A new record file at ``path``, locked by this process; None where locks are unavailable
+    (nothing is then reclaimed, which is safe)."""
+    if fcntl is None:  # pragma: no cover
+        return None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:  # pragma: no cover - a filesystem without locks
+        os.close(fd)
+        os.unlink(path)
+        return None
+    return fd
 
 
 def remove_abandoned(folder: Path) -> None:
-    """Remove the temporary files and folders in ``folder`` whose writer is no longer running.
+    """Remove the temporaries in ``folder`` whose writer has ended.
 
-    Only names made by :func:`temporary_name` are considered, and only on systems that can
-    tell whether a process runs (POSIX); anything that cannot be removed is left.
+    Only what a record of :class:`Temporaries` names is considered, and only once the record's
+    lock can be taken; a name that merely looks like a temporary, a record that cannot be read
+    or parsed, and anything that cannot be removed are left as they are.
     """
-    if os.name != "posix":  # pragma: no cover - no safe "is this process alive" elsewhere
+    if fcntl is None:  # pragma: no cover
         return
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return
     for entry in entries:
-        match = _TEMPORARY.fullmatch(entry.name)
-        if match is None or _running(int(match["pid"])):
-            continue
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
-        except OSError:
-            pass
+        match = _RECORD.fullmatch(entry.name)
+        if match is not None:
+            _reclaim(folder, entry.name, match["token"])
 
 
-def _running(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def _reclaim(folder: Path, record: str, token: str) -> None:
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # it exists, as someone else's
-        return True
-    return True
+        fd = os.open(folder / record, flags)
+    except OSError:
+        return
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its writer is running
+            return
+        parsed = _parse_record(os.read(fd, _RECORD_BYTES + 1), token)
+        if parsed is None:
+            return
+        target, roles = parsed
+        for name, role in roles.items():
+            _settle(folder / name, folder / target, role)
+        os.unlink(folder / record)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+
+
+def _parse_record(data: bytes, token: str) -> tuple[str, dict[str, str]] | None:
+    """The target and the temporaries (name: last role) of a record; None for anything that is
+    not a complete record of ``token``. A last line cut short by a kill is dropped."""
+    if len(data) > _RECORD_BYTES:
+        return None
+    try:
+        lines = [
+            json.loads(line)
+            for line in data.decode().splitlines(keepends=True)
+            if line.endswith("\n")
+        ]
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if not lines or not all(isinstance(line, dict) for line in lines):
+        return None
+    head, *rest = lines
+    target = head.get("target")
+    if head.get("magic") != _MAGIC or head.get("token") != token or not _plain(target):
+        return None
+    stem = f".{target[:_NAME_CHARS]}.{token}."
+    roles: dict[str, str] = {}
+    for line in rest:
+        name, role = line.get("name"), line.get("role")
+        if not (_plain(name) and name.startswith(stem) and name[len(stem) :].isdigit()):
+            return None
+        if role not in ("new", "old"):
+            return None
+        roles[name] = role
+    return target, roles
+
+
+def _plain(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+
+
+def _settle(temporary: Path, target: Path, role: str) -> None:
+    """Remove an abandoned temporary, or move an ``old`` one back where nothing replaced it."""
+    if not os.path.lexists(temporary):
+        return
+    if role == "old" and not os.path.lexists(target):
+        os.rename(temporary, target)
+    elif os.path.isdir(temporary) and not os.path.islink(temporary):
+        shutil.rmtree(temporary)
+    else:
+        os.unlink(temporary)
+
+
+# -- writing a file -------------------------------------------------------------------------------
 
 
 def _naming(err: OSError, path: Path) -> OSError:
     """``err`` as an error of the same kind that names ``path``, the file being written."""
     if err.errno is None or err.filename == os.fspath(path):  # our own message names it
         return err
-    return OSError(err.errno, err.strerror, os.fspath(path))
+    return type(err)(err.errno, err.strerror, os.fspath(path))
 
 
 def _open_unnamed(folder: Path) -> int | None:
@@ -134,12 +336,18 @@ def _open_unnamed(folder: Path) -> int | None:
 
 
 def _write_unnamed(
-    fd: int, path: Path, write: Callable[[IO[bytes]], None], overwrite: bool
+    fd: int,
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    old: os.stat_result | None,
+    overwrite: bool,
+    temporaries: Temporaries,
 ) -> bool:
     """Write into the unnamed file ``fd`` and link it in place; False if it cannot be linked."""
     with os.fdopen(fd, "wb") as out:
         write(out)
         out.flush()
+        _keep_identity(out.fileno(), old)
         os.fsync(out.fileno())
         try:
             if not overwrite:
@@ -150,7 +358,7 @@ def _write_unnamed(
                         f"{path} exists; pass overwrite=True to replace it"
                     ) from None
                 return True
-            tmp = temporary_name(path)
+            tmp = temporaries.new()
             _link_fd(out.fileno(), tmp)
         except _CannotLink:  # pragma: no cover - a kernel or sandbox without linkat
             return False
@@ -183,12 +391,22 @@ class _CannotLink(Exception):
     """An unnamed file could not be linked in: write a named temporary file instead."""
 
 
-def _write_named(path: Path, write: Callable[[IO[bytes]], None], overwrite: bool) -> None:
-    tmp = _create_temp(path)
+def _write_named(
+    path: Path,
+    write: Callable[[IO[bytes]], None],
+    old: os.stat_result | None,
+    overwrite: bool,
+    temporaries: Temporaries,
+) -> None:
+    # A recorded name in the same folder, so that the rename stays on one filesystem; created
+    # with O_EXCL and mode 0o666 so that a new file gets the usual umask permissions.
+    tmp = temporaries.new()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
-        with open(tmp, "wb") as out:
+        with os.fdopen(fd, "wb") as out:
             write(out)
             out.flush()
+            _keep_identity(out.fileno(), old)
             os.fsync(out.fileno())
         if overwrite:
             os.replace(tmp, path)
@@ -197,22 +415,6 @@ def _write_named(path: Path, write: Callable[[IO[bytes]], None], overwrite: bool
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _create_temp(path: Path) -> Path:
-    # A hidden name in the same folder, so that the rename stays on one filesystem; created
-    # with O_EXCL and mode 0o666 so that the final file gets the usual umask permissions.
-    for _ in range(100):
-        tmp = temporary_name(path)
-        try:
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666
-            )
-        except FileExistsError:  # pragma: no cover - 32 random bits taken
-            continue
-        os.close(fd)
-        return tmp
-    raise FileExistsError(f"could not create a temporary file next to {path}")  # pragma: no cover
 
 
 def _link_new(tmp: Path, path: Path) -> None:
@@ -248,17 +450,22 @@ def _fsync_dir(directory: Path) -> None:
 def install_folder(
     built: Path,
     target: Path,
+    temporaries: Temporaries,
     *,
     overwrite: bool,
     replaceable: Callable[[Path], str | None],
 ) -> None:
-    """Move the complete folder ``built`` to ``target`` (its sibling) by renaming it.
+    """Move the complete folder ``built`` (a name of ``temporaries``) to ``target``, its
+    sibling.
 
-    A missing or empty ``target`` is taken at once. Otherwise, with ``overwrite``, a
-    ``target`` for which ``replaceable`` says nothing (it returns why not, or None) is renamed
-    away, ``built`` is renamed in, and the old folder is removed: a reader sees the old folder
-    or the new one, never a mixture. When several writers race, each rename is atomic and the
-    last one wins; every one of them ends with a complete folder at ``target``.
+    A missing or empty ``target`` is taken by a rename. Otherwise, with ``overwrite``, a
+    ``target`` for which ``replaceable`` says nothing (it returns why not, or None) is
+    exchanged with ``built`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``), checked again
+    where it now lies, and removed: at every instant, and after any signal or kill, ``target``
+    is the old folder or the new one. Where the exchange is unavailable the old folder is
+    renamed aside (recorded as ``old``, so that an interrupted replacement is undone by the
+    next write) and ``built`` renamed in: ``target`` is then missing for the instant between
+    the two renames. Concurrent writers each end with a complete folder at ``target``.
 
     Raises
     ------
@@ -279,23 +486,67 @@ def install_folder(
             raise FileExistsError(
                 f"{target} exists and is not empty; pass overwrite=True to replace it"
             )
-        why = replaceable(target)
-        if why is not None:
-            raise FileExistsError(f"{target} is not replaced: {why}")
-        old = temporary_name(target, "old")
+        _require_replaceable(target, replaceable)
+        if _exchange(built, target):
+            try:
+                _require_replaceable(built, replaceable, target)  # what arrived since the check
+            except FileExistsError:
+                _exchange(built, target)
+                raise
+            shutil.rmtree(built, ignore_errors=True)
+            return
+        old = temporaries.new("old")
         try:
             os.rename(target, old)
         except FileNotFoundError:  # another writer moved it first: try again
             continue
+        try:
+            os.rename(built, target)
+        except BaseException:
+            os.rename(old, target)
+            raise
         shutil.rmtree(old, ignore_errors=True)
+        return
     raise FileExistsError(f"{target}: other writers kept replacing it")  # pragma: no cover
 
 
+def _require_replaceable(
+    folder: Path, replaceable: Callable[[Path], str | None], target: Path | None = None
+) -> None:
+    why = replaceable(folder)
+    if why is not None:
+        raise FileExistsError(f"{target or folder} is not replaced: {why}")
+
+
+#: ``renameat2``'s flag that swaps two paths, and the "current folder" for its folder fds.
+_RENAME_EXCHANGE: Final = 2
+_AT_FDCWD: Final = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one step; False where the system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # pragma: no cover - a C library older than glibc 2.28
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # pragma: no cover
+        return False  # a kernel or filesystem without the exchange
+    raise OSError(code, os.strerror(code), os.fspath(b))
+
+
 # -- reading --------------------------------------------------------------------------------------
-
-
-class NotRegularFileError(OSError):
-    """A path that names a folder, a FIFO, a device or a socket where a file is expected."""
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -327,7 +578,7 @@ def open_regular(path: Path) -> BinaryIO:
     return file
 
 
-def _require_regular(mode: int, path: Path) -> None:
+def _require_regular(mode: int, path: Path, what: str = "") -> None:
     if stat.S_ISREG(mode):
         return
     kinds = (
@@ -338,4 +589,4 @@ def _require_regular(mode: int, path: Path) -> None:
         (stat.S_ISSOCK, "a socket"),
     )
     kind = next((name for test, name in kinds if test(mode)), "of another kind")
-    raise NotRegularFileError(f"{path}: not a regular file: it is {kind}")
+    raise NotRegularFileError(f"{path}: {what}not a regular file: it is {kind}")

@@ -22,7 +22,7 @@ from numpy.typing import DTypeLike, NDArray
 from . import reference
 from ._checks import not_a_layout
 from ._criteria import measure_floors
-from ._files import atomic_write, install_folder, remove_abandoned, temporary_name
+from ._files import Temporaries, atomic_write, install_folder, open_regular, remove_abandoned
 from ._fixture import (
     FORMAT,
     FORMAT_VERSION,
@@ -314,9 +314,12 @@ def write_suite(
 
     The suite is all or nothing: it is written into a temporary folder next to ``directory``
     and renamed into place when complete. A ``directory`` that exists and is not empty is
-    refused unless ``overwrite=True``, which replaces the whole folder, provided it holds only
-    a suite (``manifest.json`` and ``.safetensors`` files): nothing stale is left. Concurrent
-    runs each end with one complete suite in ``directory``, the last one's.
+    refused unless ``overwrite=True``, which replaces the whole folder, provided it holds a
+    suite written here (its manifest says so) and nothing its manifest does not list: a
+    folder's own files are never removed. The new folder is exchanged with the old in one step
+    where the system can (Linux), so ``directory`` always holds one complete suite, and the old
+    one is removed after. Concurrent runs each end with one complete suite in ``directory``,
+    the last one's.
 
     Parameters
     ----------
@@ -327,7 +330,7 @@ def write_suite(
     seed : int
         The first file's seed.
     overwrite : bool
-        Replace an existing, non-empty folder that holds only a suite.
+        Replace an existing, non-empty folder that holds only a suite and its listed files.
     progress : callable, optional
         Called with the fraction of the files written.
 
@@ -340,7 +343,8 @@ def write_suite(
     ------
     FileExistsError
         ``directory`` exists and is not empty while ``overwrite`` is false, it is not a
-        folder, or it holds something a suite does not (it is then never replaced).
+        folder, or it holds something its manifest does not list or no manifest written here
+        (it is then never replaced).
     TypeError, ValueError
         ``dtype`` or ``seed`` is not usable.
     OSError
@@ -359,14 +363,15 @@ def write_suite(
             raise FileExistsError(f"{root} is not replaced: {why}")
     root.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(root.parent)
-    built = temporary_name(root)
-    built.mkdir()
-    try:
-        names = _write_suite_files(built, target, seed, progress)
-        install_folder(built, root, overwrite=overwrite, replaceable=_not_a_suite)
-    except BaseException:
-        shutil.rmtree(built, ignore_errors=True)
-        raise
+    with Temporaries(root) as temporaries:
+        built = temporaries.new()
+        built.mkdir()
+        try:
+            names = _write_suite_files(built, target, seed, progress)
+            install_folder(built, root, temporaries, overwrite=overwrite, replaceable=_not_a_suite)
+        except BaseException:
+            shutil.rmtree(built, ignore_errors=True)
+            raise
     return [given / name for name in names]
 
 
@@ -380,19 +385,52 @@ def _non_empty_folder(path: Path) -> bool:
 
 
 def _not_a_suite(folder: Path) -> str | None:
-    """Why ``folder`` may not be replaced by a suite: it holds something a suite does not."""
+    """Why ``folder`` may not be replaced by a suite; None when it holds a suite this library
+    wrote (its manifest says so) and nothing but the files that manifest lists."""
+    manifest = folder / "manifest.json"
+    try:
+        with open_regular(manifest) as file:
+            document = json.loads(file.read(_MANIFEST_BYTES + 1).decode())
+    except FileNotFoundError:
+        return f"it has no manifest.json, so it is not a suite; {_ADVICE}"
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+        return f"its manifest.json cannot be read ({err}); {_ADVICE}"
+    listed = _listed_files(document)
+    if listed is None:
+        return f"its manifest.json is not one gdn-layout wrote; {_ADVICE}"
     foreign = sorted(
         entry.name
         for entry in os.scandir(folder)
-        if not entry.is_file(follow_symlinks=False)
-        or not (entry.name == "manifest.json" or entry.name.endswith(".safetensors"))
+        if entry.name != "manifest.json"
+        and (entry.name not in listed or not entry.is_file(follow_symlinks=False))
     )
     if foreign:
         return (
-            f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which a "
-            "suite does not; remove it yourself or choose another folder"
+            f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which its "
+            f"manifest does not list; {_ADVICE}"
         )
     return None
+
+
+_ADVICE: Final = "move it away yourself or choose another folder"
+#: A suite's manifest is at most this long (the standard suite's is about 100 KiB).
+_MANIFEST_BYTES: Final = 64 << 20
+
+
+def _listed_files(document: object) -> set[str] | None:
+    """The file names a manifest written by :func:`write_suite` lists; None for any other
+    document."""
+    if not isinstance(document, dict) or document.get("format") != FORMAT + "-suite":
+        return None
+    entries = document.get("fixtures")
+    if not isinstance(entries, list):
+        return None
+    names = {entry.get("file") for entry in entries if isinstance(entry, dict)}
+    if len(names) != len(entries) or not all(
+        isinstance(name, str) and name and Path(name).name == name for name in names
+    ):
+        return None
+    return names  # type: ignore[return-value]
 
 
 def _write_suite_files(
