@@ -219,6 +219,18 @@ def make_fixture(
     ((336,), (1, 2, 8, 8), 'float64')
     """
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
+    return _fixture_of(layout, x, regime, int(seed), progress, calibrate)
+
+
+def _fixture_of(
+    layout: GdnBackwardLayout,
+    x: GdnInputs,
+    regime: str,
+    seed: int,
+    progress: Callable[[float], object] | None = None,
+    calibrate: bool = True,
+) -> Fixture:
+    """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
     state = None if x.state is None else x.state.astype(np.float64)
     q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
     wide = GdnInputs(q, k, v, g, beta, dy, state)
@@ -236,7 +248,7 @@ def make_fixture(
         y=np.asarray(y).astype(target),
         packed=np.asarray(packed).astype(target),
         regime=regime,
-        seed=int(seed),
+        seed=seed,
         compute_dtype="float64",
         floors=floors,
     )
@@ -248,10 +260,22 @@ class _Case(NamedTuple):
     seq: int
     heads: int
     state_size: int
+    #: Which set of shapes it belongs to: 0 the first suite's, 1 those that reach every chunk
+    #: boundary; a later set never moves an earlier one's files.
+    since: int = 0
+    #: Every batch row gets the same inputs, so that a row that differs is the kernel's doing.
+    identical_rows: bool = False
 
+
+#: The chunk sizes a kernel is likely to use: the suite crosses at least two boundaries of
+#: each, and ends a sequence one step past a boundary and one step before one.
+CHUNK_SIZES: Final = (16, 32, 64, 128, 256)
 
 #: Edge shapes of :func:`write_suite`: S=1, N=1, the shape RLX tests with (B, H > 1), S a
-#: multiple of 64, S not one, S just past one, and the largest N of RLX's CPU kernels.
+#: multiple of 64, S not one, S just past one, and the largest N of RLX's CPU kernels. Then
+#: the chunk boundaries: S = 255 (one step short of a boundary of every chunk size), S = 300
+#: with N = 128, S = 513 (one step past two boundaries of every chunk size), and two batch rows
+#: of identical inputs across two 64-step boundaries.
 _SUITE_SHAPES: Final = (
     _Case("s1", 1, 1, 1, 8),
     _Case("n1", 1, 7, 2, 1),
@@ -260,21 +284,34 @@ _SUITE_SHAPES: Final = (
     _Case("s65", 2, 65, 2, 16),
     _Case("s100", 1, 100, 3, 16),
     _Case("n128", 1, 3, 1, 128),
+    _Case("s255", 1, 255, 2, 16, since=1),
+    _Case("s300", 1, 300, 1, 128, since=1),
+    _Case("s513", 1, 513, 2, 16, since=1),
+    _Case("twin", 2, 130, 2, 8, since=1, identical_rows=True),
 )
 
 
-#: The regimes of the first suite, then those added since: every file of an older suite keeps
-#: its place, and so its seed and its bytes.
-_SUITE_REGIMES: Final = (REGIMES[:4], REGIMES[4:])
+#: The sets of shapes and the regimes of each, in file order: the first suite (its shapes in
+#: its four regimes), the regimes added since, then the chunk-boundary shapes in every
+#: regime. Every file of an older suite keeps its place, and so its seed and its bytes.
+_SUITE_GROUPS: Final = ((0, REGIMES[:4]), (0, REGIMES[4:]), (1, REGIMES))
 
 
-def _suite_cases() -> Iterator[tuple[str, GdnBackwardLayout, str]]:
-    for regimes in _SUITE_REGIMES:
-        yield from _suite_cases_of(regimes)
+class _SuiteCase(NamedTuple):
+    name: str
+    layout: GdnBackwardLayout
+    regime: str
+    identical_rows: bool
 
 
-def _suite_cases_of(regimes: tuple[str, ...]) -> Iterator[tuple[str, GdnBackwardLayout, str]]:
-    for case in _SUITE_SHAPES:
+def _suite_cases() -> Iterator[_SuiteCase]:
+    for since, regimes in _SUITE_GROUPS:
+        shapes = [case for case in _SUITE_SHAPES if case.since == since]
+        yield from _suite_cases_of(shapes, regimes)
+
+
+def _suite_cases_of(shapes: list[_Case], regimes: tuple[str, ...]) -> Iterator[_SuiteCase]:
+    for case in shapes:
         for per_channel in (False, True):
             for carry in (False, True):
                 layout = GdnBackwardLayout(
@@ -291,7 +328,35 @@ def _suite_cases_of(regimes: tuple[str, ...]) -> Iterator[tuple[str, GdnBackward
                         f"-{'channel' if per_channel else 'scalar'}"
                         f"-{'state' if carry else 'nostate'}-{regime}.safetensors"
                     )
-                    yield name, layout, regime
+                    yield _SuiteCase(name, layout, regime, case.identical_rows)
+
+
+def _identical_rows_fixture(
+    layout: GdnBackwardLayout, dtype: np.dtype[Any], regime: str, seed: int
+) -> Fixture:
+    """A fixture of ``layout`` whose batch rows all hold the inputs drawn for the first."""
+    one = GdnBackwardLayout(
+        1,
+        layout.seq,
+        layout.heads,
+        layout.state_size,
+        gate_per_channel=layout.gate_per_channel,
+        carry_state=layout.carry_state,
+    )
+    x = draw_inputs(one, regime=regime, seed=seed, dtype=dtype)
+    q, k, v, g, beta, dy = (np.repeat(a, layout.batch, axis=0) for a in x[:6])
+    state = None if x.state is None else np.repeat(x.state, layout.batch, axis=0)
+    return _fixture_of(layout, GdnInputs(q, k, v, g, beta, dy, state), regime, seed)
+
+
+def boundaries_crossed(seq: int) -> dict[int, int]:
+    """How many boundaries of each chunk size of :data:`CHUNK_SIZES` a sequence of ``seq``
+    steps crosses (a boundary at ``c * C`` for ``0 < c * C < seq``).
+
+    >>> boundaries_crossed(65)
+    {16: 4, 32: 2, 64: 1, 128: 0, 256: 0}
+    """
+    return {size: max(seq - 1, 0) // size for size in CHUNK_SIZES}
 
 
 def write_suite(
@@ -439,8 +504,11 @@ def _write_suite_files(
     """Write every fixture and the manifest into the empty folder ``root``; their names."""
     entries: list[dict[str, Any]] = []
     cases = list(_suite_cases())
-    for index, (name, layout, regime) in enumerate(cases):
-        fixture = make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
+    for index, (name, layout, regime, identical_rows) in enumerate(cases):
+        if identical_rows:
+            fixture = _identical_rows_fixture(layout, target, regime, seed + index)
+        else:
+            fixture = make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
         path = save_fixture(root / name, fixture)
         if progress is not None:
             progress((index + 1) / len(cases))
@@ -451,6 +519,8 @@ def _write_suite_files(
                 "layout": layout.to_dict(),
                 "regime": regime,
                 "seed": seed + index,
+                "crosses": {str(c): n for c, n in boundaries_crossed(layout.seq).items()},
+                "identical_rows": identical_rows,
                 "dtype": dtype_code(target, "write_suite"),
                 "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
