@@ -66,8 +66,11 @@ def test_the_manifest_records_the_boundaries_each_case_crosses() -> None:
 def _dropped_state(fixture: Fixture, t: int, dtype: Any) -> NDArray[Any]:
     """A chunked kernel that forgets the state at step ``t``: two independent scans."""
     x, layout = fixture.inputs, fixture.layout
-    head = backward(*(a[:, :t] for a in x[:6]), x.state, dtype=dtype)
-    tail = backward(*(a[:, t:] for a in x[:6]), dtype=dtype)
+    q, k, v, g, beta, dy = x[:6]
+    head = backward(
+        q[:, :t], k[:, :t], v[:, :t], g[:, :t], beta[:, :t], dy[:, :t], x.state, dtype=dtype
+    )
+    tail = backward(q[:, t:], k[:, t:], v[:, t:], g[:, t:], beta[:, t:], dy[:, t:], dtype=dtype)
     first = unpack(head, GdnBackwardLayout.from_inputs(x.q[:, :t], x.g[:, :t], x.state))
     second = unpack(tail, GdnBackwardLayout.from_inputs(x.q[:, t:], x.g[:, t:]))
     out = np.empty(layout.total_elems, dtype)
