@@ -74,6 +74,81 @@ def fixture_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+# -- 1a: a manifest holding an integer of more digits than Python converts ---------------------
+
+
+def _suite_with_huge_integer(root: Path, fixture_path: Path) -> Path:
+    root.mkdir()
+    shutil.copy(fixture_path, root / "case.safetensors")
+    huge = "9" * 5000
+    (root / "manifest.json").write_text(
+        '{"fixtures": [{"file": "case.safetensors", "sha256": "0", "bytes": ' + huge + "}]}"
+    )
+    return root
+
+
+def test_verify_refuses_a_manifest_with_a_5000_digit_integer(
+    tmp_path: Path, fixture_path: Path
+) -> None:
+    root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
+
+
+def test_verify_counts_the_fixtures_through_the_suite_module(
+    tmp_path: Path, fixture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The count does not come from a second json.loads of its own: a manifest that changed
+    # after the check is reported by the suite module, in one line.
+    root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    monkeypatch.setattr(importlib.import_module("gdn_layout.cli"), "verify_suite", lambda d: [])
+    assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
+    (root / "manifest.json").write_text(json.dumps({"fixtures": [{"file": "a", "sha256": "0"}]}))
+    assert run("verify", root).stdout == f"{root}: 1 fixtures match manifest.json\n"
+
+
+def test_plugin_refuses_a_manifest_with_a_5000_digit_integer(
+    tmp_path: Path, fixture_path: Path, pytester: pytest.Pytester
+) -> None:
+    root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-suite", str(root))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(["*gdn-layout: *manifest.json: not JSON*digits*"])
+
+
+# -- 1b: names that the output's encoding cannot print ------------------------------------------
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bytes file names are POSIX's")
+@pytest.mark.parametrize("encoding", ["ascii:strict", "utf-8:strict"])
+def test_names_that_cannot_be_encoded_are_printed_escaped(
+    tmp_path: Path, fixture_path: Path, encoding: str
+) -> None:
+    undecodable = os.path.join(os.fsencode(tmp_path), b"\xff.safetensors")
+    with open(undecodable, "wb") as file:
+        file.write(fixture_path.read_bytes())
+    env = {"PYTHONIOENCODING": encoding}
+    done = run_process("inspect", undecodable, env=env)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"\\udcff.safetensors: fixture, float32" in done.stdout
+    # The same name in an error message: one line on stderr, exit 2.
+    missing = os.path.join(os.fsencode(tmp_path), "nope-\u00e9\xff.npy".encode(errors="ignore"))
+    missing = missing.replace(b"nope-", b"nope-\xff-")
+    done = run_process("inspect", missing, env=env)
+    assert done.returncode == 2, done.stderr
+    assert b"Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert b"\\udcff" in done.stderr and b"no such file" in done.stderr
+    # A name that is valid UTF-8 but not ASCII.
+    accented = tmp_path / "caf\u00e9.safetensors"
+    shutil.copy(fixture_path, accented)
+    done = run_process("inspect", accented, env=env)
+    assert done.returncode == 0, done.stderr
+    expected = "caf\\xe9" if encoding.startswith("ascii") else "caf\u00e9"
+    assert f"{expected}.safetensors: fixture".encode() in done.stdout
+
+
 # -- 1c: a .npy header that claims more elements than any array can have ------------------------
 
 
@@ -99,5 +174,81 @@ def test_npy_header_warnings_do_not_add_lines(tmp_path: Path) -> None:
     done = run_process("inspect", path)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# -- 1d: stderr closed --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_a_closed_stderr_disables_progress_and_keeps_the_exit_status(tmp_path: Path) -> None:
+    out = tmp_path / "x.safetensors"
+    done = run_process("fixture", "-S", "4", "-o", out, close_stderr=True)
+    assert done.returncode == 0
+    assert out.is_file()
+    assert done.stdout.startswith(f"wrote {out}".encode())
+    done = run_process("demo", "-S", "4", close_stderr=True)
+    assert done.returncode == 0
+    # An error has nowhere to go, and does not go to stdout; the status still says it.
+    done = run_process("inspect", tmp_path / "nowhere.npy", close_stderr=True)
+    assert (done.returncode, done.stdout) == (2, b"")
+    done = run_process("describe", "--seq", "x", close_stderr=True)
+    assert (done.returncode, done.stdout) == (2, b"")
+
+
+def test_progress_survives_a_stderr_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdn_layout._progress import Progress, stderr_is_terminal
+
+    monkeypatch.setattr(sys, "stderr", None)
+    assert stderr_is_terminal() is False
+    bar = Progress(enabled=True)
+    bar.update(0.5)
+    bar.done()
+
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(sys, "stderr", Broken())
+    bar = Progress(enabled=True)
+    bar.update(0.5)
+    assert not bar.enabled
+    bar.done()
+
+
+# -- 4: SIGTERM cleans up the demo's temporary folder -------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="POSIX")
+def test_sigterm_during_demo_removes_its_temporary_folder(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gdn_layout", "demo", "-B", "2", "-S", "4096", "-H", "8", "-N", "64"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp.iterdir()) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.05)
+        assert any(tmp.iterdir()), "the demo made no temporary folder"
+        time.sleep(0.3)  # well into the work
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 128 + signal.SIGTERM, process.stderr.read() if process.stderr else ""
+    assert list(tmp.iterdir()) == []
+
+
+def test_main_restores_the_sigterm_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert run("describe", "-S", "2").returncode == 0
+    assert signal.getsignal(signal.SIGTERM) is before
 
 

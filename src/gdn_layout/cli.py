@@ -8,11 +8,14 @@ fails. Any other exception is a bug: it shows its traceback and exits with statu
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
+import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +34,14 @@ from ._dtypes import is_floating, resolve
 from ._fixture import REGIMES, FixtureError, load_fixture, save_fixture
 from ._limits import human_bytes, impossible_arrays, memory_refusal
 from ._packed import PackedFile, open_packed
-from ._progress import Progress
+from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
 from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
-from .suites import MANIFEST, verify_suite
+from .suites import MANIFEST, suite_files, verify_suite
 
 __all__ = ["main"]
 
@@ -49,6 +52,11 @@ class UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    with _escaping_output(), _sigterm_as_exit():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command that was given, not by the top-level parser
@@ -60,13 +68,59 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # what a shell reports for a process ended by SIGPIPE
     except MemoryError as error:
-        print(f"gdn-layout {args.command}: error: out of memory: {error}", file=sys.stderr)
+        _report(f"gdn-layout {args.command}: error: out of memory: {error}")
         return 2
     except (UsageError, FixtureError, OSError, ImportError) as error:
         # The user's to fix; any other exception is a bug, shown with its traceback (exit 1).
-        print(f"gdn-layout {args.command}: error: {error}", file=sys.stderr)
+        _report(f"gdn-layout {args.command}: error: {error}")
         return 2
     return result
+
+
+def _report(line: str) -> None:
+    """Print an error line on stderr; with no stderr to print on (``2>&-``), say nothing: the
+    exit status still tells."""
+    if sys.stderr is not None:
+        with contextlib.suppress(OSError, ValueError):
+            print(line, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _escaping_output() -> Iterator[None]:
+    """For the run, stdout and stderr escape what their encoding cannot write (a file name
+    that is not UTF-8, or not ASCII on an ASCII stream) instead of raising."""
+    restore: list[tuple[io.TextIOWrapper, str]] = []
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            with contextlib.suppress(OSError, ValueError):
+                stream.reconfigure(errors="backslashreplace")
+                restore.append((stream, "strict"))
+    try:
+        yield
+    finally:
+        for stream, errors in restore:
+            with contextlib.suppress(OSError, ValueError):
+                stream.reconfigure(errors=errors)
+
+
+@contextlib.contextmanager
+def _sigterm_as_exit() -> Iterator[None]:
+    """For the run, SIGTERM raises SystemExit(143), so that ``with`` blocks clean up (the
+    demo's temporary folder) before the process ends; the previous handler is restored."""
+
+    def terminate(signum: int, frame: object) -> None:
+        signal.signal(signum, signal.SIG_IGN)  # the cleanup is not interrupted in turn
+        raise SystemExit(128 + signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, terminate)
+    except (AttributeError, ValueError, OSError):  # no SIGTERM here, or not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -277,7 +331,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if args.suite is not None:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
-        progress = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
+        progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
         paths = write_suite(
             args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
         )
@@ -296,7 +350,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if (why := memory_refusal(layout)) is not None:
         raise UsageError(why)
     regime = args.gate_regime or "mixed"
-    progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
+    progress = Progress(enabled=not args.quiet and stderr_is_terminal())
     fixture = make_fixture(
         layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
     )
@@ -366,7 +420,7 @@ def _verify(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  {problem}")
         return 1
-    count = len(json.loads((Path(args.suite) / MANIFEST).read_text())["fixtures"])
+    count = len(suite_files(args.suite))
     print(f"{args.suite}: {count} fixtures match {MANIFEST}")
     return 0
 
@@ -382,7 +436,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(layout_text(layout, np.float64))
         stdout = sys.stdout
         stdout.flush()  # the table first, then any progress bar on stderr
-        bar = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
+        bar = Progress(enabled=not args.quiet and stderr_is_terminal(), label="float64 reference")
         fixture = make_fixture(
             layout, dtype=np.float64, regime="mixed", seed=args.seed, progress=bar.update
         )
