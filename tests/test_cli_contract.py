@@ -334,6 +334,45 @@ def test_rlimit_as_without_a_limit_says_nothing(monkeypatch: pytest.MonkeyPatch)
         assert "RLIMIT_AS" in found[1]
 
 
+# -- 3: the plugin refuses a layout beyond memory ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("64,100000,64,128", "*gdn-layout: B=64 S=100000 H=64 N=128*needs about*available*"),
+        ("0,1099511627776,1099511627776,2", "*which no array can have*"),
+    ],
+)
+def test_plugin_refuses_a_layout_beyond_memory(
+    pytester: pytest.Pytester, spec: str, message: str
+) -> None:
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    pass\n")
+    start = time.perf_counter()
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", spec)
+    assert time.perf_counter() - start < 20
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines([message])
+    assert len([line for line in result.stderr.lines if "gdn-layout" in line]) == 1
+
+
+def test_plugin_turns_memory_error_into_a_usage_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    suites = importlib.import_module("gdn_layout.suites")
+
+    def exhausted(*args: object, **kwargs: object) -> None:
+        raise MemoryError("Unable to allocate 1.00 TiB")
+
+    monkeypatch.setattr(suites, "make_case", exhausted)
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--gdn-layout", "1,4,1,2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(["*gdn-layout: out of memory: Unable to allocate 1.00 TiB*"])
+
+
 # -- 4: SIGTERM cleans up the demo's temporary folder -------------------------------------------
 
 
