@@ -410,3 +410,43 @@ def test_main_restores_the_sigterm_handler() -> None:
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+# -- 5: --plot does not replace a file unless told to -------------------------------------------
+
+
+def test_compare_plot_refuses_an_existing_file_without_force(
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "errors.png"
+    png.write_bytes(b"precious")
+    drawn: list[object] = []
+    monkeypatch.setattr(gdn_layout.plot, "plot_errors", lambda result, path: drawn.append(path))
+    result = run("compare", fixture_path, fixture_path, "--plot", png)
+    assert_user_error(result, str(png), "exists", "--force")
+    assert result.stdout == "", "refused before the work"
+    assert (png.read_bytes(), drawn) == (b"precious", [])
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force")
+    assert result.returncode == 0, result.stderr
+    assert drawn == [str(png)]
+
+
+def test_plot_errors_writes_its_file_atomically(
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    files = importlib.import_module("gdn_layout._files")
+    written: list[Path] = []
+    real = files.atomic_write
+
+    def spy(path: Path, write: object, *, overwrite: bool) -> Path:
+        written.append(path)
+        return real(path, write, overwrite=overwrite)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(files, "atomic_write", spy)
+    png = tmp_path / "errors.png"
+    png.write_bytes(b"old")
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force")
+    assert result.returncode == 0, result.stderr
+    assert written == [png]
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir()] == ["errors.png"]

@@ -245,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write heatmaps of the error per gradient, e.g. errors.png (needs [plot])",
     )
+    compare.add_argument("--force", action="store_true", help="replace an existing --plot file")
     compare.set_defaults(run=_compare)
 
     verify = commands.add_parser(
@@ -390,7 +391,7 @@ def _compare(args: argparse.Namespace) -> int:
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
-        _check_plot_path(args.plot)
+        _check_plot_path(args.plot, force=args.force)
     result = compare(
         actual.packed,
         expected.packed,
@@ -459,7 +460,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
-def _check_plot_path(path: str) -> None:
+def _check_plot_path(path: str, *, force: bool) -> None:
     require_matplotlib()
     from matplotlib.figure import Figure
 
@@ -472,6 +473,8 @@ def _check_plot_path(path: str) -> None:
         )
     if target.is_dir():
         raise UsageError(f"{path}: is a folder")
+    if not force and (target.exists() or target.is_symlink()):
+        raise UsageError(f"{path} exists; use --force to replace it")
     if not target.resolve().parent.is_dir():
         raise UsageError(f"{path}: the folder {target.parent} does not exist")
 
