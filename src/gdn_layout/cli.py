@@ -3,6 +3,12 @@
 User errors (bad arguments, missing, unreadable or invalid files, not enough memory) print one
 line and exit with status 2; the commands that judge something exit 1 when the judgement
 fails. Any other exception is a bug: it shows its traceback and exits with status 1.
+
+What stdout and stderr cannot encode (a file name that is not UTF-8, a non-ASCII one on an
+ASCII stream) is written backslash-escaped; with no stderr (``2>&-``) the progress bar is off
+and errors are not printed, their exit status unchanged. SIGTERM raises SystemExit(143) for
+the duration of :func:`main`, so that temporary files are removed before the process ends
+with status 143 (128 + 15, what a shell reports for a process killed by SIGTERM).
 """
 
 from __future__ import annotations
