@@ -14,14 +14,11 @@ with status 143 (128 + 15, what a shell reports for a process killed by SIGTERM)
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
-import signal
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +37,7 @@ from ._dtypes import is_floating, resolve
 from ._fixture import REGIMES, FixtureError, load_fixture, save_fixture
 from ._limits import human_bytes, impossible_arrays, memory_refusal
 from ._packed import PackedFile, open_packed
+from ._process import escaping_output, report, sigterm_as_exit
 from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
@@ -58,7 +56,7 @@ class UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
-    with _escaping_output(), _sigterm_as_exit():
+    with escaping_output(), sigterm_as_exit():
         return _main(argv)
 
 
@@ -74,59 +72,13 @@ def _main(argv: Sequence[str] | None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # what a shell reports for a process ended by SIGPIPE
     except MemoryError as error:
-        _report(f"gdn-layout {args.command}: error: out of memory: {error}")
+        report(f"gdn-layout {args.command}: error: out of memory: {error}")
         return 2
     except (UsageError, FixtureError, OSError, ImportError) as error:
         # The user's to fix; any other exception is a bug, shown with its traceback (exit 1).
-        _report(f"gdn-layout {args.command}: error: {error}")
+        report(f"gdn-layout {args.command}: error: {error}")
         return 2
     return result
-
-
-def _report(line: str) -> None:
-    """Print an error line on stderr; with no stderr to print on (``2>&-``), say nothing: the
-    exit status still tells."""
-    if sys.stderr is not None:
-        with contextlib.suppress(OSError, ValueError):
-            print(line, file=sys.stderr)
-
-
-@contextlib.contextmanager
-def _escaping_output() -> Iterator[None]:
-    """For the run, stdout and stderr escape what their encoding cannot write (a file name
-    that is not UTF-8, or not ASCII on an ASCII stream) instead of raising."""
-    restore: list[tuple[io.TextIOWrapper, str]] = []
-    for stream in (sys.stdout, sys.stderr):
-        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
-            with contextlib.suppress(OSError, ValueError):
-                stream.reconfigure(errors="backslashreplace")
-                restore.append((stream, "strict"))
-    try:
-        yield
-    finally:
-        for stream, errors in restore:
-            with contextlib.suppress(OSError, ValueError):
-                stream.reconfigure(errors=errors)
-
-
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """For the run, SIGTERM raises SystemExit(143), so that ``with`` blocks clean up (the
-    demo's temporary folder) before the process ends; the previous handler is restored."""
-
-    def terminate(signum: int, frame: object) -> None:
-        signal.signal(signum, signal.SIG_IGN)  # the cleanup is not interrupted in turn
-        raise SystemExit(128 + signum)
-
-    try:
-        previous = signal.signal(signal.SIGTERM, terminate)
-    except (AttributeError, ValueError, OSError):  # no SIGTERM here, or not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 class _Parser(argparse.ArgumentParser):
