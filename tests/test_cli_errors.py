@@ -68,7 +68,9 @@ def test_the_estimate_is_checked_against_what_is_available(
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="no /proc/meminfo")
-def test_available_memory_reads_meminfo() -> None:
+def test_available_memory_reads_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "cgroup_memory", lambda: None)
+    monkeypatch.setattr(limits, "address_space_memory", lambda: None)
     found = limits.available_memory()
     assert found is not None
     assert found[0] > 0
@@ -79,6 +81,8 @@ def test_available_memory_falls_back_without_meminfo(monkeypatch: pytest.MonkeyP
     def missing(*args: object, **kwargs: object) -> None:
         raise FileNotFoundError("/proc/meminfo")
 
+    monkeypatch.setattr(limits, "cgroup_memory", lambda: None)
+    monkeypatch.setattr(limits, "address_space_memory", lambda: None)
     monkeypatch.setattr("builtins.open", missing)
     found = limits.available_memory()
     if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:

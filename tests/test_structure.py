@@ -66,6 +66,7 @@ LAYERS = [
     "_arrays",
     "_tables",
     "_progress",
+    "_process",
     "_stats",
     "_errormap",
     "_files",

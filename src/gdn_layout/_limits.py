@@ -4,13 +4,16 @@ run needs, and how much the machine has available."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Final
 
 from ._checks import array_can_exist
 from .layout import GdnBackwardLayout, layout_caption
 
 __all__ = [
+    "address_space_memory",
     "available_memory",
+    "cgroup_memory",
     "fixture_memory",
     "human_bytes",
     "impossible_arrays",
@@ -43,13 +46,31 @@ def fixture_memory(layout: GdnBackwardLayout) -> int:
     return _BASE + _PER_QKV * layout.qkv_elems + _PER_GATE * gate + _PER_STATE * b * h * n * n
 
 
+#: Where cgroup v2 is mounted, and where the kernel says which cgroup this process is in;
+#: module attributes so that tests can point them at a tree of their own.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
 def available_memory() -> tuple[int, str] | None:
     """The memory available to a new allocation, in bytes, and where the figure comes from;
     None when this system does not say.
 
-    Linux's ``MemAvailable`` (free memory plus what the page cache would give back) when
-    ``/proc/meminfo`` has it, else the free physical pages ``os.sysconf`` reports.
+    The least of: Linux's ``MemAvailable`` (free memory plus what the page cache would give
+    back) when ``/proc/meminfo`` has it, else the free physical pages ``os.sysconf`` reports;
+    the room left under the cgroup v2 memory limit of this process's cgroup or of any
+    cgroup above it (:func:`cgroup_memory`); and the room left under the address-space limit
+    ``RLIMIT_AS`` (:func:`address_space_memory`).
     """
+    figures = [
+        figure
+        for figure in (_system_memory(), cgroup_memory(), address_space_memory())
+        if figure is not None
+    ]
+    return min(figures, key=lambda figure: figure[0]) if figures else None
+
+
+def _system_memory() -> tuple[int, str] | None:
     try:
         with open("/proc/meminfo", "rb") as meminfo:
             for line in meminfo:
@@ -67,6 +88,67 @@ def available_memory() -> tuple[int, str] | None:
     if pages < 0 or size <= 0:
         return None
     return pages * size, "free physical memory"
+
+
+def cgroup_memory(
+    root: Path | None = None, proc_cgroup: Path | None = None
+) -> tuple[int, str] | None:
+    """The room under the tightest cgroup v2 memory limit of this process: ``memory.max``
+    less ``memory.current`` of its cgroup (the ``0::/path`` line of ``/proc/self/cgroup``,
+    under ``/sys/fs/cgroup``) or of a cgroup above it, whichever is least, with the
+    ``memory.max`` file it comes from; None without cgroup v2 or without a limit (``max``).
+    """
+    root = CGROUP_ROOT if root is None else root
+    proc_cgroup = PROC_CGROUP if proc_cgroup is None else proc_cgroup
+    try:
+        lines = proc_cgroup.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    paths = [line[3:] for line in lines if line.startswith("0::")]
+    if not paths:
+        return None  # cgroup v1 only, or none
+    folder = root
+    levels = [folder]
+    for part in Path(paths[0]).parts[1:]:
+        folder = folder / part
+        levels.append(folder)
+    found: tuple[int, str] | None = None
+    for level in levels:
+        try:
+            limit = (level / "memory.max").read_text().strip()
+            if limit == "max":
+                continue
+            room = max(0, int(limit) - int((level / "memory.current").read_text()))
+        except (OSError, ValueError):
+            continue
+        if found is None or room < found[0]:
+            found = room, f"{level / 'memory.max'} less memory.current"
+    return found
+
+
+def address_space_memory() -> tuple[int, str] | None:
+    """The room under the soft ``RLIMIT_AS`` (``ulimit -v``): the limit less this process's
+    virtual size (``VmSize`` in ``/proc/self/status``); None without a limit."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (AttributeError, OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return None
+    size = 0
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"VmSize:"):
+                    size = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError, IndexError):
+        return soft, "the RLIMIT_AS soft limit"
+    return max(0, soft - size), "the RLIMIT_AS soft limit less this process's VmSize"
 
 
 def memory_refusal(layout: GdnBackwardLayout, factor: float = 1.0) -> str | None:

@@ -75,9 +75,13 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
         if not head.startswith(b"\x93NUMPY"):
             raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
         try:
-            packed = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, EOFError) as error:  # of Python objects, or a damaged header
-            raise ValueError(f"{path}: cannot be read as a packed buffer: {error}") from None
+            with np.errstate(over="ignore"):  # NumPy warns as it sizes a claimed huge shape
+                packed = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, EOFError, OverflowError, MemoryError) as error:
+            # Python objects, a damaged header, or a shape no array can have
+            raise ValueError(
+                f"{path}: cannot be read as a packed buffer: {_claimed(file)}{error}"
+            ) from None
         return PackedFile(path, kind, packed, None)
     if dtype is None:
         raise ValueError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
@@ -86,6 +90,24 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {resolved.name} elements")
     raw = np.memmap(path, dtype=resolved, mode="r") if size else np.empty(0, resolved)
     return PackedFile(path, kind, raw, None)
+
+
+def _claimed(path: Path) -> str:
+    """What a .npy header claims, e.g. ``"its header claims shape (4294967296,) of float32;
+    "``; empty when the header cannot be read."""
+    try:
+        with open(path, "rb") as file:
+            version = np.lib.format.read_magic(file)
+            read = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(version)
+            if read is None:
+                return ""
+            shape, _, dtype = read(file)
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return ""
+    return f"its header claims shape {tuple(shape)} of {dtype}; "
 
 
 def _is_fixture(path: Path) -> bool:

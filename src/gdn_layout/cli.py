@@ -3,6 +3,12 @@
 User errors (bad arguments, missing, unreadable or invalid files, not enough memory) print one
 line and exit with status 2; the commands that judge something exit 1 when the judgement
 fails. Any other exception is a bug: it shows its traceback and exits with status 1.
+
+What stdout and stderr cannot encode (a file name that is not UTF-8, a non-ASCII one on an
+ASCII stream) is written backslash-escaped; with no stderr (``2>&-``) the progress bar is off
+and errors are not printed, their exit status unchanged. SIGTERM raises SystemExit(143) for
+the duration of :func:`main`, so that temporary files are removed before the process ends
+with status 143 (128 + 15, what a shell reports for a process killed by SIGTERM).
 """
 
 from __future__ import annotations
@@ -31,14 +37,15 @@ from ._dtypes import is_floating, resolve
 from ._fixture import REGIMES, FixtureError, load_fixture, save_fixture
 from ._limits import human_bytes, impossible_arrays, memory_refusal
 from ._packed import PackedFile, open_packed
-from ._progress import Progress
+from ._process import escaping_output, report, sigterm_as_exit
+from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
 from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
-from .suites import MANIFEST, verify_suite
+from .suites import MANIFEST, suite_files, verify_suite
 
 __all__ = ["main"]
 
@@ -49,6 +56,11 @@ class UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    with escaping_output(), sigterm_as_exit():
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # said by the command that was given, not by the top-level parser
@@ -60,11 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + 13  # what a shell reports for a process ended by SIGPIPE
     except MemoryError as error:
-        print(f"gdn-layout {args.command}: error: out of memory: {error}", file=sys.stderr)
+        report(f"gdn-layout {args.command}: error: out of memory: {error}")
         return 2
     except (UsageError, FixtureError, OSError, ImportError) as error:
         # The user's to fix; any other exception is a bug, shown with its traceback (exit 1).
-        print(f"gdn-layout {args.command}: error: {error}", file=sys.stderr)
+        report(f"gdn-layout {args.command}: error: {error}")
         return 2
     return result
 
@@ -191,6 +203,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="also write heatmaps of the error per gradient, e.g. errors.png (needs [plot])",
     )
+    compare.add_argument("--force", action="store_true", help="replace an existing --plot file")
     compare.set_defaults(run=_compare)
 
     verify = commands.add_parser(
@@ -277,7 +290,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if args.suite is not None:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
-        progress = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="suite")
+        progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
         paths = write_suite(
             args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
         )
@@ -296,7 +309,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if (why := memory_refusal(layout)) is not None:
         raise UsageError(why)
     regime = args.gate_regime or "mixed"
-    progress = Progress(enabled=not args.quiet and sys.stderr.isatty())
+    progress = Progress(enabled=not args.quiet and stderr_is_terminal())
     fixture = make_fixture(
         layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
     )
@@ -336,7 +349,7 @@ def _compare(args: argparse.Namespace) -> int:
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
-        _check_plot_path(args.plot)
+        _check_plot_path(args.plot, force=args.force)
     result = compare(
         actual.packed,
         expected.packed,
@@ -366,7 +379,7 @@ def _verify(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"  {problem}")
         return 1
-    count = len(json.loads((Path(args.suite) / MANIFEST).read_text())["fixtures"])
+    count = len(suite_files(args.suite))
     print(f"{args.suite}: {count} fixtures match {MANIFEST}")
     return 0
 
@@ -382,7 +395,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(layout_text(layout, np.float64))
         stdout = sys.stdout
         stdout.flush()  # the table first, then any progress bar on stderr
-        bar = Progress(enabled=not args.quiet and sys.stderr.isatty(), label="float64 reference")
+        bar = Progress(enabled=not args.quiet and stderr_is_terminal(), label="float64 reference")
         fixture = make_fixture(
             layout, dtype=np.float64, regime="mixed", seed=args.seed, progress=bar.update
         )
@@ -405,7 +418,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
-def _check_plot_path(path: str) -> None:
+def _check_plot_path(path: str, *, force: bool) -> None:
     require_matplotlib()
     from matplotlib.figure import Figure
 
@@ -418,6 +431,8 @@ def _check_plot_path(path: str) -> None:
         )
     if target.is_dir():
         raise UsageError(f"{path}: is a folder")
+    if not force and (target.exists() or target.is_symlink()):
+        raise UsageError(f"{path} exists; use --force to replace it")
     if not target.resolve().parent.is_dir():
         raise UsageError(f"{path}: the folder {target.parent} does not exist")
 

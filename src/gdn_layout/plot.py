@@ -473,6 +473,20 @@ _FigureT = TypeVar("_FigureT", bound="Figure")
 
 
 def _saved(figure: _FigureT, path: str | os.PathLike[str] | None) -> _FigureT:
-    if path is not None:
-        figure.savefig(path)
+    """``figure`` after writing it to ``path``, if given: atomically (a reader never sees half
+    a picture) when the suffix names a format, else as ``savefig`` does (which appends the
+    default format's suffix to a name without one, and takes a file object too)."""
+    if path is None:
+        return figure
+    if isinstance(path, str | os.PathLike):
+        from pathlib import Path
+
+        from ._files import atomic_write
+
+        target = Path(path)
+        suffix = target.suffix.lower().lstrip(".")
+        if suffix in figure.canvas.get_supported_filetypes():
+            atomic_write(target, lambda file: figure.savefig(file, format=suffix), overwrite=True)
+            return figure
+    figure.savefig(path)
     return figure

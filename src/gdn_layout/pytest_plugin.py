@@ -78,10 +78,13 @@ def pytest_configure(config: pytest.Config) -> None:
             cases = _layout_cases(config, spec)
     except (FixtureError, ValueError, TypeError, ImportError) as err:
         raise pytest.UsageError(f"gdn-layout: {err}") from None
+    except MemoryError as err:  # past the estimate: still the user's layout, not a crash
+        raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
     config.stash[_CASES] = cases
 
 
 def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
+    from ._limits import impossible_arrays, memory_refusal
     from .fixtures import REGIMES
     from .layout import GdnBackwardLayout
     from .suites import make_case
@@ -103,6 +106,10 @@ def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
         gate_per_channel="channel" in flags,
         carry_state="state" in flags,
     )
+    # Refused up front, as the command line refuses it, rather than after the work.
+    why = impossible_arrays(layout) or memory_refusal(layout)
+    if why is not None:
+        raise ValueError(why)
     regime = config.getoption("gdn_regime")
     regimes = REGIMES if regime is None else (regime,)
     dtype = config.getoption("gdn_dtype")

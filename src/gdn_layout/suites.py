@@ -38,7 +38,7 @@ from .compare import compare
 from .generate import make_fixture
 from .layout import GdnBackwardLayout, layout_caption
 
-__all__ = ["MANIFEST", "Case", "load_suite", "make_case", "verify_suite"]
+__all__ = ["MANIFEST", "Case", "load_suite", "make_case", "suite_files", "verify_suite"]
 
 #: The name of a suite's manifest, in the suite's folder.
 MANIFEST = "manifest.json"
@@ -172,6 +172,18 @@ def verify_suite(directory: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
+def suite_files(directory: str | os.PathLike[str]) -> list[str]:
+    """The names of the fixture files that the manifest of the suite in ``directory`` lists,
+    in its order (nothing is checked against them: :func:`verify_suite` does that).
+
+    Raises
+    ------
+    FixtureError
+        The manifest is missing or cannot be read.
+    """
+    return [entry["file"] for entry in _manifest_entries(Path(directory))]
+
+
 def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
     """The cases of the suite in ``directory``, in the manifest's order, after checking every
     file against the manifest (:func:`verify_suite`). The fixtures are memory-mapped.
@@ -200,7 +212,7 @@ def _manifest_entries(root: Path) -> list[dict[str, Any]]:
         raise FixtureError(f"{root}: not a suite: no {MANIFEST}")
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # of JSON, UTF-8, or an integer's digits
         raise FixtureError(f"{path}: not JSON: {err}") from None
     entries = document.get("fixtures") if isinstance(document, dict) else None
     if not isinstance(entries, list) or not all(

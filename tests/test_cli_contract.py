@@ -1,0 +1,461 @@
+"""The command line's contract at its edges: hostile manifests, file names no encoding can
+print, headers that claim impossible shapes, a closed stderr, memory limits other than
+``MemAvailable`` (cgroups, ``RLIMIT_AS``), a ``SIGTERM`` mid-run and an existing ``--plot``
+file all end in one line and exit status 2 (or, for SIGTERM, 143 with nothing left behind)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import pytest
+
+import gdn_layout.plot
+from gdn_layout.cli import main
+
+limits = importlib.import_module("gdn_layout._limits")
+
+
+def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
+    """``gdn-layout ARGS`` in this process, with its output captured."""
+    argv = [str(arg) for arg in args]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 1
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def run_process(
+    *args: str | bytes | Path, env: dict[str, str] | None = None, close_stderr: bool = False
+) -> subprocess.CompletedProcess[bytes]:
+    """``python -m gdn_layout ARGS`` in a subprocess (with fd 2 closed: ``2>&-``)."""
+    argv: list[str | bytes | Path] = [sys.executable, "-m", "gdn_layout", *args]
+    if close_stderr:
+        argv = ["sh", "-c", 'exec "$0" "$@" 2>&-', *argv]
+    return subprocess.run(
+        argv,
+        capture_output=not close_stderr,
+        stdout=subprocess.PIPE if close_stderr else None,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+        check=False,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    """Exit 2, one line on stderr that says what is wrong, and no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
+
+
+@pytest.fixture(scope="module")
+def fixture_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("fx") / "case.safetensors"
+    assert run("fixture", "-B", "1", "-S", "5", "-H", "2", "-N", "4", "-o", path).returncode == 0
+    return path
+
+
+# -- 1a: a manifest holding an integer of more digits than Python converts ---------------------
+
+
+def _suite_with_huge_integer(root: Path, fixture_path: Path) -> Path:
+    root.mkdir()
+    shutil.copy(fixture_path, root / "case.safetensors")
+    huge = "9" * 5000
+    (root / "manifest.json").write_text(
+        '{"fixtures": [{"file": "case.safetensors", "sha256": "0", "bytes": ' + huge + "}]}"
+    )
+    return root
+
+
+def test_verify_refuses_a_manifest_with_a_5000_digit_integer(
+    tmp_path: Path, fixture_path: Path
+) -> None:
+    root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
+
+
+def test_verify_counts_the_fixtures_through_the_suite_module(
+    tmp_path: Path, fixture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The count does not come from a second json.loads of its own: a manifest that changed
+    # after the check is reported by the suite module, in one line.
+    root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    monkeypatch.setattr(importlib.import_module("gdn_layout.cli"), "verify_suite", lambda d: [])
+    assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
+    (root / "manifest.json").write_text(json.dumps({"fixtures": [{"file": "a", "sha256": "0"}]}))
+    assert run("verify", root).stdout == f"{root}: 1 fixtures match manifest.json\n"
+
+
+def test_plugin_refuses_a_manifest_with_a_5000_digit_integer(
+    tmp_path: Path, fixture_path: Path, pytester: pytest.Pytester
+) -> None:
+    root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-suite", str(root))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(["*gdn-layout: *manifest.json: not JSON*digits*"])
+
+
+# -- 1b: names that the output's encoding cannot print ------------------------------------------
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="bytes file names are POSIX's")
+@pytest.mark.parametrize("encoding", ["ascii:strict", "utf-8:strict"])
+def test_names_that_cannot_be_encoded_are_printed_escaped(
+    tmp_path: Path, fixture_path: Path, encoding: str
+) -> None:
+    undecodable = os.path.join(os.fsencode(tmp_path), b"\xff.safetensors")
+    with open(undecodable, "wb") as file:
+        file.write(fixture_path.read_bytes())
+    env = {"PYTHONIOENCODING": encoding}
+    done = run_process("inspect", undecodable, env=env)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"\\udcff.safetensors: fixture, float32" in done.stdout
+    # The same name in an error message: one line on stderr, exit 2.
+    missing = os.path.join(os.fsencode(tmp_path), b"nope-\xff.npy")
+    done = run_process("inspect", missing, env=env)
+    assert done.returncode == 2, done.stderr
+    assert b"Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert b"\\udcff" in done.stderr
+    assert b"no such file" in done.stderr
+    # A name that is valid UTF-8 but not ASCII.
+    accented = tmp_path / "caf\u00e9.safetensors"
+    shutil.copy(fixture_path, accented)
+    done = run_process("inspect", accented, env=env)
+    assert done.returncode == 0, done.stderr
+    expected = "caf\\xe9" if encoding.startswith("ascii") else "caf\u00e9"
+    assert f"{expected}.safetensors: fixture".encode() in done.stdout
+
+
+# -- 1c: a .npy header that claims more elements than any array can have ------------------------
+
+
+@pytest.mark.parametrize("shape", [(2**64,), (2**32, 2**32), (2**62,)])
+@pytest.mark.parametrize("command", ["inspect", "compare"])
+def test_npy_header_claiming_an_impossible_shape_is_a_user_error(
+    tmp_path: Path, shape: tuple[int, ...], command: str
+) -> None:
+    path = tmp_path / "huge.npy"
+    with open(path, "wb") as file:
+        header = {"descr": "<f4", "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(file, header)
+    args = [path, path] if command == "compare" else [path]
+    result = run(command, *args, "-B", "1", "-S", "1", "-H", "1", "-N", "1")
+    assert_user_error(result, str(path), f"shape {shape}", "float32")
+
+
+def test_npy_header_warnings_do_not_add_lines(tmp_path: Path) -> None:
+    path = tmp_path / "huge.npy"
+    with open(path, "wb") as file:
+        header = {"descr": "<f4", "fortran_order": False, "shape": (2**32, 2**32)}
+        np.lib.format.write_array_header_1_0(file, header)
+    done = run_process("inspect", path)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# -- 1d: stderr closed --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_a_closed_stderr_disables_progress_and_keeps_the_exit_status(tmp_path: Path) -> None:
+    out = tmp_path / "x.safetensors"
+    done = run_process("fixture", "-S", "4", "-o", out, close_stderr=True)
+    assert done.returncode == 0
+    assert out.is_file()
+    assert done.stdout.startswith(f"wrote {out}".encode())
+    done = run_process("demo", "-S", "4", close_stderr=True)
+    assert done.returncode == 0
+    # An error has nowhere to go, and does not go to stdout; the status still says it.
+    done = run_process("inspect", tmp_path / "nowhere.npy", close_stderr=True)
+    assert (done.returncode, done.stdout) == (2, b"")
+    done = run_process("describe", "--seq", "x", close_stderr=True)
+    assert (done.returncode, done.stdout) == (2, b"")
+
+
+def test_progress_survives_a_stderr_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdn_layout._progress import Progress, stderr_is_terminal
+
+    monkeypatch.setattr(sys, "stderr", None)
+    assert stderr_is_terminal() is False
+    bar = Progress(enabled=True)
+    bar.update(0.5)
+    bar.done()
+
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(sys, "stderr", Broken())
+    bar = Progress(enabled=True)
+    bar.update(0.5)
+    assert not bar.enabled
+    bar.done()
+
+
+# -- 2: memory limits other than MemAvailable ---------------------------------------------------
+
+
+def _cgroup_tree(tmp_path: Path, levels: dict[str, tuple[str, str] | None]) -> Path:
+    """A fake /sys/fs/cgroup: for each cgroup path, memory.max and memory.current (or none)."""
+    root = tmp_path / "cgroup"
+    for path, files in levels.items():
+        folder = root / path.strip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        if files is not None:
+            (folder / "memory.max").write_text(files[0] + "\n")
+            (folder / "memory.current").write_text(files[1] + "\n")
+    return root
+
+
+def _proc_cgroup(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "proc-self-cgroup"
+    path.write_text(text)
+    return path
+
+
+def test_cgroup_v2_limit_is_its_max_less_current(tmp_path: Path) -> None:
+    root = _cgroup_tree(tmp_path, {"/": None, "/a": ("max", "5"), "/a/b": ("3000", "1000")})
+    proc = _proc_cgroup(tmp_path, "0::/a/b\n")
+    found = limits.cgroup_memory(root, proc)
+    assert found is not None
+    assert found[0] == 2000
+    assert "memory.max" in found[1]
+    assert "a/b" in found[1]
+
+
+def test_cgroup_v2_limit_of_an_ancestor_applies(tmp_path: Path) -> None:
+    root = _cgroup_tree(
+        tmp_path, {"/a": ("10000", "9000"), "/a/b": ("max", "100"), "/a/b/c": ("max", "1")}
+    )
+    proc = _proc_cgroup(tmp_path, "12:memory:/elsewhere\n0::/a/b/c\n")
+    found = limits.cgroup_memory(root, proc)
+    assert found is not None
+    assert found[0] == 1000
+    assert "/a/memory.max" in found[1].replace(os.sep, "/")
+
+
+def test_cgroup_without_a_limit_says_nothing(tmp_path: Path) -> None:
+    root = _cgroup_tree(tmp_path, {"/a": ("max", "123")})
+    assert limits.cgroup_memory(root, _proc_cgroup(tmp_path, "0::/a\n")) is None
+    assert limits.cgroup_memory(root, _proc_cgroup(tmp_path, "1:memory:/a\n")) is None  # v1
+    assert limits.cgroup_memory(root, tmp_path / "no-such-file") is None
+    assert limits.cgroup_memory(tmp_path / "nothing", _proc_cgroup(tmp_path, "0::/a\n")) is None
+    garbled = _cgroup_tree(tmp_path, {"/g": ("lots", "?")})
+    assert limits.cgroup_memory(garbled, _proc_cgroup(tmp_path, "0::/g\n")) is None
+    # Usage over the limit (it happens briefly) is nothing available, not a negative figure.
+    over = _cgroup_tree(tmp_path, {"/o": ("100", "150")})
+    found = limits.cgroup_memory(over, _proc_cgroup(tmp_path, "0::/o\n"))
+    assert found is not None
+    assert found[0] == 0
+
+
+def test_available_memory_is_the_least_of_the_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _cgroup_tree(tmp_path, {"/a": ("4096", "1024")})
+    monkeypatch.setattr(limits, "CGROUP_ROOT", root)
+    monkeypatch.setattr(limits, "PROC_CGROUP", _proc_cgroup(tmp_path, "0::/a\n"))
+    found = limits.available_memory()
+    assert found is not None
+    assert found[0] == 3072
+    assert "memory.max" in found[1]
+    assert_user_error(
+        run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors"),
+        "3.0 KiB is available",
+        "memory.max",
+    )
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
+def test_rlimit_as_is_refused_at_once(tmp_path: Path) -> None:
+    # 8 GiB of work under an address-space limit 2 GiB above what the process has mapped:
+    # it failed with MemoryError after 45 s; now it is refused before any work.
+    script = textwrap.dedent(
+        """
+        import resource, sys, time
+        from gdn_layout.cli import main
+        with open("/proc/self/status") as status:
+            size = next(int(l.split()[1]) * 1024 for l in status if l.startswith("VmSize:"))
+        resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), resource.RLIM_INFINITY))
+        start = time.perf_counter()
+        code = main(sys.argv[1:])
+        print(f"{time.perf_counter() - start:.3f}")
+        sys.exit(code)
+        """
+    )
+    out = tmp_path / "x.safetensors"
+    argv = ["fixture", "-B", "1", "-S", "131072", "-H", "4", "-N", "128", "-o", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "RLIMIT_AS" in done.stderr
+    assert "needs about 8.1 GiB of memory, but 2.0 GiB is available" in done.stderr
+    assert float(done.stdout) < 2.0
+    assert not out.exists()
+
+
+def test_rlimit_as_without_a_limit_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    resource = pytest.importorskip("resource")
+    monkeypatch.setattr(
+        resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
+    )
+    assert limits.address_space_memory() is None
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1 << 40, resource.RLIM_INFINITY))
+    found = limits.address_space_memory()
+    if os.path.exists("/proc/self/status"):
+        assert found is not None
+        assert 0 < found[0] < 1 << 40
+        assert "RLIMIT_AS" in found[1]
+
+
+# -- 3: the plugin refuses a layout beyond memory ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("64,100000,64,128", "*gdn-layout: B=64 S=100000 H=64 N=128*needs about*available*"),
+        ("0,1099511627776,1099511627776,2", "*which no array can have*"),
+    ],
+)
+def test_plugin_refuses_a_layout_beyond_memory(
+    pytester: pytest.Pytester, spec: str, message: str
+) -> None:
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    pass\n")
+    start = time.perf_counter()
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", spec)
+    assert time.perf_counter() - start < 20
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines([message])
+    assert len([line for line in result.stderr.lines if "gdn-layout" in line]) == 1
+
+
+def test_plugin_turns_memory_error_into_a_usage_error(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    suites = importlib.import_module("gdn_layout.suites")
+
+    def exhausted(*args: object, **kwargs: object) -> None:
+        raise MemoryError("Unable to allocate 1.00 TiB")
+
+    monkeypatch.setattr(suites, "make_case", exhausted)
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "--gdn-layout", "1,4,1,2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stderr.fnmatch_lines(["*gdn-layout: out of memory: Unable to allocate 1.00 TiB*"])
+
+
+# -- 4: SIGTERM cleans up the demo's temporary folder -------------------------------------------
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="POSIX")
+def test_sigterm_during_demo_removes_its_temporary_folder(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gdn_layout",
+            "demo",
+            *("-B", "2", "-S", "4096", "-H", "8", "-N", "64"),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp.iterdir()) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.05)
+        assert any(tmp.iterdir()), "the demo made no temporary folder"
+        time.sleep(0.3)  # well into the work
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 128 + signal.SIGTERM, process.stderr.read() if process.stderr else ""
+    assert list(tmp.iterdir()) == []
+
+
+def test_main_restores_the_sigterm_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert run("describe", "-S", "2").returncode == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- 5: --plot does not replace a file unless told to -------------------------------------------
+
+
+def test_compare_plot_refuses_an_existing_file_without_force(
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "errors.png"
+    png.write_bytes(b"precious")
+    drawn: list[object] = []
+    monkeypatch.setattr(gdn_layout.plot, "plot_errors", lambda result, path: drawn.append(path))
+    result = run("compare", fixture_path, fixture_path, "--plot", png)
+    assert_user_error(result, str(png), "exists", "--force")
+    assert result.stdout == "", "refused before the work"
+    assert (png.read_bytes(), drawn) == (b"precious", [])
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force")
+    assert result.returncode == 0, result.stderr
+    assert drawn == [str(png)]
+
+
+def test_plot_errors_writes_its_file_atomically(
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    files = importlib.import_module("gdn_layout._files")
+    written: list[Path] = []
+    real: Callable[..., Path] = files.atomic_write
+
+    def spy(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
+        written.append(path)
+        return real(path, write, overwrite=overwrite)
+
+    monkeypatch.setattr(files, "atomic_write", spy)
+    png = tmp_path / "errors.png"
+    png.write_bytes(b"old")
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force")
+    assert result.returncode == 0, result.stderr
+    assert written == [png]
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir()] == ["errors.png"]
