@@ -3,8 +3,8 @@
 Writes the standard suite in float32, float16 and bfloat16 into a temporary folder, then for
 every case compares correct kernels (the reference in float32, by the default method and step
 by step, its output rounded to float16 and bfloat16) and three injected bugs (one wrong
-element, two heads swapped, the state dropped at a chunk boundary) with the default,
-calibrated criterion.
+element, two heads swapped, the state dropped halfway and at steps 48, 128 and 256) with the
+default, calibrated criterion.
 Prints the largest error/floor ratio of each correct kernel, the smallest of each bug on the
 gradients it touches, and how many cases each passes or fails.
 
@@ -60,43 +60,48 @@ def swapped_heads(fx: Fixture) -> NDArray[Any] | None:
     return out
 
 
-def dropped_state(fx: Fixture) -> NDArray[Any] | None:
-    """A chunked kernel that forgets the state at the boundary ``S // 2``."""
-    layout, x = fx.layout, fx.inputs
-    cut = layout.seq // 2
-    if cut == 0:
-        return None
-    q, k, v, g, beta, dy = (np.asarray(a) for a in x[:6])
-    head = backward(
-        q[:, :cut],
-        k[:, :cut],
-        v[:, :cut],
-        g[:, :cut],
-        beta[:, :cut],
-        dy[:, :cut],
-        x.state,
-        dtype=np.float32,
-    )
-    tail = backward(
-        q[:, cut:],
-        k[:, cut:],
-        v[:, cut:],
-        g[:, cut:],
-        beta[:, cut:],
-        dy[:, cut:],
-        dtype=np.float32,
-    )
-    first = unpack(head, GdnBackwardLayout.from_inputs(x.q[:, :cut], x.g[:, :cut], x.state))
-    second = unpack(tail, GdnBackwardLayout.from_inputs(x.q[:, cut:], x.g[:, cut:]))
-    out = np.empty(layout.total_elems, np.float32)
-    grads = unpack(out, layout)
-    for name in ("dq", "dk", "dv", "dg", "dbeta"):
-        target = getattr(grads, name)
-        target[:, :cut] = getattr(first, name)
-        target[:, cut:] = getattr(second, name)
-    if grads.dstate is not None:
-        grads.dstate[...] = first.dstate
-    return out
+def dropped_state(t: int | None) -> Kernel:
+    """A chunked kernel that forgets the state at step ``t`` (``None``: at ``S // 2``); cases
+    of ``t`` steps or fewer have no such step and are not counted."""
+
+    def kernel(fx: Fixture) -> NDArray[Any] | None:
+        layout, x = fx.layout, fx.inputs
+        cut = layout.seq // 2 if t is None else t
+        if not 0 < cut < layout.seq:
+            return None
+        q, k, v, g, beta, dy = (np.asarray(a) for a in x[:6])
+        head = backward(
+            q[:, :cut],
+            k[:, :cut],
+            v[:, :cut],
+            g[:, :cut],
+            beta[:, :cut],
+            dy[:, :cut],
+            x.state,
+            dtype=np.float32,
+        )
+        tail = backward(
+            q[:, cut:],
+            k[:, cut:],
+            v[:, cut:],
+            g[:, cut:],
+            beta[:, cut:],
+            dy[:, cut:],
+            dtype=np.float32,
+        )
+        first = unpack(head, GdnBackwardLayout.from_inputs(x.q[:, :cut], x.g[:, :cut], x.state))
+        second = unpack(tail, GdnBackwardLayout.from_inputs(x.q[:, cut:], x.g[:, cut:]))
+        out = np.empty(layout.total_elems, np.float32)
+        grads = unpack(out, layout)
+        for name in ("dq", "dk", "dv", "dg", "dbeta"):
+            target = getattr(grads, name)
+            target[:, :cut] = getattr(first, name)
+            target[:, cut:] = getattr(second, name)
+        if grads.dstate is not None:
+            grads.dstate[...] = first.dstate
+        return out
+
+    return kernel
 
 
 CORRECT = {
@@ -108,7 +113,8 @@ CORRECT = {
 BUGS = {
     "one wrong element (dk += rms)": (wrong_element, ("dk",)),
     "heads 0 and 1 of dv swapped": (swapped_heads, ("dv",)),
-    "state dropped at S//2": (dropped_state, None),
+    "state dropped at S//2": (dropped_state(None), None),
+    **{f"state dropped at t={t}": (dropped_state(t), None) for t in (48, 128, 256)},
 }
 
 
@@ -149,6 +155,7 @@ def main() -> None:
                 for out_dtype in ("float32", "bfloat16"):
                     counted = failed = 0
                     least = float(np.inf)
+                    by_regime: dict[str, list[int]] = {}
                     for fx in fixtures:
                         out = kernel(fx)
                         if out is None:
@@ -158,12 +165,20 @@ def main() -> None:
                         counted += 1
                         result = compare(out, fx.packed, fx.layout, floors=fx.floors)
                         failed += not result.passed
+                        tally = by_regime.setdefault(str(fx.regime), [0, 0])
+                        tally[0] += not result.passed
+                        tally[1] += 1
                         names = touched or result.names
                         least = min(least, max(_ratio(result, n) for n in names))
                     print(
                         f"bug {label:30s} {out_dtype:8s} failed {failed:3d}/{counted}; "
                         f"smallest error/floor {least:.3g}"
                     )
+                    if label.startswith("state dropped at t="):
+                        print(
+                            "    by regime: "
+                            + ", ".join(f"{r} {f}/{n}" for r, (f, n) in by_regime.items())
+                        )
 
 
 if __name__ == "__main__":
