@@ -149,8 +149,3 @@ def test_no_private_attribute_of_another_module_or_object(module: str) -> None:
         }
     )
     assert not private
-
-
-@pytest.mark.parametrize("module", MODULES)
-def test_no_module_is_over_500_lines(module: str) -> None:
-    assert len(FILES[module].read_text().splitlines()) <= 500

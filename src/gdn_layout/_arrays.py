@@ -1,15 +1,16 @@
-"""Arrays of any library read as NumPy arrays, without a copy where the library allows."""
+"""Arrays of any library read as NumPy arrays, without a copy where the library allows, and
+NumPy arrays given to a library as its own tensors."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ._dtypes import bfloat16
 
-__all__ = ["as_packed"]
+__all__ = ["FRAMEWORKS", "as_framework", "as_packed"]
 
 
 def as_packed(buffer: object, which: str = "actual", func: str = "compare") -> NDArray[Any]:
@@ -34,3 +35,58 @@ def as_packed(buffer: object, which: str = "actual", func: str = "compare") -> N
         f"{func}: {which} must be an array (NumPy, or any with __dlpack__ or __array__), "
         f"got {type(buffer).__name__}"
     )
+
+
+#: The libraries :func:`as_framework` makes tensors of.
+FRAMEWORKS: Final = ("torch", "jax")
+
+
+def as_framework(
+    array: NDArray[Any],
+    framework: str,
+    *,
+    dtype: object = None,
+    requires_grad: bool = False,
+    func: str = "inputs_as",
+) -> Any:
+    """``array`` as a new tensor of ``framework`` (``"torch"`` or ``"jax"``), in ``dtype``
+    (the framework's dtype or its name, e.g. ``"bfloat16"``; default: the array's own).
+
+    A copy: a fixture's arrays are read-only, and a kernel may write its inputs. bfloat16
+    arrays (ml_dtypes') become torch bfloat16 tensors through their bits. ``requires_grad``
+    is torch's; JAX takes gradients of functions, not of arrays.
+    """
+    if framework not in FRAMEWORKS:
+        raise ValueError(f"{func}: framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if framework == "jax":
+        if requires_grad:
+            raise ValueError(f"{func}: requires_grad is torch's; JAX differentiates functions")
+        jnp = _imported("jax.numpy", "JAX", "jax", func)
+        return jnp.asarray(np.array(array), dtype=_named(jnp, dtype, func))
+    torch = _imported("torch", "PyTorch", "torch", func)
+    if array.dtype.name == "bfloat16":
+        tensor = torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
+    else:
+        tensor = torch.from_numpy(np.array(array))
+    if dtype is not None:
+        tensor = tensor.to(_named(torch, dtype, func))
+    return tensor.requires_grad_(requires_grad)
+
+
+def _imported(module: str, name: str, package: str, func: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{func}: {name} is not installed: pip install {package}") from None
+
+
+def _named(library: Any, dtype: object, func: str) -> Any:
+    """A dtype of ``library`` given as one or by its name."""
+    if not isinstance(dtype, str):
+        return dtype
+    found = getattr(library, dtype, None)
+    if found is None:
+        raise ValueError(f"{func}: {library.__name__} has no dtype named {dtype!r}")
+    return found

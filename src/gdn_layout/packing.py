@@ -7,6 +7,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from ._arrays import as_packed
 from ._checks import not_a_layout
 from ._dtypes import is_floating, resolve
 from ._stats import grads_html, grads_text
@@ -189,15 +190,15 @@ def pack(
     # comprehension or helper call costs as much as a fifth of the copy itself.
     nd = np.ndarray
     if not (type(dq) is nd and type(dk) is nd and type(dv) is nd and type(dg) is nd):
-        dq, dk, dv, dg = np.asarray(dq), np.asarray(dk), np.asarray(dv), np.asarray(dg)
+        dq, dk, dv, dg = _array(dq), _array(dk), _array(dv), _array(dg)
     if type(dbeta) is not nd:
-        dbeta = np.asarray(dbeta)
+        dbeta = _array(dbeta)
     if dstate is None:
         arrays = [dq, dk, dv, dg, dbeta]
         shapes: tuple[tuple[int, ...], ...] = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape)
     else:
         if type(dstate) is not nd:
-            dstate = np.asarray(dstate)
+            dstate = _array(dstate)
         arrays = [dq, dk, dv, dg, dbeta, dstate]
         shapes = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape, dstate.shape)
     if layout is None:
@@ -260,6 +261,14 @@ def pack(
             return out
     np.concatenate(arrays, axis=None, out=out, casting=casting)
     return out
+
+
+def _array(x: object) -> NDArray[Any]:
+    """A gradient as an ndarray: a torch or JAX array (``__dlpack__``) read without a copy,
+    its bfloat16 included; anything else as :func:`numpy.asarray` reads it."""
+    if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
+        return as_packed(x, "a gradient", "pack")
+    return np.asarray(x)
 
 
 def _raise_shape_error(layout: GdnBackwardLayout, arrays: list[NDArray[Any]]) -> None:

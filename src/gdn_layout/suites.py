@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from ._arrays import as_framework
 from ._comparison import Comparison
 from ._criteria import Tolerance
 from ._fixture import Fixture, FixtureError, GdnInputs, load_fixture
@@ -49,8 +50,9 @@ class Case:
     """One test case of a suite: a fixture and the name a test runner shows for it.
 
     ``inputs`` are ``q, k, v, g, beta, dy, state`` in the reference's argument order (so
-    ``backward(*case.inputs)`` works) and ``expected`` is the packed float64-reference gradient,
-    in the fixture's dtype.
+    ``backward(*case.inputs)`` works); :attr:`rlx_inputs` puts ``state`` before ``dy``, as RLX's
+    op takes them, and :meth:`inputs_as` gives them as torch or JAX tensors. ``expected`` is
+    the packed float64-reference gradient, in the fixture's dtype.
     """
 
     name: str
@@ -67,6 +69,38 @@ class Case:
     @property
     def expected(self) -> NDArray[Any]:
         return self.fixture.packed
+
+    @property
+    def rlx_inputs(self) -> tuple[NDArray[Any], ...]:
+        """``q, k, v, g, beta, state, dy`` in the order RLX's ``GatedDeltaNetBackward`` takes
+        them (``state`` is left out when it is not carried)."""
+        x = self.fixture.inputs
+        state = () if x.state is None else (x.state,)
+        return (x.q, x.k, x.v, x.g, x.beta, *state, x.dy)
+
+    def inputs_as(
+        self, framework: str, *, dtype: object = None, requires_grad: bool = False
+    ) -> Any:
+        """:attr:`inputs` as new tensors of ``framework``, ``"torch"`` or ``"jax"``, in the
+        framework's ``dtype`` (or its name; default: the fixture's own, bfloat16 included): a
+        :class:`~gdn_layout.fixtures.GdnInputs` of tensors (``state`` None when not carried).
+
+        Each is a copy, since a fixture's arrays are read-only; ``requires_grad`` is torch's.
+
+        Raises
+        ------
+        ValueError
+            ``framework`` is unknown, ``dtype`` names no dtype of it, or ``requires_grad``
+            is asked of JAX.
+        ImportError
+            ``framework`` is not installed.
+        """
+        return GdnInputs._make(
+            None
+            if a is None
+            else as_framework(a, framework, dtype=dtype, requires_grad=requires_grad)
+            for a in self.inputs
+        )
 
     @property
     def regime(self) -> str | None:

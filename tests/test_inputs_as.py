@@ -1,0 +1,102 @@
+"""A case's inputs in RLX's order and as a framework's tensors; a framework's gradients packed."""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numpy.typing import DTypeLike
+
+from gdn_layout import GdnBackwardLayout, pack, unpack
+from gdn_layout.reference import backward
+from gdn_layout.suites import make_case
+
+DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16]
+LAYOUT = GdnBackwardLayout(2, 5, 3, 4, carry_state=True)
+
+
+@pytest.mark.parametrize("carry", [False, True])
+def test_rlx_inputs_put_the_state_before_dy(carry: bool) -> None:
+    layout = GdnBackwardLayout(1, 3, 2, 4, carry_state=carry)
+    case = make_case(layout, seed=1)
+    x = case.inputs
+    expected = (x.q, x.k, x.v, x.g, x.beta, *((x.state,) if carry else ()), x.dy)
+    assert len(case.rlx_inputs) == len(expected)
+    assert all(a is b for a, b in zip(case.rlx_inputs, expected, strict=True))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_inputs_as_torch_round_trip_every_dtype(dtype: DTypeLike) -> None:
+    torch = pytest.importorskip("torch")
+    case = make_case(LAYOUT, dtype=dtype, seed=2)
+    tensors = case.inputs_as("torch")
+    assert tensors._fields == case.inputs._fields
+    for name, tensor, array in zip(tensors._fields, tensors, case.inputs, strict=True):
+        assert array is not None
+        assert isinstance(tensor, torch.Tensor), name
+        assert str(tensor.dtype) == f"torch.{np.dtype(dtype).name}"
+        assert tensor.shape == array.shape
+        back = (
+            tensor.view(torch.int16).numpy().view(array.dtype)
+            if tensor.dtype == torch.bfloat16
+            else tensor.numpy()
+        )
+        assert np.array_equal(back, array, equal_nan=True), name
+        assert not np.shares_memory(back, array)  # the fixture's arrays are read-only
+        tensor.add_(1)  # a kernel may write its inputs
+    assert np.array_equal(make_case(LAYOUT, dtype=dtype, seed=2).inputs.q, case.inputs.q)
+
+
+def test_inputs_as_torch_takes_a_dtype_and_requires_grad() -> None:
+    torch = pytest.importorskip("torch")
+    case = make_case(LAYOUT, seed=3)
+    x = case.inputs_as("torch", dtype="float64", requires_grad=True)
+    assert x.q.dtype == torch.float64
+    assert x.q.requires_grad
+    assert x.q.is_leaf
+    assert case.inputs_as("torch", dtype=torch.bfloat16).k.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="torch has no dtype named 'float99'"):
+        case.inputs_as("torch", dtype="float99")
+
+
+def test_inputs_as_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case(LAYOUT, seed=3)
+    with pytest.raises(ValueError, match=r"framework must be one of \('torch', 'jax'\), got 'tf'"):
+        case.inputs_as("tf")
+    with pytest.raises(ValueError, match="requires_grad is torch's"):
+        case.inputs_as("jax", requires_grad=True)
+    monkeypatch.setitem(sys.modules, "torch", None)  # as where torch is not installed
+    with pytest.raises(ImportError, match="PyTorch is not installed: pip install torch"):
+        case.inputs_as("torch")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_pack_takes_torch_gradients_without_converting_them_first(dtype: DTypeLike) -> None:
+    torch = pytest.importorskip("torch")
+    case = make_case(LAYOUT, dtype=dtype, seed=4)
+    expected = np.asarray(case.expected)
+    grads = [g for g in unpack(expected, LAYOUT) if g is not None]
+    tensors = [
+        torch.from_numpy(np.array(g).view(np.int16)).view(torch.bfloat16)
+        if g.dtype == ml_dtypes.bfloat16
+        else torch.from_numpy(np.array(g))
+        for g in grads
+    ]
+    packed = pack(*tensors, layout=LAYOUT)
+    assert packed.dtype == expected.dtype
+    assert np.array_equal(packed, expected, equal_nan=True)
+    out = np.empty_like(expected)
+    assert pack(*tensors, out=out) is out
+    assert np.array_equal(out, expected, equal_nan=True)
+
+
+def test_a_torch_kernel_is_checked_on_torch_inputs() -> None:
+    torch = pytest.importorskip("torch")
+    case = make_case(LAYOUT, seed=5)
+    x = case.inputs_as("torch")
+    q, k, v, g, beta, dy = (t.numpy() for t in x[:6])
+    grads = unpack(backward(q, k, v, g, beta, dy, x.state.numpy(), dtype=np.float32), LAYOUT)
+    as_tensors = [torch.from_numpy(np.array(g)) for g in grads if g is not None]
+    assert case.check(pack(*as_tensors)).passed
