@@ -370,12 +370,17 @@ def write_suite(
     """Write the standard fixture set for a kernel test-suite into ``directory``.
 
     Every combination of gate mode (scalar, per channel), state mode (carried or not), gate
-    regime (:data:`REGIMES`) and edge shape (S=1, N=1, B and H above 1, S = 64, 65, 100 and
-    N=128) is one file (168 files); file ``i`` uses seed ``seed + i``, the files of the first
-    four regimes first, so that adding a regime never renumbers an existing file.
-    ``manifest.json`` lists each file with its layout, regime, seed, dtype, size and SHA-256.
-    The whole set is about 12 MiB in float32. Returns the fixture paths. ``progress``, when
-    given, is called with the fraction of the files written so far.
+    regime (:data:`REGIMES`) and edge shape is one file (264 files). The shapes: S=1, N=1, B and
+    H above 1, S = 64, 65, 100 and N=128, then those that reach every chunk boundary of
+    :data:`CHUNK_SIZES` (16 to 256): S = 255 (each chunk size's last chunk one step short),
+    S = 513 (two boundaries of each crossed, the last chunk one step long), S = 300 with
+    N = 128, and two batch rows of identical inputs over S = 130. File ``i`` uses seed
+    ``seed + i``, in the order the shapes and regimes were added, so that an older suite's
+    files keep their seeds and bytes. ``manifest.json`` lists each file with its layout,
+    regime, seed, dtype, size, SHA-256, the boundaries of each chunk size it crosses
+    (``crosses``) and whether its batch rows are identical (``identical_rows``). The whole set
+    is about 70 MiB in float32. Returns the fixture paths. ``progress``, when given, is called
+    with the fraction of the files written so far.
 
     The suite is all or nothing: it is written into a temporary folder next to ``directory``
     and renamed into place when complete. A ``directory`` that exists and is not empty is
