@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 import gdn_layout
+import gdn_layout._fixture
 import gdn_layout._safetensors
+import gdn_layout.fixtures
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.fixtures import (
     REGIMES,
@@ -173,8 +175,22 @@ def test_the_file_layout(saved: Path) -> None:
 # -- memory mapping ------------------------------------------------------------------------------
 
 
-def test_load_memory_maps_the_file(saved: Path) -> None:
+def test_a_small_file_is_read_into_memory(saved: Path) -> None:
+    assert saved.stat().st_size < gdn_layout.fixtures.MAP_THRESHOLD
+    for mmap in (True, False):
+        fixture = load_fixture(saved, mmap=mmap)
+        assert not fixture.mapped
+        for name, array in fixture.tensors().items():
+            assert not isinstance(array, np.memmap), name
+            assert not array.flags.writeable, name
+        assert all(np.shares_memory(g, fixture.packed) for g in fixture.grads if g is not None)
+
+
+def test_load_memory_maps_a_large_file(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gdn_layout._fixture, "MAP_THRESHOLD", saved.stat().st_size)
     fixture = load_fixture(saved)
+    assert fixture.mapped
+    fixture.check_unchanged()
     for name, array in fixture.tensors().items():
         assert isinstance(array, np.memmap), name
         assert not array.flags.writeable, name
@@ -214,6 +230,7 @@ def test_a_multi_gib_fixture_opens_without_being_read(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 2.0
     assert fixture.layout == layout
     assert isinstance(fixture.packed, np.memmap)
+    assert fixture.mapped
     assert fixture.grads.dstate is not None
     assert fixture.grads.dstate.shape == (1, 16, 128, 128)
     assert float(fixture.packed[-1]) == 0.0
@@ -246,7 +263,6 @@ def test_we_read_the_official_writer(tmp_path: Path, dtype: np.dtype[Any]) -> No
     safetensors.numpy.save_file(original.tensors(), path, metadata=original.metadata())
     loaded = load_fixture(path)
     _assert_same_fixture(loaded, original)
-    assert isinstance(loaded.q, np.memmap)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
