@@ -25,6 +25,7 @@ import pytest
 
 import gdn_layout._files
 import gdn_layout._fixture
+import gdn_layout._mapping
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.fixtures import FixtureError, load_fixture, make_fixture, save_fixture
 from gdn_layout.suites import MANIFEST, Case, load_suite, verify_suite
@@ -64,7 +65,7 @@ def fixture_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file is memory-mapped, however small (as files past the threshold are)."""
-    monkeypatch.setattr(gdn_layout._fixture, "MAP_THRESHOLD", 0)
+    monkeypatch.setattr(gdn_layout._mapping, "MAP_THRESHOLD", 0)
 
 
 def _python(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -87,12 +88,12 @@ def _python(script: str, *args: str, timeout: float = 60) -> subprocess.Complete
 _TRUNCATE_THEN_CHECK = """
     import os, sys
     import numpy as np
-    import gdn_layout._fixture
+    import gdn_layout._mapping
     from gdn_layout.fixtures import FixtureError, load_fixture
     from gdn_layout.suites import Case
 
     path, keep = sys.argv[1], int(sys.argv[2])
-    gdn_layout._fixture.MAP_THRESHOLD = 0  # mapped, as a file past the threshold is
+    gdn_layout._mapping.MAP_THRESHOLD = 0  # mapped, as a file past the threshold is
     case = Case("case", load_fixture(path))
     actual = np.array(case.expected)  # a kernel that is exactly right
     os.truncate(path, keep)
@@ -130,9 +131,9 @@ def test_the_command_line_refuses_a_fixture_truncated_after_it_was_opened(
     np.save(actual, np.array(load_fixture(fixture_path).packed))
     script = """
         import os, sys
-        import gdn_layout._fixture, gdn_layout.cli as cli
+        import gdn_layout._mapping, gdn_layout.cli as cli
 
-        gdn_layout._fixture.MAP_THRESHOLD = 0
+        gdn_layout._mapping.MAP_THRESHOLD = 0
         resolve = cli._resolve_layout
 
         def truncating(sources, args):  # between opening the files and comparing them

@@ -23,6 +23,7 @@ from numpy.typing import NDArray
 
 import gdn_layout
 import gdn_layout._fixture
+import gdn_layout._mapping
 import gdn_layout._safetensors
 import gdn_layout.fixtures
 from gdn_layout import GdnBackwardLayout, unpack
@@ -187,7 +188,7 @@ def test_a_small_file_is_read_into_memory(saved: Path) -> None:
 
 
 def test_load_memory_maps_a_large_file(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gdn_layout._fixture, "MAP_THRESHOLD", saved.stat().st_size)
+    monkeypatch.setattr(gdn_layout._mapping, "MAP_THRESHOLD", saved.stat().st_size)
     fixture = load_fixture(saved)
     assert fixture.mapped
     fixture.check_unchanged()

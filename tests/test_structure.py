@@ -75,6 +75,7 @@ LAYERS = [
     "packing",
     "_criteria",
     "_safetensors",
+    "_mapping",
     "_fixture",
     "_packed",
     "reference._inputs",

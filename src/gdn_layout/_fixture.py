@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, BinaryIO, Final, NamedTuple, cast
+from typing import IO, Any, BinaryIO, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from . import _mapping
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
 from ._criteria import Floors, decode_floors, encode_floors
 from ._dtypes import resolve
 from ._files import NotRegularFileError, atomic_write, open_regular
+from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, map_file, read_all
 from ._safetensors import Entry, FixtureError, dtype_code, reason
 from ._version import __version__
 from .layout import GdnBackwardLayout
@@ -48,58 +49,6 @@ FORMAT_VERSION: Final = 1
 REGIMES: Final = ("zero", "mild", "strong", "mixed", "qwen", "extreme")
 #: The tensors of a fixture file, in the reference's argument order then ``y`` and ``packed``.
 TENSOR_NAMES: Final = ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed")
-#: Files smaller than this many bytes (64 MiB) are read into memory by :func:`load_fixture`
-#: even with ``mmap=True``: nothing another process does to the file can then change or break
-#: the loaded fixture, and it holds no file descriptor. Larger files are memory-mapped.
-MAP_THRESHOLD: Final = 64 * 2**20
-
-
-class FileStamp(NamedTuple):
-    """What tells a file's contents apart without reading them: its absolute path (``where``),
-    size, modification time, inode and device, as :func:`os.stat` gives them."""
-
-    where: str
-    size: int
-    mtime_ns: int
-    inode: int
-    device: int
-
-    @classmethod
-    def of(cls, path: Path, status: os.stat_result) -> FileStamp:
-        """The stamp of the file at ``path`` whose status is ``status``."""
-        where = os.path.abspath(path)
-        return cls(where, status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev)
-
-    def check(
-        self, path: Path, now: FileStamp | None = None, when: str = "since it was loaded"
-    ) -> None:
-        """Raise :class:`FixtureError` naming ``path`` if the file is no longer the one stamped
-        (``now``, or what :func:`os.stat` says of it now): truncated, grown, rewritten,
-        replaced or gone.
-
-        A rewrite that keeps the size and falls within the filesystem's timestamp granularity
-        (nanoseconds to a few milliseconds on Linux) of the stamped one is not seen.
-        """
-        if now is None:
-            try:
-                now = FileStamp.of(path, os.stat(self.where))
-            except OSError as err:
-                raise FixtureError(
-                    f"{path}: changed {when}: it cannot be reached now ({reason(err)}); "
-                    "load it again"
-                ) from None
-        if (now.inode, now.device) != (self.inode, self.device):
-            what = f"replaced by another file: inode {self.inode} then, {now.inode} now"
-        elif now.size != self.size:
-            what = f"{self.size} bytes then, {now.size} now"
-        elif now.mtime_ns != self.mtime_ns:
-            what = f"rewritten: modified at {self.mtime_ns} ns then, {now.mtime_ns} now"
-        else:
-            return
-        raise FixtureError(
-            f"{path}: changed {when} ({what}): its memory-mapped tensors are not what was "
-            "loaded; load it again"
-        )
 
 
 class GdnInputs(NamedTuple):
@@ -160,7 +109,7 @@ class Fixture:
     writer_version: str | None = field(default=None, kw_only=True)
     #: The file the arrays are memory-mapped from, as it was when loaded; None when they are
     #: in memory. Set by :func:`load_fixture`.
-    _stamp: FileStamp | None = field(default=None, kw_only=True, repr=False)
+    stamp: FileStamp | None = field(default=None, kw_only=True, repr=False)
     layout: GdnBackwardLayout = field(init=False)
     grads: GdnGrads = field(init=False, repr=False)
 
@@ -214,26 +163,25 @@ class Fixture:
     def mapped(self) -> bool:
         """Whether the tensors are memory-mapped from ``path`` (a file of
         :data:`MAP_THRESHOLD` bytes or more) rather than held in memory."""
-        return self._stamp is not None
+        return self.stamp is not None
 
     def check_unchanged(self) -> None:
         """Raise :class:`FixtureError` if the file this fixture is mapped from has changed
-        since it was loaded; do nothing for a fixture held in memory.
+        since it was loaded (its size, modification time or inode); nothing to check for a
+        fixture in memory.
 
-        A mapped fixture reads its file whenever its tensors are read: a file cut short under
-        the mapping kills the process with SIGBUS on the next read (or, within its last page,
-        reads zeros), and a rewrite changes the values. Calling this before judging a kernel
-        against the fixture, and again after, makes either a :class:`FixtureError` naming the
-        file; :meth:`~gdn_layout.suites.Case.compare` and ``gdn-layout compare`` do. The file
-        is compared by size, modification time and inode, not read.
+        A file cut short under a mapping kills the process with SIGBUS on the next read (or,
+        within its last page, reads zeros), and a rewrite changes the values: call this
+        before judging a kernel against the fixture, and after, as
+        :meth:`~gdn_layout.suites.Case.compare` and ``gdn-layout compare`` do.
 
         Raises
         ------
         FixtureError
             The mapped file was truncated, grown, rewritten, replaced or removed.
         """
-        if self._stamp is not None and self.path is not None:
-            self._stamp.check(self.path)
+        if self.stamp is not None and self.path is not None:
+            self.stamp.check(self.path)
 
     @property
     def inputs(self) -> GdnInputs:
@@ -351,15 +299,12 @@ def save_fixture(
 def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer).
 
-    A file smaller than :data:`MAP_THRESHOLD` (64 MiB) is read into memory, read-only, in
-    one pass through one descriptor that is closed before this returns: what another process
-    does to the file afterwards cannot change or break the fixture. With ``mmap=True`` (the
-    default) a larger file is memory-mapped (:class:`numpy.memmap`, read-only), so that a
-    multi-GiB fixture opens at once; with ``mmap=False`` it is read into memory too. A mapped
-    fixture records its file's size, modification time and inode, and
-    :meth:`Fixture.check_unchanged` (called by :meth:`~gdn_layout.suites.Case.compare`, and
-    by ``gdn-layout compare``, before and after they read it) raises :class:`FixtureError`
-    when the file has changed: truncated, rewritten or replaced.
+    A file smaller than :data:`MAP_THRESHOLD` (64 MiB) is read into memory (read-only) in one
+    pass, and no descriptor stays open: nothing done to the file later changes the fixture.
+    With ``mmap=True`` (the default) a larger file is memory-mapped (read-only
+    :class:`numpy.memmap` views), so that a multi-GiB fixture opens at once; with
+    ``mmap=False`` it is read too. A mapped fixture records its file's size, modification
+    time and inode, and :meth:`Fixture.check_unchanged` raises when they differ.
 
     A file that is truncated, corrupt or inconsistent raises :class:`FixtureError` naming it
     and the problem; so does a path that is not a regular file (a folder, a FIFO, a device:
@@ -392,22 +337,17 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
 
     Notes
     -----
-    A mapped file that is cut short while its tensors are being read (after the check that
-    :meth:`Fixture.check_unchanged` makes) still ends the process with SIGBUS: Python cannot
-    recover from a fault in NumPy's code. Only files of :data:`MAP_THRESHOLD` bytes or more,
-    loaded with ``mmap=True``, are exposed to it.
+    A mapped file cut short while its tensors are read (after that check) still ends the
+    process with SIGBUS: Python cannot recover from a fault in NumPy's code.
     """
-    return _load(Path(path), mmap=mmap)
+    return _load(Path(path), mmap, None, None, "expected")
 
 
 def load_checked(path: Path, *, size: int | None, sha256: str, said: str) -> Fixture:
-    """:func:`load_fixture`, refusing a file whose size or SHA-256 is not the given one.
-
-    The size is checked on the open file before anything is read from it; the digest is of
-    the bytes the fixture then holds (read into memory), or, for a mapped file, of the file
-    read through the descriptor it is then mapped from, whose size, modification time and
-    inode must not change in between. ``said`` introduces the expected values in messages
-    ("the manifest says").
+    """:func:`load_fixture`, refusing a file whose size (checked first) or SHA-256 is not the
+    given one. What is hashed is what the fixture holds: the bytes read into memory, or, for a
+    mapped file, the file read through the descriptor it is then mapped from, unchanged in
+    between. ``said`` introduces the expected values in messages ("the manifest says").
 
     Raises
     ------
@@ -416,32 +356,16 @@ def load_checked(path: Path, *, size: int | None, sha256: str, said: str) -> Fix
     FileNotFoundError
         The file does not exist.
     """
-    return _load(path, mmap=True, size=size, sha256=sha256, said=said)
+    return _load(path, True, size, sha256, said)
 
 
-class _Plan(NamedTuple):
-    """What a checked header says a fixture is: its metadata and tensors."""
-
-    metadata: dict[str, str]
-    entries: list[Entry]
-    data_start: int
-    size: int
-
-
-def _load(
-    path: Path,
-    *,
-    mmap: bool,
-    size: int | None = None,
-    sha256: str | None = None,
-    said: str = "expected",
-) -> Fixture:
+def _load(path: Path, mmap: bool, size: int | None, sha256: str | None, said: str) -> Fixture:
     try:
         with open_regular(path) as file:
             status = os.fstat(file.fileno())
             if size is not None and status.st_size != size:
                 raise FixtureError(f"{path}: {status.st_size} bytes, {said} {size}")
-            if mmap and status.st_size >= MAP_THRESHOLD:
+            if mmap and status.st_size >= _mapping.MAP_THRESHOLD:
                 return _load_mapped(path, file, status, sha256, said)
             data = read_all(file, status.st_size, path)
     except FileNotFoundError:
@@ -451,7 +375,7 @@ def _load(
     except OSError as err:
         raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
     if sha256 is not None:
-        _check_digest(hashlib.sha256(data.data).hexdigest(), sha256, path, said)
+        check_digest(hashlib.sha256(data.data).hexdigest(), sha256, path, said)
     plan = _plan(
         path, safetensors.parse_header(safetensors.reader_of_buffer(data), data.size, path)
     )
@@ -468,75 +392,30 @@ def _load_mapped(
     )
     if sha256 is not None:
         file.seek(0)
-        _check_digest(
-            hashlib.file_digest(_buffered(file), "sha256").hexdigest(), sha256, path, said
-        )
+        check_digest(hashlib.file_digest(buffered(file), "sha256").hexdigest(), sha256, path, said)
     buffer, stamp = map_file(file, status, path)
     return _build(path, plan, buffer, stamp)
 
 
-def map_file(
-    file: BinaryIO, status: os.stat_result, path: Path
-) -> tuple[NDArray[np.uint8], FileStamp]:
-    """The open ``file`` memory-mapped read-only, and the stamp of ``status``, its status
-    when it was opened: :class:`FixtureError` if it has changed since."""
-    stamp = FileStamp.of(path, status)
-    try:
-        buffer: NDArray[np.uint8] = (
-            np.memmap(file, dtype=np.uint8, mode="r", shape=(status.st_size,))
-            if status.st_size
-            else np.empty(0, np.uint8)  # mmap cannot map an empty file
-        )
-    except ValueError as err:  # the file shrank since it was opened
-        raise FixtureError(f"{path}: changed while being read: {err}") from None
-    stamp.check(path, FileStamp.of(path, os.fstat(file.fileno())), "while being read")
-    return buffer, stamp
-
-
-def read_all(file: BinaryIO, size: int, path: Path) -> NDArray[np.uint8]:
-    """All ``size`` bytes of the open ``file`` as a read-only array, read from its start;
-    :class:`FixtureError` if the file turns out shorter or longer."""
-    buffer = np.empty(size, np.uint8)
-    view, stream = buffer.data, _buffered(file)
-    file.seek(0)
-    done = 0
-    while done < size:
-        count = stream.readinto(view[done:])
-        if not count:
-            break
-        done += count
-    if done < size or file.read(1):
-        now = f"{done} bytes" if done < size else "more"
-        raise FixtureError(f"{path}: changed size while being read ({size} bytes, then {now})")
-    buffer.flags.writeable = False
-    return buffer
-
-
-def _buffered(file: BinaryIO) -> io.BufferedIOBase:
-    """``file`` as what :func:`~gdn_layout._files.open_regular` returns, with ``readinto``."""
-    return cast(io.BufferedIOBase, file)
-
-
-def _check_digest(digest: str, expected: str, path: Path, said: str) -> None:
-    if digest != expected:
-        raise FixtureError(f"{path}: SHA-256 {digest}, {said} {expected}")
-
-
-def _plan(path: Path, header: safetensors.Header) -> _Plan:
+def _plan(path: Path, header: safetensors.Header) -> tuple[dict[str, str], safetensors.Header]:
+    """The metadata of a fixture's header, and the header, once both are checked."""
     metadata = _parse_metadata(header.metadata, path)
-    layout = _layout_of(metadata, path)
-    _check_entries(header.entries, layout, path)
+    _check_entries(header.entries, _layout_of(metadata, path), path)
     safetensors.check_tiling(header.entries, header.size - header.data_start, path)
-    return _Plan(metadata, header.entries, header.data_start, header.size)
+    return metadata, header
 
 
-def _build(path: Path, plan: _Plan, buffer: NDArray[np.uint8], stamp: FileStamp | None) -> Fixture:
-    if buffer.size != plan.size:
-        raise FixtureError(f"{path}: changed size while being read ({plan.size} -> {buffer.size})")
-    start, metadata = plan.data_start, plan.metadata
+def _build(
+    path: Path,
+    plan: tuple[dict[str, str], safetensors.Header],
+    buffer: NDArray[np.uint8],
+    stamp: FileStamp | None,
+) -> Fixture:
+    metadata, header = plan  # buffer has the header's size: both come from one status
+    start = header.data_start
     arrays = {
         e.name: buffer[start + e.start : start + e.end].view(e.dtype).reshape(e.shape)
-        for e in plan.entries
+        for e in header.entries
     }
     try:
         seed = int(metadata["seed"]) if "seed" in metadata else None
@@ -549,7 +428,7 @@ def _build(path: Path, plan: _Plan, buffer: NDArray[np.uint8], stamp: FileStamp 
             floors=floors,
             path=path,
             writer_version=metadata.get("gdn_layout_version"),
-            _stamp=stamp,
+            stamp=stamp,
         )
     except (TypeError, ValueError) as err:
         raise FixtureError(f"{path}: {err}") from None

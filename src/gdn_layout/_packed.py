@@ -10,12 +10,13 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from . import _fixture
+from . import _mapping
 from . import _safetensors as safetensors
 from ._criteria import Floors
 from ._dtypes import resolve
 from ._files import NotRegularFileError, open_regular
-from ._fixture import FORMAT, FileStamp, load_fixture, map_file, read_all
+from ._fixture import FORMAT, load_fixture
+from ._mapping import FileStamp, map_file, read_all
 from ._safetensors import FixtureError, looks_like_safetensors, reason
 from .layout import GdnBackwardLayout
 
@@ -94,7 +95,7 @@ def _read_packed(
         if not _is_fixture(file):
             return PackedFile(path, "safetensors", *_plain_safetensors(file))
         fixture = load_fixture(path)
-        packed, stamp = fixture.packed, fixture._stamp
+        packed, stamp = fixture.packed, fixture.stamp
         return PackedFile(path, kind, packed, fixture.layout, fixture.floors, stamp)
     if kind == ".npy":
         if not head.startswith(b"\x93NUMPY"):
@@ -149,7 +150,7 @@ def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:
     try:
         with open_regular(path) as file:
             status = os.fstat(file.fileno())
-            if status.st_size < _fixture.MAP_THRESHOLD or not status.st_size:
+            if status.st_size < _mapping.MAP_THRESHOLD or not status.st_size:
                 return read_all(file, status.st_size, path), None
             return map_file(file, status, path)
     except FileNotFoundError:
