@@ -6,7 +6,6 @@ sizes included; registered here so that every test module draws from the same on
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -18,20 +17,13 @@ from gdn_layout.fixtures import write_suite
 #: pytester runs the gdn-layout pytest plugin on test files of its own (tests/test_suites.py).
 pytest_plugins = ["pytester"]
 
-generate = importlib.import_module("gdn_layout.generate")
-
 
 @pytest.fixture(scope="session")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
-    """The first standard suite's 168 cases (without the chunk-boundary shapes, which
-    test_suite_coverage.py checks on their own), written once with seed 100: its folder and its
-    fixture paths."""
+    """The standard suite, written once with seed 100: its folder and its fixture paths."""
     root = tmp_path_factory.mktemp("suite")
     fractions: list[float] = []
-    with pytest.MonkeyPatch.context() as patch:
-        first = tuple(case for case in generate._SUITE_SHAPES if case.since == 0)
-        patch.setattr(generate, "_SUITE_SHAPES", first)
-        paths = write_suite(root, seed=100, progress=fractions.append)
+    paths = write_suite(root, seed=100, progress=fractions.append)
     assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
     return root, paths
 

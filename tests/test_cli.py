@@ -403,7 +403,7 @@ def test_demo_runs_the_main_job(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "float64 reference [" in result.stderr
     assert "float32 recomputation [" in result.stderr
-    assert "reloaded memory-mapped: True" in result.stdout
+    assert "reloaded into memory (a file under 64 MiB is read)" in result.stdout
     assert "compare passed" in result.stdout
     assert list(tmp_path.iterdir()) == [], "the demo cleans up after itself"
     assert run("demo", "-S", "4", "--quiet", terminal=True).stderr == ""

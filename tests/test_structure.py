@@ -76,6 +76,7 @@ LAYERS = [
     "packing",
     "_criteria",
     "_safetensors",
+    "_mapping",
     "_fixture",
     "_packed",
     "reference._inputs",

@@ -85,7 +85,7 @@ def test_cli_verify_exit_codes(
     copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["verify", str(copy)]) == 0
-    assert capsys.readouterr().out == f"{copy}: 168 fixtures match manifest.json\n"
+    assert capsys.readouterr().out == f"{copy}: 264 fixtures match manifest.json\n"
     victim = sorted(copy.glob("*.safetensors"))[5]
     victim.unlink()
     assert main(["verify", str(copy)]) == 1

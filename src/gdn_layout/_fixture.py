@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Final, NamedTuple
+from typing import IO, Any, BinaryIO, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from . import _mapping
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
 from ._criteria import Floors, decode_floors, encode_floors
 from ._dtypes import resolve
-from ._files import atomic_write, open_regular
+from ._files import NotRegularFileError, atomic_write, open_regular
+from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, map_file, read_all
 from ._safetensors import Entry, FixtureError, dtype_code, reason
 from ._version import __version__
 from .layout import GdnBackwardLayout
@@ -25,7 +28,9 @@ from .packing import GdnGrads, unpack
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "MAP_THRESHOLD",
     "REGIMES",
+    "FileStamp",
     "Fixture",
     "FixtureError",
     "GdnInputs",
@@ -68,7 +73,8 @@ class Fixture:
     The layout is inferred from ``q``, ``g`` and ``state``, and every other tensor is checked
     against it; all tensors share one dtype (float64, float32, float16 or bfloat16). ``grads``
     holds the views of ``packed`` given by :func:`~gdn_layout.unpack`. A fixture from
-    :func:`load_fixture` has read-only arrays backed by the file (``path`` says which).
+    :func:`load_fixture` has read-only arrays (``path`` says from which file): read into
+    memory, or for a large file memory-mapped (``mapped``; see :meth:`check_unchanged`).
 
     >>> import gdn_layout as gl
     >>> from gdn_layout.generate import draw_inputs
@@ -101,6 +107,9 @@ class Fixture:
     #: The file this fixture was loaded from, and the gdn-layout version that wrote it.
     path: Path | None = field(default=None, kw_only=True)
     writer_version: str | None = field(default=None, kw_only=True)
+    #: The file the arrays are memory-mapped from, as it was when loaded; None when they are
+    #: in memory. Set by :func:`load_fixture`.
+    stamp: FileStamp | None = field(default=None, kw_only=True, repr=False)
     layout: GdnBackwardLayout = field(init=False)
     grads: GdnGrads = field(init=False, repr=False)
 
@@ -149,6 +158,30 @@ class Fixture:
     def dtype(self) -> np.dtype[Any]:
         """The one dtype of every tensor."""
         return self.q.dtype
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the tensors are memory-mapped from ``path`` (a file of
+        :data:`MAP_THRESHOLD` bytes or more) rather than held in memory."""
+        return self.stamp is not None
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`FixtureError` if the file this fixture is mapped from has changed
+        since it was loaded (its size, modification time or inode); nothing to check for a
+        fixture in memory.
+
+        A file cut short under a mapping kills the process with SIGBUS on the next read (or,
+        within its last page, reads zeros), and a rewrite changes the values: call this
+        before judging a kernel against the fixture, and after, as
+        :meth:`~gdn_layout.suites.Case.compare` and ``gdn-layout compare`` do.
+
+        Raises
+        ------
+        FixtureError
+            The mapped file was truncated, grown, rewritten, replaced or removed.
+        """
+        if self.stamp is not None and self.path is not None:
+            self.stamp.check(self.path)
 
     @property
     def inputs(self) -> GdnInputs:
@@ -266,12 +299,16 @@ def save_fixture(
 def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer).
 
-    Only the header is read and checked up front; with ``mmap=True`` (the default) the tensors
-    are read-only :class:`numpy.memmap` views into the file, so that a multi-GiB fixture opens
-    at once. With ``mmap=False`` the file is read into memory (still read-only). A file that
-    is truncated, corrupt or inconsistent raises :class:`FixtureError` naming it and the
-    problem; so does a path that is not a regular file (a folder, a FIFO, a device: refused
-    before it is opened) or that cannot be read. A missing file raises
+    A file smaller than :data:`MAP_THRESHOLD` (64 MiB) is read into memory (read-only) in one
+    pass, and no descriptor stays open: nothing done to the file later changes the fixture.
+    With ``mmap=True`` (the default) a larger file is memory-mapped (read-only
+    :class:`numpy.memmap` views), so that a multi-GiB fixture opens at once; with
+    ``mmap=False`` it is read too. A mapped fixture records its file's size, modification
+    time and inode, and :meth:`Fixture.check_unchanged` raises when they differ.
+
+    A file that is truncated, corrupt or inconsistent raises :class:`FixtureError` naming it
+    and the problem; so does a path that is not a regular file (a folder, a FIFO, a device:
+    refused before it is opened) or that cannot be read. A missing file raises
     :class:`FileNotFoundError` naming it; a bfloat16 file without ml_dtypes raises
     :class:`ImportError`.
 
@@ -280,7 +317,8 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     path : str or os.PathLike
         The fixture file.
     mmap : bool
-        Memory-map the tensors rather than read them.
+        Memory-map the tensors of a file of :data:`MAP_THRESHOLD` bytes or more rather than
+        read them.
 
     Returns
     -------
@@ -291,26 +329,93 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     ------
     FixtureError
         The file is truncated, corrupt, not a gdn-layout fixture, inconsistent, has a header
-        past the limits, is not a regular file, or cannot be read.
+        past the limits, is not a regular file, cannot be read, or changed while it was read.
     FileNotFoundError
         The file does not exist.
     ImportError
         The file holds bfloat16 and ml_dtypes is not installed.
-    """
-    path = Path(path)
-    header = safetensors.read_header(path)
-    metadata = _parse_metadata(header.metadata, path)
-    entries, size, data_start = header.entries, header.size, header.data_start
-    layout = _layout_of(metadata, path)
-    _check_entries(entries, layout, path)
-    safetensors.check_tiling(entries, size - data_start, path)
 
-    buffer = _map_or_read(path, mmap)
-    if buffer.size != size:
-        raise FixtureError(f"{path}: changed size while being read ({size} -> {buffer.size})")
+    Notes
+    -----
+    A mapped file cut short while its tensors are read (after that check) still ends the
+    process with SIGBUS: Python cannot recover from a fault in NumPy's code.
+    """
+    return _load(Path(path), mmap, None, None, "expected")
+
+
+def load_checked(path: Path, *, size: int | None, sha256: str, said: str) -> Fixture:
+    """:func:`load_fixture`, refusing a file whose size (checked first) or SHA-256 is not the
+    given one. What is hashed is what the fixture holds: the bytes read into memory, or, for a
+    mapped file, the file read through the descriptor it is then mapped from, unchanged in
+    between. ``said`` introduces the expected values in messages ("the manifest says").
+
+    Raises
+    ------
+    FixtureError
+        As :func:`load_fixture`, and for a size or a digest that differs.
+    FileNotFoundError
+        The file does not exist.
+    """
+    return _load(path, True, size, sha256, said)
+
+
+def _load(path: Path, mmap: bool, size: int | None, sha256: str | None, said: str) -> Fixture:
+    try:
+        with open_regular(path) as file:
+            status = os.fstat(file.fileno())
+            if size is not None and status.st_size != size:
+                raise FixtureError(f"{path}: {status.st_size} bytes, {said} {size}")
+            if mmap and status.st_size >= _mapping.MAP_THRESHOLD:
+                return _load_mapped(path, file, status, sha256, said)
+            data = read_all(file, status.st_size, path)
+    except FileNotFoundError:
+        raise
+    except NotRegularFileError as err:
+        raise FixtureError(str(err)) from None
+    except OSError as err:
+        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    if sha256 is not None:
+        check_digest(hashlib.sha256(data.data).hexdigest(), sha256, path, said)
+    plan = _plan(
+        path, safetensors.parse_header(safetensors.reader_of_buffer(data), data.size, path)
+    )
+    return _build(path, plan, data, None)
+
+
+def _load_mapped(
+    path: Path, file: BinaryIO, status: os.stat_result, sha256: str | None, said: str
+) -> Fixture:
+    """The fixture in the open ``file``, mapped: its header is read, and the file hashed,
+    through ``file`` (reads, unlike a mapping, cannot fault), then the same file is mapped."""
+    plan = _plan(
+        path, safetensors.parse_header(safetensors.reader_of_file(file), status.st_size, path)
+    )
+    if sha256 is not None:
+        file.seek(0)
+        check_digest(hashlib.file_digest(buffered(file), "sha256").hexdigest(), sha256, path, said)
+    buffer, stamp = map_file(file, status, path)
+    return _build(path, plan, buffer, stamp)
+
+
+def _plan(path: Path, header: safetensors.Header) -> tuple[dict[str, str], safetensors.Header]:
+    """The metadata of a fixture's header, and the header, once both are checked."""
+    metadata = _parse_metadata(header.metadata, path)
+    _check_entries(header.entries, _layout_of(metadata, path), path)
+    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
+    return metadata, header
+
+
+def _build(
+    path: Path,
+    plan: tuple[dict[str, str], safetensors.Header],
+    buffer: NDArray[np.uint8],
+    stamp: FileStamp | None,
+) -> Fixture:
+    metadata, header = plan  # buffer has the header's size: both come from one status
+    start = header.data_start
     arrays = {
-        e.name: buffer[data_start + e.start : data_start + e.end].view(e.dtype).reshape(e.shape)
-        for e in entries
+        e.name: buffer[start + e.start : start + e.end].view(e.dtype).reshape(e.shape)
+        for e in header.entries
     }
     try:
         seed = int(metadata["seed"]) if "seed" in metadata else None
@@ -323,29 +428,10 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
             floors=floors,
             path=path,
             writer_version=metadata.get("gdn_layout_version"),
+            stamp=stamp,
         )
     except (TypeError, ValueError) as err:
         raise FixtureError(f"{path}: {err}") from None
-
-
-def _map_or_read(path: Path, mmap: bool) -> NDArray[np.uint8]:
-    """The whole file as read-only bytes: mapped, or read into memory."""
-    try:
-        with open_regular(path) as file:
-            if not mmap:
-                buffer = np.fromfile(file, dtype=np.uint8)
-                buffer.flags.writeable = False
-                return buffer
-            if os.fstat(file.fileno()).st_size == 0:  # mmap cannot map an empty file
-                return np.empty(0, np.uint8)
-            mapped: NDArray[np.uint8] = np.memmap(file, dtype=np.uint8, mode="r")
-            return mapped
-    except FileNotFoundError:
-        raise
-    except OSError as err:
-        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
-    except ValueError as err:  # mmap: the file shrank since its header was read
-        raise FixtureError(f"{path}: changed while being read: {err}") from None
 
 
 def _parse_metadata(meta: object, path: Path) -> dict[str, str]:

@@ -1,5 +1,5 @@
 """Any file that holds a packed gradient: a fixture, a plain safetensors file, a .npy or raw
-bytes, known by its content and read lazily (memory-mapped)."""
+bytes, known by its content; read into memory, or memory-mapped when large."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from . import _mapping
 from . import _safetensors as safetensors
 from ._criteria import Floors
 from ._dtypes import resolve
 from ._files import NotRegularFileError, open_regular
 from ._fixture import FORMAT, load_fixture
+from ._mapping import FileStamp, map_file, read_all
 from ._safetensors import FixtureError, looks_like_safetensors, reason
 from .layout import GdnBackwardLayout
 
@@ -31,10 +33,24 @@ class PackedFile(NamedTuple):
     packed: NDArray[Any]
     layout: GdnBackwardLayout | None
     floors: Floors | None = None
+    #: The file ``packed`` is memory-mapped from, as it was when opened; None when ``packed``
+    #: is in memory (a file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD`).
+    stamp: FileStamp | None = None
+
+    def check_unchanged(self) -> None:
+        """Raise :class:`FixtureError` if ``packed`` is memory-mapped and its file changed since
+        it was opened (see :meth:`Fixture.check_unchanged`); do nothing otherwise."""
+        if self.stamp is not None:
+            self.stamp.check(Path(self.path))
 
 
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
-    """Read a packed buffer lazily (memory-mapped) from a fixture, a .npy or a raw file.
+    """Read a packed buffer from a fixture, a safetensors file, a .npy or a raw file.
+
+    A file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD` is read into memory
+    (:func:`~gdn_layout.load_fixture` says how), a larger one is memory-mapped, and so is a
+    .npy file (by :func:`numpy.load`); a mapped buffer's file is stamped, so that
+    :meth:`PackedFile.check_unchanged` can tell, before judging it, whether it changed.
 
     Parameters
     ----------
@@ -58,19 +74,29 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     try:
         with open_regular(file) as stream:
             head = stream.read(9)
-            size = os.fstat(stream.fileno()).st_size
+            status = os.fstat(stream.fileno())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
     except NotRegularFileError as err:
         raise FixtureError(str(err)) from None
     except OSError as err:
         raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    source = _read_packed(path, file, head, status.st_size, dtype)
+    if source.stamp is None and isinstance(source.packed, np.memmap):  # a .npy, mapped by NumPy
+        source = source._replace(stamp=FileStamp.of(file, status))
+    return source
+
+
+def _read_packed(
+    path: str, file: Path, head: bytes, size: int, dtype: DTypeLike | None
+) -> PackedFile:
     kind = _sniff(file, head, size)
     if kind == "fixture":
         if not _is_fixture(file):
-            return PackedFile(path, "safetensors", _plain_safetensors(file), None)
+            return PackedFile(path, "safetensors", *_plain_safetensors(file))
         fixture = load_fixture(path)
-        return PackedFile(path, kind, fixture.packed, fixture.layout, fixture.floors)
+        packed, stamp = fixture.packed, fixture.stamp
+        return PackedFile(path, kind, packed, fixture.layout, fixture.floors, stamp)
     if kind == ".npy":
         if not head.startswith(b"\x93NUMPY"):
             raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
@@ -88,8 +114,8 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     resolved = resolve(dtype, "dtype")
     if size % resolved.itemsize:
         raise ValueError(f"{path}: {size} bytes is not a whole number of {resolved.name} elements")
-    raw = np.memmap(path, dtype=resolved, mode="r") if size else np.empty(0, resolved)
-    return PackedFile(path, kind, raw, None)
+    raw, stamp = _contents(file)
+    return PackedFile(path, kind, raw.view(resolved), None, stamp=stamp)
 
 
 def _claimed(path: Path) -> str:
@@ -119,10 +145,11 @@ def _is_fixture(path: Path) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def _plain_safetensors(path: Path) -> NDArray[Any]:
-    """The tensor named ``packed`` of a safetensors file, or its only one, memory-mapped and
-    flattened."""
-    header = safetensors.read_header(path)
+def _plain_safetensors(path: Path) -> tuple[NDArray[Any], None, None, FileStamp | None]:
+    """The tensor named ``packed`` of a safetensors file, or its only one, flattened: the
+    ``packed``, ``layout``, ``floors`` and ``stamp`` of a :class:`PackedFile`."""
+    buffer, stamp = _contents(path)
+    header = safetensors.parse_header(safetensors.reader_of_buffer(buffer), buffer.size, path)
     safetensors.check_tiling(header.entries, header.size - header.data_start, path)
     by_name = {e.name: e for e in header.entries}
     entry = by_name.get("packed")
@@ -134,11 +161,26 @@ def _plain_safetensors(path: Path) -> NDArray[Any]:
             f"{path}: a safetensors file with tensors {names}: name the packed gradient "
             "'packed', or write it alone"
         )
-    if entry.end == entry.start:
-        return np.empty(0, entry.dtype)
-    buffer: NDArray[np.uint8] = np.memmap(path, dtype=np.uint8, mode="r")
     start = header.data_start
-    return buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
+    packed = buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
+    return packed, None, None, stamp
+
+
+def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:
+    """The whole file as read-only bytes: read into memory when it is smaller than
+    :data:`~gdn_layout.fixtures.MAP_THRESHOLD`, else memory-mapped, with its stamp."""
+    try:
+        with open_regular(path) as file:
+            status = os.fstat(file.fileno())
+            if status.st_size < _mapping.MAP_THRESHOLD or not status.st_size:
+                return read_all(file, status.st_size, path), None
+            return map_file(file, status, path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except NotRegularFileError as err:
+        raise FixtureError(str(err)) from None
+    except OSError as err:
+        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
 
 
 def _sniff(path: Path, head: bytes, size: int) -> str:

@@ -11,7 +11,7 @@ import json
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple
 
@@ -20,7 +20,7 @@ from numpy.typing import NDArray
 
 from ._checks import MAX_NBYTES, array_can_exist
 from ._dtypes import BF16_HINT, bfloat16, itemsize
-from ._files import open_regular
+from ._files import NotRegularFileError, open_regular
 
 __all__ = [
     "DTYPE_NAMES",
@@ -31,7 +31,10 @@ __all__ = [
     "dtype_code",
     "dtype_of_code",
     "looks_like_safetensors",
+    "parse_header",
     "read_header",
+    "reader_of_buffer",
+    "reader_of_file",
     "reason",
     "write",
 ]
@@ -210,22 +213,62 @@ def read_header(path: Path) -> Header:
     """
     try:
         with open_regular(path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size < 8:
-                raise FixtureError(
-                    f"{path}: truncated: {size} bytes, shorter than the 8-byte header length"
-                )
-            length = int.from_bytes(f.read(8), "little")
-            if length < 2 or length > _MAX_HEADER or length > size - 8:
-                raise FixtureError(
-                    f"{path}: bad header length {length}: expected 2 to "
-                    f"{min(_MAX_HEADER, size - 8)} for a file of {size} bytes"
-                )
-            raw = f.read(length)
+            return parse_header(reader_of_file(f), os.fstat(f.fileno()).st_size, path)
     except FileNotFoundError:
         raise
+    except NotRegularFileError as err:
+        raise FixtureError(str(err)) from None
     except OSError as err:
         raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+
+
+#: Reads ``count`` bytes at ``offset`` (fewer at the end) of a file or a buffer.
+Reader = Callable[[int, int], bytes]
+
+
+def reader_of_file(file: IO[bytes]) -> Reader:
+    """A :data:`Reader` of an open binary file."""
+
+    def read(offset: int, count: int) -> bytes:
+        file.seek(offset)
+        return file.read(count)
+
+    return read
+
+
+def reader_of_buffer(buffer: NDArray[np.uint8]) -> Reader:
+    """A :data:`Reader` of bytes already in memory."""
+
+    def read(offset: int, count: int) -> bytes:
+        return buffer[offset : offset + count].tobytes()
+
+    return read
+
+
+def parse_header(read: Reader, size: int, path: Path) -> Header:
+    """Check and parse the header of a safetensors file of ``size`` bytes that ``read`` reads;
+    ``path`` names it in errors. See :func:`read_header`.
+
+    Raises
+    ------
+    FixtureError
+        The length, the JSON or an entry is malformed, or the file is shorter than it says.
+    OSError
+        ``read`` failed.
+    ImportError
+        A tensor is BF16 and ml_dtypes is not installed.
+    """
+    if size < 8:
+        raise FixtureError(
+            f"{path}: truncated: {size} bytes, shorter than the 8-byte header length"
+        )
+    length = int.from_bytes(read(0, 8), "little")
+    if length < 2 or length > _MAX_HEADER or length > size - 8:
+        raise FixtureError(
+            f"{path}: bad header length {length}: expected 2 to "
+            f"{min(_MAX_HEADER, size - 8)} for a file of {size} bytes"
+        )
+    raw = read(8, length)
     if len(raw) != length:
         raise FixtureError(f"{path}: changed size while being read ({length} header bytes)")
     _check_shape_of_json(raw, path)

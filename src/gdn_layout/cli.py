@@ -350,6 +350,8 @@ def _compare(args: argparse.Namespace) -> int:
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
+    for source in (actual, expected):  # a mapped file that changed is not judged
+        source.check_unchanged()
     result = compare(
         actual.packed,
         expected.packed,
@@ -359,6 +361,8 @@ def _compare(args: argparse.Namespace) -> int:
         max_rms_ratio=args.max_rms_ratio,
         floors=expected.floors if expected.floors is not None else actual.floors,
     )
+    for source in (actual, expected):  # nor one cut short meanwhile (read as zeros)
+        source.check_unchanged()
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -405,8 +409,8 @@ def _demo(args: argparse.Namespace) -> int:
             f"\n2. a float64 reference fixture: {human_bytes(path.stat().st_size)} of safetensors"
         )
         loaded = load_fixture(path)
-        mapped = all(isinstance(a, np.memmap) for a in loaded.tensors().values())
-        print(f"   reloaded memory-mapped: {mapped}; its gradients, unpacked without a copy:")
+        how = "memory-mapped" if loaded.mapped else "into memory (a file under 64 MiB is read)"
+        print(f"   reloaded {how}; its gradients, unpacked without a copy:")
         print(grads_text(loaded.grads))
         stdout.flush()
         bar.label = "float32 recomputation"

@@ -44,8 +44,16 @@ True
 >>> back = load_fixture(path)
 >>> back.layout == layout, back.grads.dg.shape, back.regime, back.seed
 (True, (1, 3, 2), 'mild', 1)
->>> bool((back.q == x.q).all()), isinstance(back.q, np.memmap), back.q.flags.writeable
-(True, True, False)
+>>> bool((back.q == x.q).all()), back.q.flags.writeable
+(True, False)
+
+Loading a file smaller than :data:`MAP_THRESHOLD` (64 MiB) reads it into memory, so that no
+later change to the file can change or break the fixture; a larger file is memory-mapped,
+and :meth:`Fixture.check_unchanged` (called before judging) raises :class:`FixtureError` if
+it changed under the mapping.
+
+>>> back.mapped, isinstance(back.q, np.memmap)
+(False, False)
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from __future__ import annotations
 from ._fixture import (
     FORMAT,
     FORMAT_VERSION,
+    MAP_THRESHOLD,
     REGIMES,
     Fixture,
     FixtureError,
@@ -66,6 +75,7 @@ from .generate import draw_inputs, make_fixture, write_suite
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
+    "MAP_THRESHOLD",
     "REGIMES",
     "Fixture",
     "FixtureError",

@@ -20,9 +20,9 @@ True
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +34,7 @@ from numpy.typing import DTypeLike, NDArray
 from ._arrays import as_framework
 from ._comparison import Comparison
 from ._criteria import Tolerance
-from ._fixture import Fixture, FixtureError, GdnInputs, load_fixture
+from ._fixture import Fixture, FixtureError, GdnInputs, load_checked
 from .compare import compare
 from .generate import make_fixture
 from .layout import GdnBackwardLayout, layout_caption
@@ -124,8 +124,19 @@ class Case:
     ) -> Comparison:
         """:func:`~gdn_layout.compare` of ``actual`` (any array: NumPy, torch, anything with
         ``__dlpack__`` or ``__array__``) with the expected gradient, against the fixture's
-        floors unless tolerances are given."""
-        return compare(
+        floors unless tolerances are given.
+
+        A fixture memory-mapped from a large file is checked before and after the comparison
+        (:meth:`Fixture.check_unchanged`), so that a file truncated or rewritten under the
+        mapping raises :class:`FixtureError` naming it instead of being judged.
+
+        Raises
+        ------
+        FixtureError
+            The fixture is memory-mapped and its file changed since it was loaded.
+        """
+        self.fixture.check_unchanged()
+        result = compare(
             actual,  # type: ignore[arg-type]
             self.expected,
             self.layout,
@@ -134,6 +145,8 @@ class Case:
             max_rms_ratio=max_rms_ratio,
             floors=self.fixture.floors,
         )
+        self.fixture.check_unchanged()  # cut short meanwhile: its last page read as zeros
+        return result
 
     def check(
         self,
@@ -144,7 +157,15 @@ class Case:
         max_rms_ratio: Tolerance | None = None,
     ) -> Comparison:
         """:meth:`compare`, raising AssertionError with the table and the worst element of
-        each failing gradient; returns the comparison when every gradient passes."""
+        each failing gradient; returns the comparison when every gradient passes.
+
+        Raises
+        ------
+        AssertionError
+            A gradient differs.
+        FixtureError
+            The fixture is memory-mapped and its file changed since it was loaded.
+        """
         __tracebackhide__ = True  # pytest shows the caller's line, not this one
         result = self.compare(actual, rtol=rtol, atol=atol, max_rms_ratio=max_rms_ratio)
         if not result.passed:
@@ -180,30 +201,20 @@ def make_case(
 def verify_suite(directory: str | os.PathLike[str]) -> list[str]:
     """Check a suite's files against its manifest; return one line per problem (none: intact).
 
-    Each listed file must exist with the size and SHA-256 the manifest gives, and its header
-    must state the manifest's layout, regime and seed; a fixture file in the folder that the
-    manifest does not list is a problem too.
+    Each listed file must be a regular file with the size and SHA-256 the manifest gives, and
+    its header must state the manifest's layout, regime and seed; a fixture file in the folder
+    that the manifest does not list is a problem too. The size is checked first, so that a
+    file of the wrong size is never read; each file is opened once, as :func:`load_fixture`
+    opens it (a FIFO or a device is refused, not opened), read into memory when smaller than
+    :data:`~gdn_layout.fixtures.MAP_THRESHOLD`, hashed, and checked from the bytes hashed.
+    No file stays open.
 
     Raises
     ------
     FixtureError
         The manifest is missing or cannot be read.
     """
-    root = Path(directory)
-    entries = _manifest_entries(root)
-    problems: list[str] = []
-    listed = set()
-    for entry in entries:
-        name = entry["file"]
-        listed.add(name)
-        problem = _check_entry(root, entry)
-        if problem is not None:
-            problems.append(f"{name}: {problem}")
-    strays = sorted(
-        p.name for p in root.glob("*.safetensors") if p.name not in listed and p.is_file()
-    )
-    problems.extend(f"{name}: not in the manifest" for name in strays)
-    return problems
+    return _examine(Path(directory), keep=False)[0]
 
 
 def suite_files(directory: str | os.PathLike[str]) -> list[str]:
@@ -220,7 +231,13 @@ def suite_files(directory: str | os.PathLike[str]) -> list[str]:
 
 def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
     """The cases of the suite in ``directory``, in the manifest's order, after checking every
-    file against the manifest (:func:`verify_suite`). The fixtures are memory-mapped.
+    file against the manifest as :func:`verify_suite` does.
+
+    Each file is read once: the fixture of a case holds the very bytes whose SHA-256 matched
+    the manifest. Files smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD` are held in
+    memory (no descriptor stays open per case, and nothing done to the files later changes
+    the cases); larger ones are memory-mapped, and :meth:`Case.compare` refuses to judge
+    against one whose file changed since (see :meth:`Fixture.check_unchanged`).
 
     Raises
     ------
@@ -229,15 +246,33 @@ def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
         every one).
     """
     root = Path(directory)
-    problems = verify_suite(root)
+    problems, cases = _examine(root, keep=True)
     if problems:
         raise FixtureError(
             f"{root}: {len(problems)} file(s) differ from {MANIFEST}:\n  " + "\n  ".join(problems)
         )
-    return [
-        Case(entry["file"].removesuffix(".safetensors"), load_fixture(root / entry["file"]))
-        for entry in _manifest_entries(root)
-    ]
+    return cases
+
+
+def _examine(root: Path, *, keep: bool) -> tuple[list[str], list[Case]]:
+    """The problems of the suite at ``root``, and its cases when ``keep`` (else none)."""
+    entries = _manifest_entries(root)
+    problems: list[str] = []
+    cases: list[Case] = []
+    listed = set()
+    for entry in entries:
+        name = entry["file"]
+        listed.add(name)
+        fixture, problem = _check_entry(root, entry)
+        if problem is not None:
+            problems.append(f"{name}: {problem}")
+        elif keep and fixture is not None:
+            cases.append(Case(name.removesuffix(".safetensors"), fixture))
+    strays = sorted(
+        p.name for p in root.glob("*.safetensors") if p.name not in listed and p.is_file()
+    )
+    problems.extend(f"{name}: not in the manifest" for name in strays)
+    return problems, cases
 
 
 def _manifest_entries(root: Path) -> list[dict[str, Any]]:
@@ -260,28 +295,34 @@ def _manifest_entries(root: Path) -> list[dict[str, Any]]:
     return entries
 
 
-def _check_entry(root: Path, entry: Mapping[str, Any]) -> str | None:
+def _check_entry(root: Path, entry: Mapping[str, Any]) -> tuple[Fixture | None, str | None]:
+    """The fixture a manifest entry lists, once it matches the entry; else what differs."""
     path = root / entry["file"]
-    if not path.is_file():
-        return "missing"
+    size = entry.get("bytes")
     try:
-        size = path.stat().st_size
-        if "bytes" in entry and entry["bytes"] != size:
-            return f"{size} bytes, the manifest says {entry['bytes']}"
-        with open(path, "rb") as file:
-            digest = hashlib.file_digest(file, "sha256").hexdigest()
+        status = os.stat(path)
+    except FileNotFoundError:
+        return None, "missing"
     except OSError as err:
-        return f"cannot be read: {err.strerror or err}"
-    if digest != entry["sha256"]:
-        return f"SHA-256 {digest}, the manifest says {entry['sha256']}"
+        return None, f"cannot be read: {err.strerror or err}"
+    if stat.S_ISREG(status.st_mode) and size is not None and size != status.st_size:
+        return None, f"{status.st_size} bytes, the manifest says {size}"  # before any read
     try:
-        fixture = load_fixture(path)
+        fixture = load_checked(
+            path,
+            size=size if isinstance(size, int) else None,
+            sha256=entry["sha256"],
+            said="the manifest says",
+        )
         stated = GdnBackwardLayout.from_dict(entry.get("layout"))
+    except FileNotFoundError:
+        return None, "missing"
     except (FixtureError, ValueError, TypeError) as err:
-        return str(err).removeprefix(f"{path}: ")
+        return None, str(err).removeprefix(f"{path}: ")
     if fixture.layout != stated:
-        return f"has {layout_caption(fixture.layout)}, the manifest says {layout_caption(stated)}"
+        caption = f"has {layout_caption(fixture.layout)}"
+        return None, f"{caption}, the manifest says {layout_caption(stated)}"
     for key in ("regime", "seed"):
         if key in entry and entry[key] != getattr(fixture, key):
-            return f"{key} {getattr(fixture, key)!r}, the manifest says {entry[key]!r}"
-    return None
+            return None, f"{key} {getattr(fixture, key)!r}, the manifest says {entry[key]!r}"
+    return fixture, None
