@@ -13,6 +13,7 @@ from numpy.typing import NDArray
 from gdn_layout import GdnBackwardLayout, compare, unpack
 from gdn_layout.fixtures import REGIMES, Fixture
 from gdn_layout.reference import backward
+from gdn_layout.suites import Case, make_case
 
 generate = importlib.import_module("gdn_layout.generate")
 CASES = list(generate._suite_cases())
@@ -115,3 +116,27 @@ def test_a_state_dropped_past_the_first_suites_sequences_fails(t: int, regime: s
     assert caught == above_rounding
     if regime in ("zero", "mild", "mixed"):  # the state lives past t: the change is there
         assert above_rounding > 0
+
+
+def test_a_kernel_wrong_past_the_first_row_is_named_on_identical_rows() -> None:
+    case = next(c for c in CASES if c.identical_rows and c.regime == "mixed")
+    fixture = generate._identical_rows_fixture(case.layout, np.dtype(np.float32), "mixed", 11)
+    suite_case = Case(case.name, fixture)
+    good = backward(*fixture.inputs, dtype=np.float32)
+    suite_case.check(good)
+    row_bug = good.copy()
+    unpack(row_bug, case.layout).dv[1] *= 1.5  # only the second row is wrong
+    with pytest.raises(AssertionError, match=r"row\(s\) 1 differ from row 0's") as info:
+        suite_case.check(row_bug)
+    assert "dv" in str(info.value)
+    everywhere = good.copy()
+    unpack(everywhere, case.layout).dv[...] *= 1.5  # every row wrong alike: no such line
+    with pytest.raises(AssertionError) as info:
+        suite_case.check(everywhere)
+    assert "identical inputs" not in str(info.value)
+    other = make_case(GdnBackwardLayout(2, 5, 2, 4), seed=1)  # rows of their own
+    wrong = backward(*other.inputs, dtype=np.float32)
+    unpack(wrong, other.layout).dv[1] *= 1.5
+    with pytest.raises(AssertionError) as info:
+        other.check(wrong)
+    assert "identical inputs" not in str(info.value)

@@ -190,3 +190,54 @@ def test_plugin_usage_errors(pytester: pytest.Pytester, args: list[str], message
     result = pytester.runpytest("-p", "no:cacheprovider", *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+def test_load_suite_and_verify_select_by_length_regime_and_boundary(
+    suite: Suite, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = suite
+    everything = load_suite(root)
+    long = load_suite(root, min_seq=256)
+    assert {c.layout.seq for c in long} == {c.layout.seq for c in everything if c.layout.seq >= 256}
+    assert {c.layout.seq for c in long} == {300, 513}
+    qwen = load_suite(root, regime="qwen")
+    assert len(qwen) == len(everything) // 6
+    assert {c.regime for c in qwen} == {"qwen"}
+    crossing = load_suite(root, crossing=256, regime="zero")
+    assert {c.layout.seq for c in crossing} == {300, 513}
+    assert verify_suite(root, min_seq=256) == []
+    assert main(["verify", str(root), "--crossing", "128", "--regime", "mild"]) == 0
+    expected = sum(c.layout.seq > 128 for c in everything if c.regime == "mild")
+    assert capsys.readouterr().out == f"{root}: {expected} selected fixtures match manifest.json\n"
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"regime": "hot"}, ValueError, "load_suite: regime must be one of"),
+        ({"crossing": 0}, ValueError, "load_suite: crossing must be a chunk size >= 1, got 0"),
+        ({"min_seq": 1.5}, TypeError, "load_suite: min_seq must be an int, got float"),
+    ],
+)
+def test_load_suite_selection_errors(
+    suite: Suite, options: dict[str, object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        load_suite(suite[0], **options)  # type: ignore[arg-type]
+
+
+def test_plugin_selects_suite_cases(suite: Suite, pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_kernel="def test_seen(gdn_case):\n    assert gdn_case.layout.seq > 256\n"
+    )
+    result = pytester.runpytest(
+        "-p",
+        "no:cacheprovider",
+        "--gdn-suite",
+        str(suite[0]),
+        "--gdn-crossing",
+        "256",
+        "--gdn-regime",
+        "extreme",
+    )
+    result.assert_outcomes(passed=8)  # S = 300 and 513, in four gate and state modes

@@ -214,6 +214,16 @@ def _parser() -> argparse.ArgumentParser:
         "2 no readable manifest.",
     )
     verify.add_argument("suite", metavar="SUITE", help="the suite's folder")
+    verify.add_argument(
+        "--min-seq", type=dimension, metavar="S", help="only the cases of at least S steps"
+    )
+    verify.add_argument("--regime", choices=REGIMES, help="only the cases of this gate regime")
+    verify.add_argument(
+        "--crossing",
+        type=dimension,
+        metavar="C",
+        help="only the cases that cross a boundary of a C-step chunk",
+    )
     verify.set_defaults(run=_verify)
 
     demo = commands.add_parser(
@@ -377,14 +387,18 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    problems = verify_suite(args.suite)
+    selection = {"min_seq": args.min_seq, "regime": args.regime, "crossing": args.crossing}
+    if args.crossing == 0:
+        raise UsageError("--crossing: a chunk has at least 1 step, got 0")
+    problems = verify_suite(args.suite, **selection)
     if problems:
         print(f"{args.suite}: {len(problems)} file(s) differ from {MANIFEST}:")
         for problem in problems:
             print(f"  {problem}")
         return 1
-    count = len(suite_files(args.suite))
-    print(f"{args.suite}: {count} fixtures match {MANIFEST}")
+    count = len(suite_files(args.suite, **selection))
+    chosen = " selected" if any(value is not None for value in selection.values()) else ""
+    print(f"{args.suite}: {count}{chosen} fixtures match {MANIFEST}")
     return 0
 
 

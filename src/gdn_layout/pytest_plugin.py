@@ -5,7 +5,9 @@ Installed with gdn-layout (through the ``pytest11`` entry point) and idle until 
 ``pytest --gdn-suite DIR``
     every test that takes ``gdn_case`` runs once per case of the suite in ``DIR``
     (:func:`gdn_layout.suites.load_suite`, which checks the manifest first), with the case's
-    name as the test id;
+    name as the test id; ``--gdn-min-seq S``, ``--gdn-regime R`` and ``--gdn-crossing C``
+    keep the cases of at least ``S`` steps, of regime ``R``, that cross a ``C``-step chunk's
+    boundary (``-k`` selects by name as usual);
 ``pytest --gdn-layout B,S,H,N[,channel][,state]``
     the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
     computed by the reference when the tests are collected, in ``--gdn-dtype``
@@ -50,7 +52,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--gdn-regime",
         choices=REGIMES,
-        help="with --gdn-layout: only this gate regime (default: every one)",
+        help="only the cases of this gate regime (default: every one)",
+    )
+    group.addoption(
+        "--gdn-min-seq",
+        type=int,
+        metavar="S",
+        help="with --gdn-suite: only the cases of at least S steps",
+    )
+    group.addoption(
+        "--gdn-crossing",
+        type=int,
+        metavar="C",
+        help="with --gdn-suite: only the cases that cross a boundary of a C-step chunk",
     )
     group.addoption(
         "--gdn-dtype", default="float32", help="with --gdn-layout: the cases' dtype (float32)"
@@ -73,7 +87,12 @@ def pytest_configure(config: pytest.Config) -> None:
         if suite is not None:
             from .suites import load_suite
 
-            cases = load_suite(suite)
+            cases = load_suite(
+                suite,
+                min_seq=config.getoption("gdn_min_seq"),
+                regime=config.getoption("gdn_regime"),
+                crossing=config.getoption("gdn_crossing"),
+            )
         else:
             cases = _layout_cases(config, spec)
     except (FixtureError, ValueError, TypeError, ImportError) as err:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,13 +31,14 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from ._arrays import as_framework
+from ._arrays import as_framework, as_packed
 from ._comparison import Comparison
 from ._criteria import Tolerance
-from ._fixture import Fixture, FixtureError, GdnInputs, load_checked
+from ._fixture import REGIMES, Fixture, FixtureError, GdnInputs, load_checked
 from .compare import compare
 from .generate import make_fixture
 from .layout import GdnBackwardLayout, layout_caption
+from .packing import unpack
 
 __all__ = ["MANIFEST", "Case", "load_suite", "make_case", "suite_files", "verify_suite"]
 
@@ -173,8 +174,37 @@ class Case:
             lines.append(str(result))
             lines.append("")
             lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
+            if (rows := _rows_unlike_the_first(self, actual)) is not None:
+                lines.append(rows)
             raise AssertionError("\n".join(lines))
         return result
+
+
+def _rows_unlike_the_first(case: Case, actual: object) -> str | None:
+    """Where every batch row of ``case`` holds the same inputs, the line that names the rows
+    of ``actual`` whose gradients differ from the first row's (a kernel wrong only past the
+    first row); None for any other case, or when all rows agree."""
+    x = case.inputs
+    if case.layout.batch < 2 or not all(
+        a is None or all(np.array_equal(a[0], a[b]) for b in range(1, len(a))) for a in x
+    ):
+        return None
+    grads = unpack(as_packed(actual, "actual", "check"), case.layout)
+    differ = sorted(
+        {
+            b
+            for g in grads
+            if g is not None
+            for b in range(1, case.layout.batch)
+            if not np.array_equal(g[b], g[0], equal_nan=True)
+        }
+    )
+    if not differ:
+        return None
+    return (
+        f"  batch rows hold identical inputs, but the gradients of row(s) "
+        f"{', '.join(map(str, differ))} differ from row 0's: a bug in the rows after the first?"
+    )
 
 
 def make_case(
@@ -198,8 +228,17 @@ def make_case(
     return Case(name, fixture)
 
 
-def verify_suite(directory: str | os.PathLike[str]) -> list[str]:
+def verify_suite(
+    directory: str | os.PathLike[str],
+    *,
+    min_seq: int | None = None,
+    regime: str | None = None,
+    crossing: int | None = None,
+) -> list[str]:
     """Check a suite's files against its manifest; return one line per problem (none: intact).
+
+    ``min_seq``, ``regime`` and ``crossing`` check only the cases they select, as
+    :func:`load_suite` does.
 
     Each listed file must be a regular file with the size and SHA-256 the manifest gives, and
     its header must state the manifest's layout, regime and seed; a fixture file in the folder
@@ -214,24 +253,44 @@ def verify_suite(directory: str | os.PathLike[str]) -> list[str]:
     FixtureError
         The manifest is missing or cannot be read.
     """
-    return _examine(Path(directory), keep=False)[0]
+    select = _selection(min_seq, regime, crossing, "verify_suite")
+    return _examine(Path(directory), keep=False, select=select)[0]
 
 
-def suite_files(directory: str | os.PathLike[str]) -> list[str]:
+def suite_files(
+    directory: str | os.PathLike[str],
+    *,
+    min_seq: int | None = None,
+    regime: str | None = None,
+    crossing: int | None = None,
+) -> list[str]:
     """The names of the fixture files that the manifest of the suite in ``directory`` lists,
-    in its order (nothing is checked against them: :func:`verify_suite` does that).
+    in its order, those selected as by :func:`load_suite` (nothing is checked against them:
+    :func:`verify_suite` does that).
 
     Raises
     ------
     FixtureError
         The manifest is missing or cannot be read.
     """
-    return [entry["file"] for entry in _manifest_entries(Path(directory))]
+    select = _selection(min_seq, regime, crossing, "suite_files")
+    return [entry["file"] for entry in _manifest_entries(Path(directory)) if select(entry)]
 
 
-def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
+def load_suite(
+    directory: str | os.PathLike[str],
+    *,
+    min_seq: int | None = None,
+    regime: str | None = None,
+    crossing: int | None = None,
+) -> list[Case]:
     """The cases of the suite in ``directory``, in the manifest's order, after checking every
     file against the manifest as :func:`verify_suite` does.
+
+    Only the cases of at least ``min_seq`` steps, of gate regime ``regime`` and that cross a
+    boundary of a ``crossing``-step chunk (a step ``c * crossing`` inside the sequence) are
+    loaded, when these are given; a file of the folder that the manifest does not list is
+    still a problem.
 
     Each file is read once: the fixture of a case holds the very bytes whose SHA-256 matched
     the manifest. Files smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD` are held in
@@ -246,7 +305,8 @@ def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
         every one).
     """
     root = Path(directory)
-    problems, cases = _examine(root, keep=True)
+    select = _selection(min_seq, regime, crossing, "load_suite")
+    problems, cases = _examine(root, keep=True, select=select)
     if problems:
         raise FixtureError(
             f"{root}: {len(problems)} file(s) differ from {MANIFEST}:\n  " + "\n  ".join(problems)
@@ -254,8 +314,37 @@ def load_suite(directory: str | os.PathLike[str]) -> list[Case]:
     return cases
 
 
-def _examine(root: Path, *, keep: bool) -> tuple[list[str], list[Case]]:
-    """The problems of the suite at ``root``, and its cases when ``keep`` (else none)."""
+def _selection(
+    min_seq: int | None, regime: str | None, crossing: int | None, func: str
+) -> Callable[[Mapping[str, Any]], bool]:
+    """Whether a manifest entry is selected; an entry whose layout cannot be read is, so that
+    checking it reports the problem."""
+    for name, value in (("min_seq", min_seq), ("crossing", crossing)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{func}: {name} must be an int, got {type(value).__name__}")
+    if crossing is not None and crossing < 1:
+        raise ValueError(f"{func}: crossing must be a chunk size >= 1, got {crossing}")
+    if regime is not None and regime not in REGIMES:
+        raise ValueError(f"{func}: regime must be one of {REGIMES}, got {regime!r}")
+
+    def selected(entry: Mapping[str, Any]) -> bool:
+        seq = entry.get("layout", {}).get("seq") if isinstance(entry.get("layout"), dict) else None
+        if not isinstance(seq, int):
+            return True
+        return (
+            (min_seq is None or seq >= min_seq)
+            and (regime is None or entry.get("regime") == regime)
+            and (crossing is None or seq > crossing)
+        )
+
+    return selected
+
+
+def _examine(
+    root: Path, *, keep: bool, select: Callable[[Mapping[str, Any]], bool]
+) -> tuple[list[str], list[Case]]:
+    """The problems of the selected cases of the suite at ``root``, and those cases when
+    ``keep`` (else none)."""
     entries = _manifest_entries(root)
     problems: list[str] = []
     cases: list[Case] = []
@@ -263,6 +352,8 @@ def _examine(root: Path, *, keep: bool) -> tuple[list[str], list[Case]]:
     for entry in entries:
         name = entry["file"]
         listed.add(name)
+        if not select(entry):
+            continue
         fixture, problem = _check_entry(root, entry)
         if problem is not None:
             problems.append(f"{name}: {problem}")
