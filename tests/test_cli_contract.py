@@ -5,7 +5,6 @@ file all end in one line and exit status 2 (or, for SIGTERM, 143 with nothing le
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import io
 import json
@@ -24,21 +23,9 @@ import numpy as np
 import pytest
 
 import gdn_layout.plot
-from gdn_layout.cli import main
+from support import run
 
 limits = importlib.import_module("gdn_layout._limits")
-
-
-def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``gdn-layout ARGS`` in this process, with its output captured."""
-    argv = [str(arg) for arg in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exit_:  # argparse's usage errors
-            code = exit_.code if isinstance(exit_.code, int) else 1
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def run_process(
@@ -100,7 +87,9 @@ def test_verify_counts_the_fixtures_through_the_suite_module(
     # The count does not come from a second json.loads of its own: a manifest that changed
     # after the check is reported by the suite module, in one line.
     root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
-    monkeypatch.setattr(importlib.import_module("gdn_layout.cli"), "verify_suite", lambda d: [])
+    monkeypatch.setattr(
+        importlib.import_module("gdn_layout.cli"), "verify_suite", lambda d, **selection: []
+    )
     assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
     (root / "manifest.json").write_text(json.dumps({"fixtures": [{"file": "a", "sha256": "0"}]}))
     assert run("verify", root).stdout == f"{root}: 1 fixtures match manifest.json\n"
