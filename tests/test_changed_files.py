@@ -16,8 +16,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,32 +27,13 @@ import gdn_layout._mapping
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.fixtures import FixtureError, load_fixture, make_fixture, save_fixture
 from gdn_layout.suites import MANIFEST, Case, load_suite, verify_suite
+from support import deadline
 
 #: Several pages of tensors, so that a truncation can cut whole pages out of a mapping.
 LAYOUT = GdnBackwardLayout(1, 64, 2, 16, carry_state=True)
 Suite = tuple[Path, list[Path]]
 
 posix_only = pytest.mark.skipif(os.name != "posix", reason="SIGBUS, FIFOs and /proc are POSIX")
-
-
-class Hung(Exception):
-    """Still running at the deadline (not an OSError, which the code under test may catch)."""
-
-
-@contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Fail instead of hanging: an alarm interrupts even a blocking open()."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise Hung(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture

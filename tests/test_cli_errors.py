@@ -3,9 +3,7 @@ exit 1), and refuses up front a run that cannot fit in memory."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import os
 import re
 import subprocess
@@ -18,20 +16,9 @@ import pytest
 
 import gdn_layout.cli
 from gdn_layout.cli import main
+from support import run
 
 limits = importlib.import_module("gdn_layout._limits")
-
-
-def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``gdn-layout ARGS`` in this process, with its output captured."""
-    argv = [str(arg) for arg in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exit_:  # argparse's usage errors
-            code = exit_.code if isinstance(exit_.code, int) else 1
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:

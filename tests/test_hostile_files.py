@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import time
 import tracemalloc
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -23,22 +20,7 @@ from gdn_layout.fixtures import (
     load_fixture,
     open_packed,
 )
-
-
-@contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Fail instead of hanging: an alarm interrupts even a blocking open()."""
-
-    def expire(signum: int, frame: object) -> None:
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+from support import deadline
 
 
 def _refused(path: Path, pattern: str, seconds: float = 2.0) -> FixtureError:

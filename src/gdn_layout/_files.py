@@ -345,10 +345,7 @@ def _write_unnamed(
 ) -> bool:
     """Write into the unnamed file ``fd`` and link it in place; False if it cannot be linked."""
     with os.fdopen(fd, "wb") as out:
-        write(out)
-        out.flush()
-        _keep_identity(out.fileno(), old)
-        os.fsync(out.fileno())
+        _fill(out, write, old)
         try:
             if not overwrite:
                 try:  # fails if path appeared meanwhile: an existing file is never replaced
@@ -368,6 +365,14 @@ def _write_unnamed(
         tmp.unlink(missing_ok=True)
         raise
     return True
+
+
+def _fill(out: IO[bytes], write: Callable[[IO[bytes]], None], old: os.stat_result | None) -> None:
+    """The whole content, with the mode (and owner) of the file it replaces, on disk."""
+    write(out)
+    out.flush()
+    _keep_identity(out.fileno(), old)
+    os.fsync(out.fileno())
 
 
 def _link_fd(fd: int, path: Path) -> None:
@@ -404,10 +409,7 @@ def _write_named(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as out:
-            write(out)
-            out.flush()
-            _keep_identity(out.fileno(), old)
-            os.fsync(out.fileno())
+            _fill(out, write, old)
         if overwrite:
             os.replace(tmp, path)
         else:

@@ -18,9 +18,9 @@ from . import _safetensors as safetensors
 from ._checks import non_negative_int
 from ._criteria import Floors, decode_floors, encode_floors
 from ._dtypes import resolve
-from ._files import NotRegularFileError, atomic_write, open_regular
+from ._files import atomic_write, open_regular
 from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, map_file, read_all
-from ._safetensors import Entry, FixtureError, dtype_code, reason
+from ._safetensors import Entry, FixtureError, dtype_code
 from ._version import __version__
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
@@ -360,20 +360,13 @@ def load_checked(path: Path, *, size: int | None, sha256: str, said: str) -> Fix
 
 
 def _load(path: Path, mmap: bool, size: int | None, sha256: str | None, said: str) -> Fixture:
-    try:
-        with open_regular(path) as file:
-            status = os.fstat(file.fileno())
-            if size is not None and status.st_size != size:
-                raise FixtureError(f"{path}: {status.st_size} bytes, {said} {size}")
-            if mmap and status.st_size >= _mapping.MAP_THRESHOLD:
-                return _load_mapped(path, file, status, sha256, said)
-            data = read_all(file, status.st_size, path)
-    except FileNotFoundError:
-        raise
-    except NotRegularFileError as err:
-        raise FixtureError(str(err)) from None
-    except OSError as err:
-        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
+    with safetensors.reading(path), open_regular(path) as file:
+        status = os.fstat(file.fileno())
+        if size is not None and status.st_size != size:
+            raise FixtureError(f"{path}: {status.st_size} bytes, {said} {size}")
+        if mmap and status.st_size >= _mapping.MAP_THRESHOLD:
+            return _load_mapped(path, file, status, sha256, said)
+        data = read_all(file, status.st_size, path)
     if sha256 is not None:
         check_digest(hashlib.sha256(data.data).hexdigest(), sha256, path, said)
     plan = _plan(

@@ -14,10 +14,10 @@ from . import _mapping
 from . import _safetensors as safetensors
 from ._criteria import Floors
 from ._dtypes import resolve
-from ._files import NotRegularFileError, open_regular
+from ._files import open_regular
 from ._fixture import FORMAT, load_fixture
 from ._mapping import FileStamp, map_file, read_all
-from ._safetensors import FixtureError, looks_like_safetensors, reason
+from ._safetensors import FixtureError, looks_like_safetensors
 from .layout import GdnBackwardLayout
 
 __all__ = ["PackedFile", "open_packed"]
@@ -72,15 +72,11 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     """
     file = Path(path)
     try:
-        with open_regular(file) as stream:
+        with safetensors.reading(file), open_regular(file) as stream:
             head = stream.read(9)
             status = os.fstat(stream.fileno())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
-    except NotRegularFileError as err:
-        raise FixtureError(str(err)) from None
-    except OSError as err:
-        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
     source = _read_packed(path, file, head, status.st_size, dtype)
     if source.stamp is None and isinstance(source.packed, np.memmap):  # a .npy, mapped by NumPy
         source = source._replace(stamp=FileStamp.of(file, status))
@@ -170,17 +166,13 @@ def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:
     """The whole file as read-only bytes: read into memory when it is smaller than
     :data:`~gdn_layout.fixtures.MAP_THRESHOLD`, else memory-mapped, with its stamp."""
     try:
-        with open_regular(path) as file:
+        with safetensors.reading(path), open_regular(path) as file:
             status = os.fstat(file.fileno())
             if status.st_size < _mapping.MAP_THRESHOLD or not status.st_size:
                 return read_all(file, status.st_size, path), None
             return map_file(file, status, path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
-    except NotRegularFileError as err:
-        raise FixtureError(str(err)) from None
-    except OSError as err:
-        raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
 
 
 def _sniff(path: Path, head: bytes, size: int) -> str:

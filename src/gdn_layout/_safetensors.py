@@ -11,7 +11,8 @@ import json
 import math
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple
 
@@ -211,9 +212,15 @@ def read_header(path: Path) -> Header:
     ImportError
         A tensor is BF16 and ml_dtypes is not installed.
     """
+    with reading(path), open_regular(path) as f:
+        return parse_header(reader_of_file(f), os.fstat(f.fileno()).st_size, path)
+
+
+@contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Errors of reading ``path`` as one FixtureError naming it; FileNotFoundError passes."""
     try:
-        with open_regular(path) as f:
-            return parse_header(reader_of_file(f), os.fstat(f.fileno()).st_size, path)
+        yield
     except FileNotFoundError:
         raise
     except NotRegularFileError as err:
