@@ -320,3 +320,13 @@ def test_a_file_that_arrives_during_a_replacement_is_kept(
     (root / "weights.safetensors").unlink()
     assert _check_consistent(root)["seed"] == 1
     assert _siblings(root) == ["suite"]
+
+
+def test_a_manifest_whose_file_names_are_not_strings_is_not_a_suite(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    manifest = {"format": "gdn-layout-fixture-suite", "fixtures": [{"file": ["w"]}]}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FileExistsError, match=r"its manifest\.json is not one gdn-layout wrote"):
+        write_suite(root, overwrite=True)
+    assert _siblings(root) == ["models"]

@@ -291,3 +291,55 @@ def test_a_folder_without_write_permission_names_the_file(tmp_path: Path) -> Non
         assert str(folder / "x.safetensors") in str(info.value)
     finally:
         folder.chmod(0o755)
+
+
+def test_a_record_under_another_name_cannot_reclaim_a_live_writers_temporaries(
+    tmp_path: Path,
+) -> None:
+    with files.Temporaries(tmp_path / "suite") as live:
+        built = live.new()
+        built.mkdir()
+        # Anyone who lists the folder sees the token; a record of their own names the build.
+        lines = [
+            {"magic": "gdn-layout temporaries", "token": live.token, "target": "suite"},
+            {"name": built.name, "role": "new"},
+        ]
+        forged = tmp_path / f".other.{live.token}.gdn-lock"
+        forged.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        files.remove_abandoned(tmp_path)
+        assert built.is_dir()
+        built.rmdir()
+
+
+@pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() != 0, reason="only the superuser gives files away"
+)
+@pytest.mark.parametrize("fallback", [False, True], ids=["unnamed", "named"])
+def test_a_replaced_file_keeps_its_setuid_bits_and_owner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    if fallback:
+        monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)
+    fixture = make_fixture(LAYOUT)
+    path = save_fixture(tmp_path / "x.safetensors", fixture)
+    os.chown(path, 65534, 65534)
+    path.chmod(0o6755)
+    save_fixture(path, fixture, overwrite=True)
+    status = path.stat()
+    assert (stat.S_IMODE(status.st_mode), status.st_uid, status.st_gid) == (0o6755, 65534, 65534)
+
+
+@pytest.mark.parametrize(
+    "name", ["a\nb.safetensors", "\u00e9" * 60 + ".safetensors", "\U0001f600" * 55 + ".st"]
+)
+def test_odd_names_are_written_replaced_and_cleaned_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)  # named temporaries
+    _kill_mid_write(tmp_path / name, "named")  # leaves a temporary and its record
+    assert len(_others(tmp_path)) == 2
+    fixture = make_fixture(LAYOUT)
+    path = save_fixture(tmp_path / name, fixture)  # reclaims them first
+    assert _others(tmp_path) == [name]
+    save_fixture(path, fixture, overwrite=True)
+    assert _others(tmp_path) == [name]

@@ -113,23 +113,28 @@ def _keep_identity(fd: int, old: os.stat_result | None) -> None:
     """Give the new file ``fd`` the permission bits, and where allowed the owner, of ``old``."""
     if old is None:
         return
-    os.fchmod(fd, stat.S_IMODE(old.st_mode))
     if hasattr(os, "fchown") and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
         # An ordinary user cannot give a file away: it becomes theirs.
         with contextlib.suppress(PermissionError):
             os.fchown(fd, old.st_uid, old.st_gid)
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after the owner, which clears setuid and setgid
 
 
 # -- temporaries ----------------------------------------------------------------------------------
 
 #: The record of a write's temporaries: ``.{name}.{token}.gdn-lock`` next to them.
-_RECORD: Final = re.compile(r"\.(?P<name>.*)\.(?P<token>[0-9a-f]{32})\.gdn-lock")
+_RECORD: Final = re.compile(r"\.(?P<name>.*)\.(?P<token>[0-9a-f]{32})\.gdn-lock", re.DOTALL)
 #: What a record starts with: a file holding anything else is not a record.
 _MAGIC: Final = "gdn-layout temporaries"
 #: A record is at most this long; a longer file is not one.
 _RECORD_BYTES: Final = 1 << 16
-#: Of the target's name, this much goes into temporary names (a name has at most 255 bytes).
-_NAME_CHARS: Final = 64
+#: Of the target's name, this many bytes go into temporary names (a name has at most 255).
+_NAME_BYTES: Final = 64
+
+
+def _stem(target: str, token: str) -> str:
+    """The start of every name of the write of ``token`` next to ``target``."""
+    return f".{os.fsdecode(os.fsencode(target)[:_NAME_BYTES])}.{token}"
 
 
 class Temporaries:
@@ -159,7 +164,7 @@ class Temporaries:
     def __init__(self, target: Path) -> None:
         self.target = target
         self.token = secrets.token_hex(16)
-        self._stem = f".{target.name[:_NAME_CHARS]}.{self.token}"
+        self._stem = _stem(target.name, self.token)
         self._fd: int | None = None
         self._started = False
         self._count = 0
@@ -256,6 +261,8 @@ def _reclaim(folder: Path, record: str, token: str) -> None:
         if parsed is None:
             return
         target, roles = parsed
+        if record != f"{_stem(target, token)}.gdn-lock":  # not the record its writer made
+            return
         for name, role in roles.items():
             _settle(folder / name, folder / target, role)
         os.unlink(folder / record)
@@ -284,7 +291,7 @@ def _parse_record(data: bytes, token: str) -> tuple[str, dict[str, str]] | None:
     target = head.get("target")
     if head.get("magic") != _MAGIC or head.get("token") != token or not _plain(target):
         return None
-    stem = f".{target[:_NAME_CHARS]}.{token}."
+    stem = _stem(target, token) + "."
     roles: dict[str, str] = {}
     for line in rest:
         name, role = line.get("name"), line.get("role")

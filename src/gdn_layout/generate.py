@@ -495,12 +495,11 @@ def _listed_files(document: object) -> set[str] | None:
     entries = document.get("fixtures")
     if not isinstance(entries, list):
         return None
-    names = {entry.get("file") for entry in entries if isinstance(entry, dict)}
-    if len(names) != len(entries) or not all(
-        isinstance(name, str) and name and Path(name).name == name for name in names
-    ):
+    names = [entry.get("file") if isinstance(entry, dict) else None for entry in entries]
+    if not all(isinstance(name, str) and name and Path(name).name == name for name in names):
         return None
-    return names  # type: ignore[return-value]
+    listed = set(names)
+    return listed if len(listed) == len(names) else None  # type: ignore[return-value]
 
 
 def _write_suite_files(
