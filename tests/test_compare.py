@@ -220,9 +220,8 @@ def test_per_gradient_tolerance_mappings() -> None:
     result = compare(actual, expected, layout, rtol={"dg": 2e-3}, max_rms_ratio={"dstate": 0.02})
     assert result.passed
     assert result["dg"].rtol == 2e-3
-    assert result["dq"].rtol == 1e-7  # float64 default for the names a mapping leaves out
     assert result["dstate"].mode == "rms"
-    assert result["dq"].mode == "elementwise"
+    assert result["dq"].mode == "calibrated"  # the default for the names a mapping leaves out
     assert compare(actual, expected, layout, rtol={"dg": 2e-3}).failed == ("dstate",)
     assert compare(actual, expected, layout, atol={"dg": 1.0, "dstate": 1.0}).passed
     # dstate may be named for a layout without it, so one mapping fits every flag combination.
@@ -240,8 +239,10 @@ def test_default_tolerances_follow_the_less_precise_dtype() -> None:
     bf16 = expected.astype(ml_dtypes.bfloat16)
     assert compare(bf16, expected.astype(np.float16), layout, atol=0)["dq"].rtol == 1.6e-2
     assert compare(expected, expected, layout, rtol=0)["dq"].atol == 1e-7
-    # Given neither, float64 is judged elementwise and the others against their floors.
-    assert compare(expected, expected, layout)["dq"].mode == "elementwise"
+    # Given neither, every dtype is judged against its floors (longdouble as float64).
+    assert compare(expected, expected, layout)["dq"].judged_dtype == "float64"
+    wide = expected.astype(np.longdouble)
+    assert compare(wide, wide, layout)["dq"].criterion == "error/floor<=32 (float64)"
     assert compare(f32, expected, layout)["dq"].mode == "calibrated"
     assert compare(f32, expected, layout)["dq"].judged_dtype == "float32"
     assert compare(bf16, expected.astype(np.float16), layout)["dq"].judged_dtype == "bfloat16"
@@ -430,7 +431,7 @@ def _failing() -> tuple[Comparison, NDArray[Any], NDArray[Any], GdnBackwardLayou
     unpack(expected, layout).dk[0, 4, 1, 3] = 0.5
     assert grads.dstate is not None
     grads.dstate[1, 2, 0, 3] = np.nan
-    return compare(actual, expected, layout), actual, expected, layout
+    return compare(actual, expected, layout, rtol=1e-7, atol=1e-7), actual, expected, layout
 
 
 def test_assert_close_message() -> None:
@@ -443,7 +444,10 @@ def test_assert_close_message() -> None:
         "gradients differ: dk, dstate (2 of 6 failed) for "
         "B=2 S=5 H=3 N=4, per-channel gate, carried state"
     )
-    assert lines[1].startswith("  dk[0, 4, 1, 3]: actual 0.51 expected 0.5; 1 of 120 out of")
+    # float64 is judged against its floors: float32's times 2**-29, as error over rms(expected).
+    assert lines[1].startswith("  dk[0, 4, 1, 3]: actual 0.51 expected 0.5; error/floor ")
+    assert "> 32 (floors for float64: " in lines[1]
+    assert "1 of 120 over the max error" in lines[1]
     assert lines[2].startswith("  dstate[1, 2, 0, 3]: actual nan expected ")
     assert "1 non-finite mismatch;" in lines[2]
     assert "nan 1/0" in lines[2]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from numpy.typing import DTypeLike
 
 from gdn_layout import GdnBackwardLayout, pack, unpack
+from gdn_layout.fixtures import REGIMES
 from gdn_layout.reference import backward
 from gdn_layout.suites import make_case
 
@@ -100,3 +103,43 @@ def test_a_torch_kernel_is_checked_on_torch_inputs() -> None:
     grads = unpack(backward(q, k, v, g, beta, dy, x.state.numpy(), dtype=np.float32), LAYOUT)
     as_tensors = [torch.from_numpy(np.array(g)) for g in grads if g is not None]
     assert case.check(pack(*as_tensors)).passed
+
+
+#: The spec's forward, step by step, in torch: a stand-in for a user's kernel.
+TORCH_FORWARD = """
+import torch
+
+def my_forward(q, k, v, g, beta, state):
+    batch, seq, heads, n = q.shape
+    s = q.new_zeros(batch, heads, n, n) if state is None else state
+    ys = []
+    for t in range(seq):
+        a = torch.exp(g[:, t])
+        a = a[..., :, None] if a.dim() == 3 else a[..., None, None]
+        p = a * s
+        m = torch.einsum("bhi,bhij->bhj", k[:, t], p)
+        u = (v[:, t] - m) * beta[:, t, :, None]
+        s = p + k[:, t, :, :, None] * u[:, :, None, :]
+        ys.append(torch.einsum("bhi,bhij->bhj", q[:, t], s) / n**0.5)
+    return torch.stack(ys, dim=1)
+"""
+
+
+@pytest.mark.parametrize("layout", ["1,5,2,4,state", "2,9,3,8,channel", "1,1,1,8,channel"])
+def test_the_readme_torch_kernel_test_runs_as_written(
+    pytester: pytest.Pytester, layout: str
+) -> None:
+    pytest.importorskip("torch")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```python\n(from gdn_layout import pack\n.*?)```", readme, re.DOTALL)
+    assert block is not None
+    pytester.makepyfile(test_kernel=TORCH_FORWARD + block.group(1))
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", layout)
+    result.assert_outcomes(passed=len(REGIMES))  # one case per gate regime
+    # The same test of a kernel whose dbeta has the wrong sign fails in every regime.
+    pytester.makepyfile(
+        test_kernel=TORCH_FORWARD + block.group(1).replace("x.beta.grad", "-x.beta.grad")
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", layout)
+    result.assert_outcomes(failed=len(REGIMES))
+    result.stdout.fnmatch_lines(["*gradient(s) dbeta differ*"])

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from ._criteria import K
+from ._criteria import UNIT_ROUNDOFF, K
 from ._tables import fmt_float, html_table, text_table
 from .layout import GdnBackwardLayout, gradient_axes, layout_caption
 
@@ -90,9 +90,12 @@ class GradComparison:
     elementwise
         Whether ``rtol``/``atol`` applied (with ``max_rms_ratio`` too when it is set).
     floor, judged_dtype, error_floor_ratio
-        The calibrated criterion's ``(rms, max)`` floors, the dtype they are for, and the
-        larger of ``rms_ratio / floor_rms`` and ``max_abs_error / rms(expected) /
-        floor_max``; None when the gradient was judged by explicit tolerances.
+        The calibrated criterion's ``(rms, max)`` floors (relative to ``rms(expected)``), the
+        dtype they are for, and the larger of the RMS error and the largest error, each over
+        its floor as an error; None when the gradient was judged by explicit tolerances.
+    term_scale
+        The scale of the terms that form the gradient, when it was above ``rms(expected)``
+        and so set the floors' least error (half the unit roundoff times it); else None.
     """
 
     name: str
@@ -125,6 +128,7 @@ class GradComparison:
     floor: tuple[float, float] | None = None
     judged_dtype: str | None = None
     error_floor_ratio: float | None = None
+    term_scale: float | None = None
 
     @property
     def mode(self) -> Literal["elementwise", "rms", "both", "calibrated"]:
@@ -185,8 +189,14 @@ class GradComparison:
             facts.append(
                 f"error/floor {fmt_float(ratio)} {verb} {self.limit:g} "
                 f"(floors for {self.judged_dtype}: rms ratio {self.floor[0]:.3g}, "
-                f"max error {self.floor[1]:.3g} x rms(expected)); "
-                f"{self.mismatches} of {self.size} over the max error"
+                f"max error {self.floor[1]:.3g} x rms(expected)"
+                + (
+                    ""
+                    if self.term_scale is None
+                    else f", none below {UNIT_ROUNDOFF[self.judged_dtype or ''] / 2:.3g} x "
+                    f"{self.term_scale:.3g}, the scale of its terms"
+                )
+                + f"); {self.mismatches} of {self.size} over the max error"
             )
         elif self.max_rms_ratio is None or self.elementwise:
             assert e is not None
@@ -241,6 +251,7 @@ class GradComparison:
             "floor": None if self.floor is None else [_json_float(f) for f in self.floor],
             "judged_dtype": self.judged_dtype,
             "error_floor_ratio": _json_float(self.error_floor_ratio),
+            "term_scale": _json_float(self.term_scale),
             "passed": self.passed,
         }
 

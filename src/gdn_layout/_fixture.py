@@ -16,7 +16,7 @@ from numpy.typing import DTypeLike, NDArray
 from . import _mapping
 from . import _safetensors as safetensors
 from ._checks import non_negative_int
-from ._criteria import Floors, decode_floors, encode_floors
+from ._criteria import Floors, decode_floors, encode_floors, term_scales
 from ._dtypes import resolve
 from ._files import atomic_write, open_regular
 from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, map_file, read_all
@@ -182,6 +182,21 @@ class Fixture:
         """
         if self.stamp is not None and self.path is not None:
             self.stamp.check(self.path)
+
+    @property
+    def scales(self) -> dict[str, float]:
+        """The scale of the terms that form each gradient where it can be far below them,
+        ``{"dg": ...}`` (see :func:`gdn_layout._criteria.term_scales`): pass it to
+        :func:`~gdn_layout.compare` as ``scales=``, so that a ``dg`` that is 0 or tiny is
+        judged against the rounding of its terms. Computed from ``q, k`` and the expected
+        ``dq, dk`` on each access."""
+        return term_scales(
+            self.q,
+            self.k,
+            self.grads.dq,
+            self.grads.dk,
+            per_channel=self.layout.gate_per_channel,
+        )
 
     @property
     def inputs(self) -> GdnInputs:

@@ -25,14 +25,15 @@ __all__ = ["PackedFile", "open_packed"]
 
 class PackedFile(NamedTuple):
     """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
-    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout`` and ``floors`` are the ones
-    a fixture states, else None."""
+    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout``, ``floors`` and ``scales``
+    are a fixture's (:attr:`Fixture.scales`), else None."""
 
     path: str
     kind: str
     packed: NDArray[Any]
     layout: GdnBackwardLayout | None
     floors: Floors | None = None
+    scales: dict[str, float] | None = None
     #: The file ``packed`` is memory-mapped from, as it was when opened; None when ``packed``
     #: is in memory (a file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD`).
     stamp: FileStamp | None = None
@@ -89,10 +90,11 @@ def _read_packed(
     kind = _sniff(file, head, size)
     if kind == "fixture":
         if not _is_fixture(file):
-            return PackedFile(path, "safetensors", *_plain_safetensors(file))
+            packed, stamp = _plain_safetensors(file)
+            return PackedFile(path, "safetensors", packed, None, stamp=stamp)
         fixture = load_fixture(path)
         packed, stamp = fixture.packed, fixture.stamp
-        return PackedFile(path, kind, packed, fixture.layout, fixture.floors, stamp)
+        return PackedFile(path, kind, packed, fixture.layout, fixture.floors, fixture.scales, stamp)
     if kind == ".npy":
         if not head.startswith(b"\x93NUMPY"):
             raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
@@ -141,9 +143,9 @@ def _is_fixture(path: Path) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def _plain_safetensors(path: Path) -> tuple[NDArray[Any], None, None, FileStamp | None]:
-    """The tensor named ``packed`` of a safetensors file, or its only one, flattened: the
-    ``packed``, ``layout``, ``floors`` and ``stamp`` of a :class:`PackedFile`."""
+def _plain_safetensors(path: Path) -> tuple[NDArray[Any], FileStamp | None]:
+    """The tensor named ``packed`` of a safetensors file, or its only one, flattened, and
+    the stamp of the file it is mapped from (None when read into memory)."""
     buffer, stamp = _contents(path)
     header = safetensors.parse_header(safetensors.reader_of_buffer(buffer), buffer.size, path)
     safetensors.check_tiling(header.entries, header.size - header.data_start, path)
@@ -159,7 +161,7 @@ def _plain_safetensors(path: Path) -> tuple[NDArray[Any], None, None, FileStamp 
         )
     start = header.data_start
     packed = buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
-    return packed, None, None, stamp
+    return packed, stamp
 
 
 def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:

@@ -370,6 +370,7 @@ def _compare(args: argparse.Namespace) -> int:
         atol=args.atol,
         max_rms_ratio=args.max_rms_ratio,
         floors=expected.floors if expected.floors is not None else actual.floors,
+        scales=expected.scales if expected.scales is not None else actual.scales,
     )
     for source in (actual, expected):  # nor one cut short meanwhile (read as zeros)
         source.check_unchanged()
@@ -430,7 +431,9 @@ def _demo(args: argparse.Namespace) -> int:
         bar.label = "float32 recomputation"
         recomputed = reference.backward(*loaded.inputs, dtype=np.float32, progress=bar.update)
         bar.done()
-        result = compare(recomputed, loaded.packed, layout, floors=loaded.floors)
+        result = compare(
+            recomputed, loaded.packed, layout, floors=loaded.floors, scales=loaded.scales
+        )
         print("\n3. a float32 recomputation against it, judged against the fixture's floors:")
         print(result)
     return 0 if result.passed else 1

@@ -2,20 +2,26 @@
 
 Each gradient is judged on its own, by one of these criteria:
 
-calibrated (the default for float32, float16 and bfloat16)
+calibrated (the default for float32, float16, bfloat16 and float64)
     A correct kernel differs from the float64 truth by its precision's rounding, whose
     *floors* a fixture stores per gradient (:attr:`~gdn_layout.Fixture.floors`; pass them as
     ``floors=``; see :mod:`gdn_layout._criteria`): the RMS error ratio and the largest error
     over the gradient's RMS of the spec's step-by-step form computed in float32 (and rounded
-    to float16 or bfloat16). Judged in the less precise of the two dtypes, a gradient passes
-    when its RMS ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)``
-    are both at most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16,
-    chosen from measurement (``benchmarks/calibrate_tolerances.py``). ``error_floor_ratio``
-    is the larger of the two ratios; ``out/size`` counts the elements over the largest error
-    allowed. Without ``floors``, the floors are defaults above every floor measured over the
-    suite's first four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``, bfloat16
-    ``(4e-3, 5e-2)``.
-elementwise (``rtol`` or ``atol`` given, and float64 against float64 by default)
+    to float16 or bfloat16; for float64, float32's scaled by ``2**-29``, the ratio of their
+    unit roundoffs). Judged in the less precise of the two dtypes, a gradient passes when its
+    RMS ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)`` are both
+    at most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16, 32 for
+    float64 (whose truth is itself rounded to float64), chosen from measurement
+    (``benchmarks/calibrate_tolerances.py``). No floor, as an error, is below half the unit
+    roundoff times the larger of ``rms(e)`` and the scale of the terms that form the gradient
+    (``scales=``, a fixture's :attr:`~gdn_layout.Fixture.scales`): a ``dg`` that is exactly
+    0, or far below the ``q . dq - k . dk`` a chunked kernel forms it from, is judged against
+    those terms, not against its own RMS. ``error_floor_ratio`` is the larger of the two
+    errors over their floors; ``out/size`` counts the elements over the largest error allowed. Without
+    ``floors``, the floors are defaults above every floor measured over the suite's first
+    four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``, bfloat16 ``(4e-3,
+    5e-2)``, float64 float32's times ``2**-29``.
+elementwise (``rtol`` or ``atol`` given)
     ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
     not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:
     1e-3/1e-5, float32: 1.3e-6/1e-5, float64: 1e-7/1e-7).
@@ -63,8 +69,9 @@ from ._arrays import as_packed
 from ._checks import not_a_layout
 from ._comparison import Comparison, GradComparison
 from ._criteria import (
+    CALIBRATED_DTYPES,
     DEFAULT_TOLERANCES,
-    FLOOR_DTYPES,
+    UNIT_ROUNDOFF,
     Floors,
     K,
     Tolerance,
@@ -93,6 +100,7 @@ def compare(
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
     floors: Floors | None = None,
+    scales: Tolerance | None = None,
 ) -> Comparison:
     """Compare the packed buffer ``actual`` with ``expected`` under ``layout``.
 
@@ -122,6 +130,10 @@ def compare(
     floors : mapping, optional
         The precision floors of the calibrated criterion, used for a gradient given none of
         the three above (:attr:`~gdn_layout.Fixture.floors`); left out, the defaults.
+    scales : float or mapping of str to float, optional
+        The scale of the terms that form each gradient (:attr:`~gdn_layout.Fixture.scales`):
+        where it is above ``rms(expected)``, no floor of the calibrated criterion is below
+        half the unit roundoff times it. Left out, ``rms(expected)``.
 
     Returns
     -------
@@ -166,18 +178,23 @@ def compare(
     rtols = per_grad("rtol", rtol)
     atols = per_grad("atol", atol)
     rms_limits = per_grad("max_rms_ratio", max_rms_ratio)
+    term = per_grad("scales", scales)
     grads = []
     for seg in layout.segments():
         a = actual[seg.offset : seg.offset + seg.length]
         e = expected[seg.offset : seg.offset + seg.length]
         given = [d.get(seg.name) for d in (rtols, atols, rms_limits)]
-        if given == [None, None, None] and judged in FLOOR_DTYPES:
-            c = calibration(floors, judged, seg.name, e)
+        if given == [None, None, None] and judged in CALIBRATED_DTYPES:
+            c = calibration(floors, judged, seg.name, e, term.get(seg.name))
             result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, bool(equal_nan))
-            ratio = c.ratio(result.rms_ratio, result.max_abs_error)
+            by_terms = c.least > UNIT_ROUNDOFF[judged] / 2 * c.scale
             grads.append(
                 dataclasses.replace(
-                    result, floor=c.floor, judged_dtype=judged, error_floor_ratio=ratio
+                    result,
+                    floor=c.floor,
+                    judged_dtype=judged,
+                    error_floor_ratio=c.ratio(result.rms_ratio, result.max_abs_error),
+                    term_scale=term[seg.name] if by_terms else None,
                 )
             )
             continue
@@ -207,6 +224,7 @@ def assert_close(
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
     floors: Floors | None = None,
+    scales: Tolerance | None = None,
 ) -> Comparison:
     """:func:`compare`, raising AssertionError naming each failing gradient; for pytest.
 
@@ -214,7 +232,7 @@ def assert_close(
 
     Parameters
     ----------
-    actual, expected, layout, rtol, atol, max_rms_ratio, equal_nan, floors
+    actual, expected, layout, rtol, atol, max_rms_ratio, equal_nan, floors, scales
         As for :func:`compare`.
 
     Returns
@@ -244,7 +262,7 @@ def assert_close(
     >>> assert_close(actual, expected, layout)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     AssertionError: gradients differ: dk (1 of 5 failed) for B=1 S=4 H=2 N=3, ...
-      dk[0, 3, 1, 2]: actual 0.51 expected 0.5; 1 of 24 out of tolerance ...
+      dk[0, 3, 1, 2]: actual 0.51 expected 0.5; error/floor 5.37e+10 > 32 (floors for ...
     """
     result = compare(
         actual,
@@ -255,6 +273,7 @@ def assert_close(
         max_rms_ratio=max_rms_ratio,
         equal_nan=equal_nan,
         floors=floors,
+        scales=scales,
     )
     if not result.passed:
         lines = [

@@ -145,6 +145,7 @@ class Case:
             atol=atol,
             max_rms_ratio=max_rms_ratio,
             floors=self.fixture.floors,
+            scales=self.fixture.scales,
         )
         self.fixture.check_unchanged()  # cut short meanwhile: its last page read as zeros
         return result

@@ -1,0 +1,188 @@
+"""Verdicts at the edges: float64 is judged against floors like the other dtypes, and a
+gradient that is zero or far below its terms is judged against the rounding of those terms.
+
+The bugs are the ones a float64 suite judged ``rtol = atol = 1e-7`` let through while the float32
+suite caught them: a flipped ``dg`` (of order 1e-13 under extreme decay), a transposed
+``dstate`` and a gate read one step late.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from gdn_layout import GdnBackwardLayout, compare, unpack
+from gdn_layout._criteria import UNIT_ROUNDOFF, term_scales
+from gdn_layout.fixtures import Fixture, load_fixture, write_suite
+from gdn_layout.reference import backward
+
+Bug = Callable[[Fixture], NDArray[Any]]
+
+
+@pytest.fixture(scope="module")
+def wide_suite(tmp_path_factory: pytest.TempPathFactory) -> list[Fixture]:
+    """The standard suite in float64, with the seed of the session's float32 one."""
+    paths = write_suite(tmp_path_factory.mktemp("wide"), dtype=np.float64, seed=100)
+    return [load_fixture(p) for p in paths]
+
+
+@pytest.fixture(scope="module")
+def narrow_suite(suite: tuple[Path, list[Path]]) -> list[Fixture]:
+    return [load_fixture(p) for p in suite[1]]
+
+
+def _judged(fixture: Fixture, actual: NDArray[Any]) -> bool:
+    return compare(
+        actual, fixture.packed, fixture.layout, floors=fixture.floors, scales=fixture.scales
+    ).passed
+
+
+def flipped_dg(fixture: Fixture) -> NDArray[Any]:
+    out = fixture.packed.copy()
+    unpack(out, fixture.layout).dg[...] *= -1
+    return out
+
+
+def transposed_dstate(fixture: Fixture) -> NDArray[Any]:
+    out = fixture.packed.copy()
+    dstate = unpack(out, fixture.layout).dstate
+    if dstate is not None:
+        dstate[...] = dstate.swapaxes(-1, -2).copy()
+    return out
+
+
+def gate_one_step_late(fixture: Fixture) -> NDArray[Any]:
+    x = fixture.inputs
+    late = np.zeros_like(x.g)
+    late[:, 1:] = x.g[:, :-1]
+    return backward(x.q, x.k, x.v, late, x.beta, x.dy, x.state, dtype=fixture.dtype)
+
+
+def test_float64_suite_passes_correct_float64_kernels(wide_suite: list[Fixture]) -> None:
+    # The spec's step-by-step form is a different order of operations from the reference's.
+    failed = [
+        fx.path.name if fx.path else "?"
+        for fx in wide_suite
+        if not _judged(fx, backward(*fx.inputs, dtype=np.float64, method="recurrent"))
+    ]
+    assert failed == []
+
+
+def test_a_flipped_dg_fails_every_float64_case_whose_dg_is_not_zero(
+    wide_suite: list[Fixture],
+) -> None:
+    nonzero = [fx for fx in wide_suite if np.any(fx.grads.dg != 0)]
+    assert any(float(np.abs(fx.grads.dg).max()) < 1e-10 for fx in nonzero)  # tiny ones too
+    passed = [fx.path.name if fx.path else "?" for fx in nonzero if _judged(fx, flipped_dg(fx))]
+    assert passed == []
+
+
+@pytest.mark.parametrize("bug", [flipped_dg, transposed_dstate, gate_one_step_late])
+def test_float64_catches_what_float32_catches(
+    bug: Bug, wide_suite: list[Fixture], narrow_suite: list[Fixture]
+) -> None:
+    def names(fixtures: list[Fixture]) -> set[str]:
+        return {fx.path.name for fx in fixtures if fx.path and not _judged(fx, bug(fx))}
+
+    caught32 = names(narrow_suite)
+    assert caught32  # the bug is one float32 sees
+    assert caught32 <= names(wide_suite)
+
+
+# -- a dg that is zero, or far below its terms ---------------------------------------------
+
+
+def _identity_dg(fixture: Fixture) -> NDArray[Any]:
+    """The packed expected gradient with ``dg`` formed as chunked kernels form it, in the
+    fixture's dtype: ``q . dq - k . dk`` (per channel, ``q dq - k dk``), exact at S=1 with no
+    state, where ``dg`` is 0, up to the rounding of that difference."""
+    out = fixture.packed.copy()
+    grads = unpack(out, fixture.layout)
+    x = fixture.inputs
+    terms = x.q * grads.dq - x.k * grads.dk
+    grads.dg[...] = terms if fixture.layout.gate_per_channel else terms.sum(axis=-1)
+    return out
+
+
+def _first_steps(suite: list[Fixture]) -> list[Fixture]:
+    return [fx for fx in suite if fx.layout.seq == 1 and not fx.layout.carry_state]
+
+
+def test_a_zero_dg_is_exactly_zero_and_its_identity_is_a_residue(
+    narrow_suite: list[Fixture],
+) -> None:
+    cases = _first_steps(narrow_suite)
+    assert len(cases) == 12
+    residues = [float(np.abs(unpack(_identity_dg(fx), fx.layout).dg).max()) for fx in cases]
+    assert all(not np.any(fx.grads.dg) for fx in cases)
+    assert max(residues) > 0  # the rounding of the difference is there to be judged
+
+
+def test_a_zero_dg_formed_by_the_identity_passes_against_its_terms(
+    narrow_suite: list[Fixture],
+) -> None:
+    for fx in _first_steps(narrow_suite):
+        actual = _identity_dg(fx)
+        judged = compare(actual, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales)
+        assert judged["dg"].passed, judged["dg"].summary()
+        if np.any(unpack(actual, fx.layout).dg):
+            assert judged["dg"].term_scale == fx.scales["dg"]
+            # Against its own RMS of 0, the same residue would allow nothing at all.
+            assert not compare(actual, fx.packed, fx.layout, floors=fx.floors)["dg"].passed
+
+
+def test_a_real_error_in_a_zero_dg_still_fails(narrow_suite: list[Fixture]) -> None:
+    for fx in _first_steps(narrow_suite):
+        actual = _identity_dg(fx)
+        dg = unpack(actual, fx.layout).dg
+        dg.reshape(-1)[0] += 1e-3 * fx.scales["dg"]  # far above rounding, far below the terms
+        judged = compare(actual, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales)
+        assert not judged["dg"].passed
+        assert judged["dg"].error_floor_ratio is not None
+        assert judged["dg"].error_floor_ratio > 1e3
+
+
+def test_the_least_floor_is_half_the_unit_roundoff_times_the_terms() -> None:
+    layout = GdnBackwardLayout(1, 1, 1, 4)
+    expected = np.zeros(layout.total_elems, np.float32)
+    actual = expected.copy()
+    unpack(actual, layout).dg[0, 0, 0] = 16 * UNIT_ROUNDOFF["float32"] / 2 * 3.0
+    at_limit = compare(actual, expected, layout, scales={"dg": 3.0})["dg"]
+    assert at_limit.passed
+    assert at_limit.error_floor_ratio == pytest.approx(16.0)
+    assert "none below 2.98e-08 x 3, the scale of its terms" in at_limit.summary()
+    assert not compare(actual, expected, layout, scales={"dg": 2.9})["dg"].passed
+    # A scale below rms(expected) changes nothing: a gradient is never judged more leniently.
+    unpack(expected, layout).dg[0, 0, 0] = 10.0
+    unpack(actual, layout).dg[0, 0, 0] = 10.0
+    kept = compare(actual, expected, layout, scales={"dg": 1.0})["dg"]
+    assert kept.term_scale is None
+    assert kept == compare(actual, expected, layout)["dg"]
+
+
+def test_term_scales_are_the_rms_of_the_identitys_terms() -> None:
+    rng = np.random.default_rng(3)
+    q, k, dq, dk = (rng.standard_normal((2, 3, 2, 4)) for _ in range(4))
+    scalar = (np.abs(q * dq) + np.abs(k * dk)).sum(axis=-1)
+    channel = np.abs(q * dq) + np.abs(k * dk)
+    got = term_scales(q, k, dq, dk, per_channel=False)["dg"]
+    assert got == pytest.approx(float(np.sqrt(np.mean(scalar**2))), rel=1e-14)
+    got = term_scales(q, k, dq, dk, per_channel=True)["dg"]
+    assert got == pytest.approx(float(np.sqrt(np.mean(channel**2))), rel=1e-14)
+    assert term_scales(q[:, :0], k[:, :0], dq[:, :0], dk[:, :0], per_channel=False) == {"dg": 0.0}
+
+
+def test_scales_are_checked_like_tolerances() -> None:
+    layout = GdnBackwardLayout(1, 1, 1, 4)
+    zeros = np.zeros(layout.total_elems)
+    with pytest.raises(ValueError, match=r"scales has unknown gradient names \['dx'\]"):
+        compare(zeros, zeros, layout, scales={"dx": 1.0})
+    with pytest.raises(ValueError, match=r"scales\['dg'\] must be a finite float >= 0, got -1"):
+        compare(zeros, zeros, layout, scales={"dg": -1})
+    with pytest.raises(TypeError, match="scales must be a float, got str"):
+        compare(zeros, zeros, layout, scales="big")  # type: ignore[arg-type]
