@@ -17,10 +17,10 @@ calibrated (the default for float32, float16, bfloat16 and float64)
     (``scales=``, a fixture's :attr:`~gdn_layout.Fixture.scales`): a ``dg`` that is exactly
     0, or far below the ``q . dq - k . dk`` a chunked kernel forms it from, is judged against
     those terms, not against its own RMS. ``error_floor_ratio`` is the larger of the two
-    errors over their floors; ``out/size`` counts the elements over the largest error allowed. Without
-    ``floors``, the floors are defaults above every floor measured over the suite's first
-    four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``, bfloat16 ``(4e-3,
-    5e-2)``, float64 float32's times ``2**-29``.
+    errors over their floors; ``out/size`` counts the elements over the largest error
+    allowed. Without ``floors``, the floors are defaults above every floor measured over the
+    suite's first four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``,
+    bfloat16 ``(4e-3, 5e-2)``, float64 float32's times ``2**-29``.
 elementwise (``rtol`` or ``atol`` given)
     ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
     not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:
