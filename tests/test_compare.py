@@ -242,7 +242,7 @@ def test_default_tolerances_follow_the_less_precise_dtype() -> None:
     # Given neither, every dtype is judged against its floors (longdouble as float64).
     assert compare(expected, expected, layout)["dq"].judged_dtype == "float64"
     wide = expected.astype(np.longdouble)
-    assert compare(wide, wide, layout)["dq"].criterion == "error/floor<=32 (float64)"
+    assert compare(wide, wide, layout)["dq"].criterion == "error/floor<=64 (float64)"
     assert compare(f32, expected, layout)["dq"].mode == "calibrated"
     assert compare(f32, expected, layout)["dq"].judged_dtype == "float32"
     assert compare(bf16, expected.astype(np.float16), layout)["dq"].judged_dtype == "bfloat16"
@@ -446,7 +446,7 @@ def test_assert_close_message() -> None:
     )
     # float64 is judged against its floors: float32's times 2**-29, as error over rms(expected).
     assert lines[1].startswith("  dk[0, 4, 1, 3]: actual 0.51 expected 0.5; error/floor ")
-    assert "> 32 (floors for float64: " in lines[1]
+    assert "> 64 (floors for float64: " in lines[1]
     assert "1 of 120 over the max error" in lines[1]
     assert lines[2].startswith("  dstate[1, 2, 0, 3]: actual nan expected ")
     assert "1 non-finite mismatch;" in lines[2]

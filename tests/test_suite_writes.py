@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 
 from gdn_layout.fixtures import write_suite
 from gdn_layout.suites import verify_suite
+from support import run
 
 generate = importlib.import_module("gdn_layout.generate")
 files = importlib.import_module("gdn_layout._files")
@@ -238,7 +240,7 @@ def test_a_replacement_stopped_anywhere_leaves_one_complete_suite(
         assert code != 0, stop
         if mode == "exchange":  # the path is never without a complete suite
             assert verify_suite(root) == [], stop
-        remove_abandoned(root.parent)  # what the next write does first
+        remove_abandoned(root.parent, generate._not_a_suite)  # what the next suite write does
         assert _siblings(root) == ["suite"], stop
         assert verify_suite(root) == [], stop
         seen.add(_check_consistent(root)["seed"])
@@ -291,14 +293,21 @@ def test_concurrent_runs_end_with_one_complete_suite(tmp_path: Path) -> None:
     assert _siblings(root) == ["suite"]
 
 
-def test_the_current_folder_can_hold_a_suite(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("given", [".", "..", "here"])
+def test_the_current_folder_or_one_holding_it_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str
 ) -> None:
-    (tmp_path / "here").mkdir()
-    monkeypatch.chdir(tmp_path / "here")
-    paths = write_suite(".")
-    assert paths[0] == Path(".") / paths[0].name
-    _check_consistent(tmp_path / "here")
+    # A suite takes its folder's place: the current folder would be left deleted.
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    where = {"here": str(here)}.get(given, given)
+    with pytest.raises(ValueError, match=r"is the current folder or holds it.*such as '"):
+        write_suite(where, overwrite=True)
+    assert os.path.samefile(os.getcwd(), here)
+    assert list(here.iterdir()) == []
+    assert write_suite("suite")[0].parent == Path("suite")
+    _check_consistent(here / "suite")
 
 
 def test_a_file_that_arrives_during_a_replacement_is_kept(
@@ -330,3 +339,153 @@ def test_a_manifest_whose_file_names_are_not_strings_is_not_a_suite(tmp_path: Pa
     with pytest.raises(FileExistsError, match=r"its manifest\.json is not one gdn-layout wrote"):
         write_suite(root, overwrite=True)
     assert _siblings(root) == ["models"]
+
+
+def _kept_aside(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if p.name.startswith(".suite.") and p.is_dir()]
+
+
+def test_an_interrupt_just_after_the_exchange_loses_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    real = files._exchange
+
+    def interrupted(a: Path, b: Path) -> bool:
+        (root / "weights.safetensors").write_bytes(b"theirs")  # after the check, before the swap
+        real(a, b)
+        raise KeyboardInterrupt  # as Ctrl-C lands the instant after the swap
+
+    monkeypatch.setattr(files, "_exchange", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        write_suite(root, seed=2, overwrite=True)
+    monkeypatch.setattr(files, "_exchange", real)
+    assert _check_consistent(root)["seed"] == 2  # the new suite is in place
+    (aside,) = _kept_aside(tmp_path)  # the old one, unchecked, is not removed
+    assert (aside / "weights.safetensors").read_bytes() == b"theirs"
+    remove_abandoned(tmp_path, generate._not_a_suite)  # what the next suite write does first
+    assert (aside / "weights.safetensors").read_bytes() == b"theirs"
+    (aside / "weights.safetensors").unlink()  # once it holds only a suite, it goes
+    remove_abandoned(tmp_path, generate._not_a_suite)
+    assert _siblings(root) == ["suite"]
+
+
+_KILLED_AFTER_EXCHANGE = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import gdn_layout._files as files
+    import gdn_layout.generate as generate
+
+    generate._SUITE_SHAPES = generate._SUITE_SHAPES[:1]
+    root, real = Path(sys.argv[1]), files._exchange
+
+    def killed(a, b):
+        (root / "weights.safetensors").write_bytes(b"theirs")
+        real(a, b)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    files._exchange = killed
+    generate.write_suite(root, seed=2, overwrite=True)
+    """
+)
+
+
+def test_a_kill_just_after_the_exchange_loses_no_file(tmp_path: Path) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    done = subprocess.run(
+        [sys.executable, "-c", _KILLED_AFTER_EXCHANGE, str(root)], timeout=120, check=False
+    )
+    assert done.returncode == -9
+    write_suite(root, seed=3, overwrite=True)  # reclaims what it may, first
+    assert _check_consistent(root)["seed"] == 3
+    (aside,) = _kept_aside(tmp_path)
+    assert (aside / "weights.safetensors").read_bytes() == b"theirs"
+
+
+def test_without_the_exchange_a_file_that_arrives_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    real = files._replace_aside
+
+    def arriving(*args: Any) -> bool:
+        (root / "weights.safetensors").write_bytes(b"theirs")  # after the check, before the move
+        return bool(real(*args))
+
+    monkeypatch.setattr(files, "_replace_aside", arriving)
+    with pytest.raises(FileExistsError, match=r"it holds weights\.safetensors"):
+        write_suite(root, seed=2, overwrite=True)
+    assert (root / "weights.safetensors").read_bytes() == b"theirs"
+    (root / "weights.safetensors").unlink()
+    assert _check_consistent(root)["seed"] == 1
+    assert _siblings(root) == ["suite"]
+
+
+def test_two_writers_without_the_exchange_both_succeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The race made deterministic: the first has moved the old suite aside when the second
+    # runs from start to end and takes the empty place; then the first moves its own in.
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    real = os.rename
+    raced: list[int] = []
+
+    def racing(src: Any, dst: Any) -> None:
+        if Path(dst) == root and not os.path.lexists(root) and not raced:
+            raced.append(1)
+            monkeypatch.setattr(os, "rename", real)
+            write_suite(root, seed=2, overwrite=True)
+            assert _check_consistent(root)["seed"] == 2
+            monkeypatch.setattr(os, "rename", racing)
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", racing)
+    write_suite(root, seed=3, overwrite=True)
+    assert raced == [1]
+    assert _check_consistent(root)["seed"] == 3
+    assert _siblings(root) == ["suite"]
+
+
+def test_an_abandoned_old_folder_never_replaces_what_took_its_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    with files.Temporaries(root) as temporaries:  # a replacement stopped with the old aside
+        old = temporaries.new("old")
+        os.rename(root, old)
+    root.mkdir()  # then someone's folder takes the place
+    theirs = os.stat(root).st_ino
+    # As if the place were still free when looked at: only the rename itself may decide.
+    monkeypatch.setattr(
+        os.path, "lexists", lambda path: Path(path) != root and os.path.exists(path)
+    )
+    remove_abandoned(tmp_path)
+    monkeypatch.undo()
+    assert os.stat(root).st_ino == theirs
+    assert verify_suite(old) == []  # not moved in, and not removed unchecked
+    root.rmdir()
+    remove_abandoned(tmp_path)  # once the place is free, it goes back
+    assert _check_consistent(root)["seed"] == 1
+    assert _siblings(root) == ["suite"]
+
+
+def test_the_command_line_refuses_the_current_folder_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    done = run("fixture", "--suite", ".", "--force")
+    assert done.returncode == 2
+    assert done.stderr == (
+        "gdn-layout fixture: error: --suite '.' is the current folder or holds it: a suite "
+        "takes the place of its folder, which would leave the current one deleted; give a "
+        "folder inside it, such as 'suite'\n"
+    )
+    assert list(tmp_path.iterdir()) == []

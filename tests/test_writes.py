@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -19,6 +20,7 @@ import pytest
 
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.fixtures import load_fixture, make_fixture, save_fixture, write_suite
+from support import deadline
 
 files = importlib.import_module("gdn_layout._files")
 codec = importlib.import_module("gdn_layout._safetensors")
@@ -36,7 +38,7 @@ _KILLED_WRITER = textwrap.dedent(
     from gdn_layout.fixtures import make_fixture, save_fixture
 
     if sys.argv[2] == "named":
-        files._open_unnamed = lambda folder: None  # as where O_TMPFILE is not available
+        files._open_unnamed = lambda folder, **_: None  # as where O_TMPFILE is not available
 
     def stalled(out, tensors, metadata):
         out.write(b"x" * 100_000)
@@ -94,17 +96,37 @@ def test_a_killed_writers_named_temporary_is_removed_by_the_next_write(tmp_path:
     assert _others(tmp_path) == ["z.safetensors"]
 
 
-#: A writer that stalls mid-write as one in another PID namespace would look from here: its
-#: process id is one no process here has.
-_FOREIGN_WRITER = _KILLED_WRITER.replace(
-    "import sys, time", "import os, sys, time\nos.getpid = lambda: 2**22 + 12345"
-)
+def _in_new_pid_namespace() -> list[str] | None:
+    """The command prefix that runs a program in a PID namespace of its own, or None."""
+    command = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL"]
+    try:
+        done = subprocess.run(
+            [*command, sys.executable, "-c", "import os; print(os.getpid())"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return command if done.returncode == 0 and done.stdout.strip() == "1" else None
 
 
-@pytest.mark.skipif(os.name != "posix", reason="temporaries are reclaimed through flock")
-def test_a_live_writer_whose_pid_is_not_seen_here_keeps_its_temporary(tmp_path: Path) -> None:
+NAMESPACE = _in_new_pid_namespace()
+
+
+@pytest.mark.skipif(NAMESPACE is None, reason="no PID namespace can be made here")
+def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path: Path) -> None:
+    # Its process id (1 in its namespace) names a process here: liveness is its held lock.
+    assert NAMESPACE is not None
     writer = subprocess.Popen(
-        [sys.executable, "-c", _FOREIGN_WRITER, str(tmp_path / "x.safetensors"), "named"],
+        [
+            *NAMESPACE,
+            sys.executable,
+            "-c",
+            _KILLED_WRITER,
+            str(tmp_path / "x.safetensors"),
+            "named",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -112,13 +134,17 @@ def test_a_live_writer_whose_pid_is_not_seen_here_keeps_its_temporary(tmp_path: 
         assert writer.stdout is not None
         assert writer.stdout.readline().strip() == "writing"
         before = _others(tmp_path)
+        assert len(before) == 2  # its temporary and its record
         save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT))
         assert _others(tmp_path, "z.safetensors") == before  # still writing: kept
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=30)
-    save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT), overwrite=True)
-    assert _others(tmp_path) == ["z.safetensors"]
+    # Its writer dies with unshare, a moment later; then the next write removes its work.
+    with deadline(30):
+        while _others(tmp_path) != ["z.safetensors"]:
+            save_fixture(tmp_path / "z.safetensors", make_fixture(LAYOUT), overwrite=True)
+            time.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +195,7 @@ def test_a_replaced_file_keeps_its_mode(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
 ) -> None:
     if fallback:
-        monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)
+        monkeypatch.setattr(files, "_open_unnamed", lambda folder, **_: None)
     fixture = make_fixture(LAYOUT)
     path = save_fixture(tmp_path / "x.safetensors", fixture)
     path.chmod(0o600)
@@ -230,10 +256,58 @@ def test_overwrite_replaces_only_a_regular_file(tmp_path: Path, make: Any, kind:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+@pytest.mark.parametrize("fallback", [False, True], ids=["unnamed", "named"])
+@pytest.mark.parametrize(("make", "kind"), [(_fifo, "a FIFO"), (_link, "a symbolic link")])
+def test_what_takes_the_files_place_during_the_write_is_put_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool, make: Any, kind: str
+) -> None:
+    if fallback:
+        monkeypatch.setattr(files, "_open_unnamed", lambda folder, **_: None)
+    path = save_fixture(tmp_path / "x.safetensors", make_fixture(LAYOUT))
+    real = files._exchange
+
+    def arriving(a: Path, b: Path) -> bool:  # after the check, before the swap
+        path.unlink()
+        make(path)
+        monkeypatch.setattr(files, "_exchange", real)
+        return bool(real(a, b))
+
+    monkeypatch.setattr(files, "_exchange", arriving)
+    with pytest.raises(files.NotRegularFileError, match=f"not replaced: it became {kind}"):
+        save_fixture(path, make_fixture(LAYOUT, seed=1), overwrite=True)
+    assert (stat.S_ISFIFO if kind == "a FIFO" else stat.S_ISLNK)(os.lstat(path).st_mode)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["unnamed", "named"])
+def test_a_private_file_stays_private_while_it_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
+) -> None:
+    if fallback:
+        monkeypatch.setattr(files, "_open_unnamed", lambda folder, **_: None)
+    path = tmp_path / "secret.bin"
+    path.write_bytes(b"old")
+    path.chmod(0o600)
+    modes: list[int] = []
+
+    def write(out: IO[bytes]) -> None:
+        out.write(b"new")
+        modes.append(stat.S_IMODE(os.fstat(out.fileno()).st_mode))
+        modes.extend(stat.S_IMODE(p.stat().st_mode) for p in tmp_path.glob(".secret.bin.*.0"))
+
+    files.atomic_write(path, write, overwrite=True)
+    assert modes
+    assert all(mode & 0o077 == 0 for mode in modes), [oct(m) for m in modes]
+    assert len(modes) == (2 if fallback else 1)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_bytes() == b"new"
+
+
 def test_the_named_fallback_still_writes_atomically(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)
+    monkeypatch.setattr(files, "_open_unnamed", lambda folder, **_: None)
     fixture = make_fixture(LAYOUT)
     path = save_fixture(tmp_path / "x.safetensors", fixture)
     save_fixture(path, fixture, overwrite=True)
@@ -319,7 +393,7 @@ def test_a_replaced_file_keeps_its_setuid_bits_and_owner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fallback: bool
 ) -> None:
     if fallback:
-        monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)
+        monkeypatch.setattr(files, "_open_unnamed", lambda folder, **_: None)
     fixture = make_fixture(LAYOUT)
     path = save_fixture(tmp_path / "x.safetensors", fixture)
     os.chown(path, 65534, 65534)
@@ -335,7 +409,7 @@ def test_a_replaced_file_keeps_its_setuid_bits_and_owner(
 def test_odd_names_are_written_replaced_and_cleaned_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
 ) -> None:
-    monkeypatch.setattr(files, "_open_unnamed", lambda folder: None)  # named temporaries
+    monkeypatch.setattr(files, "_open_unnamed", lambda folder, **_: None)  # named temporaries
     _kill_mid_write(tmp_path / name, "named")  # leaves a temporary and its record
     assert len(_others(tmp_path)) == 2
     fixture = make_fixture(LAYOUT)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,7 +20,15 @@ from ._checks import non_negative_int
 from ._criteria import Floors, decode_floors, encode_floors, term_scales
 from ._dtypes import resolve
 from ._files import atomic_write, open_regular
-from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, map_file, read_all
+from ._mapping import (
+    MAP_THRESHOLD,
+    FileStamp,
+    buffered,
+    check_digest,
+    held,
+    map_file,
+    read_all,
+)
 from ._safetensors import Entry, FixtureError, dtype_code
 from ._version import __version__
 from .layout import GdnBackwardLayout
@@ -182,6 +191,24 @@ class Fixture:
         """
         if self.stamp is not None and self.path is not None:
             self.stamp.check(self.path)
+
+    def unchanged(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which a memory-mapped fixture's file is held as it was loaded: checked
+        on entry and on exit (:class:`FixtureError` if it changed), and on Linux held under a
+        read lease in between, so that a process that truncates or rewrites it waits until
+        the block ends instead of making a read crash with SIGBUS (a lease is let go after
+        ``/proc/sys/fs/lease-break-time`` seconds, 45 by default; without a lease, a file of
+        another owner say, only the checks apply). Nothing is held for a fixture in memory.
+
+        Judge a kernel against a mapped fixture inside it, as
+        :meth:`~gdn_layout.suites.Case.compare` and ``gdn-layout compare`` do.
+
+        Raises
+        ------
+        FixtureError
+            The mapped file changed since it was loaded, or while the block ran.
+        """
+        return held(self.stamp, self.path or Path(self.stamp.where if self.stamp else ""))
 
     @property
     def scales(self) -> dict[str, float]:

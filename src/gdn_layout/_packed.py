@@ -3,6 +3,7 @@ bytes, known by its content; read into memory, or memory-mapped when large."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,7 +17,7 @@ from ._criteria import Floors
 from ._dtypes import resolve
 from ._files import open_regular
 from ._fixture import FORMAT, load_fixture
-from ._mapping import FileStamp, map_file, read_all
+from ._mapping import FileStamp, held, map_file, read_all
 from ._safetensors import FixtureError, looks_like_safetensors
 from .layout import GdnBackwardLayout
 
@@ -38,11 +39,11 @@ class PackedFile(NamedTuple):
     #: is in memory (a file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD`).
     stamp: FileStamp | None = None
 
-    def check_unchanged(self) -> None:
-        """Raise :class:`FixtureError` if ``packed`` is memory-mapped and its file changed since
-        it was opened (see :meth:`Fixture.check_unchanged`); do nothing otherwise."""
-        if self.stamp is not None:
-            self.stamp.check(Path(self.path))
+    def unchanged(self) -> contextlib.AbstractContextManager[None]:
+        """A context in which a memory-mapped ``packed`` is held as its file was when opened
+        (see :meth:`Fixture.unchanged`): :class:`FixtureError` if it changed before or during
+        the block; nothing to hold for a buffer in memory."""
+        return held(self.stamp, Path(self.path))
 
 
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
@@ -51,7 +52,7 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     A file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD` is read into memory
     (:func:`~gdn_layout.load_fixture` says how), a larger one is memory-mapped, and so is a
     .npy file (by :func:`numpy.load`); a mapped buffer's file is stamped, so that
-    :meth:`PackedFile.check_unchanged` can tell, before judging it, whether it changed.
+    :meth:`PackedFile.unchanged` can hold it, or tell that it changed, while it is judged.
 
     Parameters
     ----------

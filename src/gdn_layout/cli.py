@@ -301,9 +301,16 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
         progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
-        paths = write_suite(
-            args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
-        )
+        try:
+            paths = write_suite(
+                args.suite,
+                dtype=dtype,
+                seed=args.seed,
+                overwrite=args.force,
+                progress=progress.update,
+            )
+        except ValueError as error:  # the folder given; every other argument is checked here
+            raise UsageError(str(error).replace("write_suite: directory", "--suite")) from None
         progress.done()
         total = sum(path.stat().st_size for path in paths)
         print(
@@ -360,20 +367,17 @@ def _compare(args: argparse.Namespace) -> int:
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
-    for source in (actual, expected):  # a mapped file that changed is not judged
-        source.check_unchanged()
-    result = compare(
-        actual.packed,
-        expected.packed,
-        layout,
-        rtol=args.rtol,
-        atol=args.atol,
-        max_rms_ratio=args.max_rms_ratio,
-        floors=expected.floors if expected.floors is not None else actual.floors,
-        scales=expected.scales if expected.scales is not None else actual.scales,
-    )
-    for source in (actual, expected):  # nor one cut short meanwhile (read as zeros)
-        source.check_unchanged()
+    with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
+        result = compare(
+            actual.packed,
+            expected.packed,
+            layout,
+            rtol=args.rtol,
+            atol=args.atol,
+            max_rms_ratio=args.max_rms_ratio,
+            floors=expected.floors if expected.floors is not None else actual.floors,
+            scales=expected.scales if expected.scales is not None else actual.scales,
+        )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -49,8 +49,8 @@ True
 
 Loading a file smaller than :data:`MAP_THRESHOLD` (64 MiB) reads it into memory, so that no
 later change to the file can change or break the fixture; a larger file is memory-mapped,
-and :meth:`Fixture.check_unchanged` (called before judging) raises :class:`FixtureError` if
-it changed under the mapping.
+and judging it within :meth:`Fixture.unchanged` (as suites and the command line do) raises
+:class:`FixtureError` if it changed under the mapping, and holds it unchanged meanwhile.
 
 >>> back.mapped, isinstance(back.q, np.memmap)
 (False, False)

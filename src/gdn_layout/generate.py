@@ -416,7 +416,8 @@ def write_suite(
         folder, or it holds something its manifest does not list or no manifest written here
         (it is then never replaced).
     TypeError, ValueError
-        ``dtype`` or ``seed`` is not usable.
+        ``dtype`` or ``seed`` is not usable; ValueError too when ``directory`` is the current
+        folder or holds it (the suite would take its place).
     OSError
         A file cannot be written; nothing is left in ``directory`` then.
     """
@@ -424,6 +425,13 @@ def write_suite(
     target = resolve_dtype(dtype, "write_suite")
     seed = check_seed(seed, "write_suite")
     root = Path(os.path.realpath(given))  # a named folder with a parent, even for "."
+    here = os.path.realpath(os.getcwd())
+    if os.path.commonpath([root, here]) == os.fspath(root):
+        raise ValueError(
+            f"write_suite: directory {os.fspath(given)!r} is the current folder or holds it: a "
+            "suite takes the place of its folder, which would leave the current one deleted; "
+            f"give a folder inside it, such as {os.fspath(given / 'suite')!r}"
+        )
     if _non_empty_folder(root):  # refused now, not after the work (and again when moved in)
         if not overwrite:
             raise FileExistsError(
@@ -432,7 +440,7 @@ def write_suite(
         if (why := _not_a_suite(root)) is not None:
             raise FileExistsError(f"{root} is not replaced: {why}")
     root.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(root.parent)
+    remove_abandoned(root.parent, _not_a_suite)
     with Temporaries(root) as temporaries:
         built = temporaries.new()
         built.mkdir()
@@ -440,7 +448,8 @@ def write_suite(
             names = _write_suite_files(built, target, seed, progress)
             install_folder(built, root, temporaries, overwrite=overwrite, replaceable=_not_a_suite)
         except BaseException:
-            shutil.rmtree(built, ignore_errors=True)
+            if temporaries.role(built) == "new":  # else it may hold the old folder: kept
+                shutil.rmtree(built, ignore_errors=True)
             raise
     return [given / name for name in names]
 

@@ -214,7 +214,7 @@ def plot_errors(
     >>> unpack(actual, layout).dq[1, 16:, 0, :] = np.nan  # b=1, head 0, the second chunk
     >>> fig = compare(actual, expected, layout).plot(batch=1, chunk=16)
     >>> [ax.get_title() for ax in fig.axes if ax.images]
-    ['dq FAIL: 64 of 512 out, worst [1, 16, 0, 0]\\nerror/floor nan > 32\\nmax |a-e| over n']
+    ['dq FAIL: 64 of 512 out, worst [1, 16, 0, 0]\\nerror/floor nan > 64\\nmax |a-e| over n']
     >>> [text.get_text() for text in fig.legends[0].get_texts()]
     ['chunk boundary (every 16)', 'NaN or Inf mismatch']
     """

@@ -127,28 +127,26 @@ class Case:
         ``__dlpack__`` or ``__array__``) with the expected gradient, against the fixture's
         floors unless tolerances are given.
 
-        A fixture memory-mapped from a large file is checked before and after the comparison
-        (:meth:`Fixture.check_unchanged`), so that a file truncated or rewritten under the
-        mapping raises :class:`FixtureError` naming it instead of being judged.
+        A fixture memory-mapped from a large file is held unchanged during the comparison
+        (:meth:`Fixture.unchanged`), so that a file truncated or rewritten under the mapping
+        raises :class:`FixtureError` naming it instead of being judged or crashing the process.
 
         Raises
         ------
         FixtureError
             The fixture is memory-mapped and its file changed since it was loaded.
         """
-        self.fixture.check_unchanged()
-        result = compare(
-            actual,  # type: ignore[arg-type]
-            self.expected,
-            self.layout,
-            rtol=rtol,
-            atol=atol,
-            max_rms_ratio=max_rms_ratio,
-            floors=self.fixture.floors,
-            scales=self.fixture.scales,
-        )
-        self.fixture.check_unchanged()  # cut short meanwhile: its last page read as zeros
-        return result
+        with self.fixture.unchanged():
+            return compare(
+                actual,  # type: ignore[arg-type]
+                self.expected,
+                self.layout,
+                rtol=rtol,
+                atol=atol,
+                max_rms_ratio=max_rms_ratio,
+                floors=self.fixture.floors,
+                scales=self.fixture.scales,
+            )
 
     def check(
         self,
