@@ -72,9 +72,11 @@ def chunk_states(
     forward sweep keeps the state entering every interval of ``chunk`` steps (returned as
     ``h``), and its backward sweep, which here skips the gradients of the inputs, steps the
     state's cotangent back and records it at every interval's entry. Memory is ``h`` and
-    ``dh`` plus the backward's own working set, and time about half the backward's. Where the
+    ``dh`` plus the backward's own working set (no state is kept between boundaries), and time
+    0.4 to 0.65 of the backward's at S = 4096, H = 8, N = 64 with ``chunk=64``. Where the
     default method takes the step-by-step form (``N = 1``, or a step with ``beta |k|^2 > 2``),
-    so does this, and it also fills a scratch packed gradient.
+    so does this, at the backward's cost: that form forms the gradients of the inputs too,
+    into a scratch buffer.
 
     Examples
     --------
