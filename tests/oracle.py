@@ -24,6 +24,7 @@ __all__ = [
     "OracleResult",
     "extended",
     "oracle",
+    "oracle_chunk_states",
     "oracle_forward",
     "relative_error",
 ]
@@ -37,7 +38,10 @@ class OracleResult(NamedTuple):
     """The forward's results and every gradient of ``sum(y * dy)``, in the op's shapes, in
     long double. ``dstate`` is None when no initial state was given. ``peak`` is the largest
     magnitude any state or state gradient reaches on the way: how far the recurrence strays
-    from the op's regime (it overflows a dtype when ``peak`` nears that dtype's maximum)."""
+    from the op's regime (it overflows a dtype when ``peak`` nears that dtype's maximum).
+    ``states`` ``[B, S, H, N, N]`` holds the state entering each step, and ``dstates`` its
+    cotangent: the gradient of ``sum(y * dy)`` from that step onward (``dstates[:, 0]`` is
+    ``dstate``, defined also for a zero initial state)."""
 
     y: Array
     final: Array
@@ -48,6 +52,8 @@ class OracleResult(NamedTuple):
     dbeta: Array
     dstate: Array | None
     peak: float
+    states: Array
+    dstates: Array
 
 
 def extended(value: ArrayLike) -> Array:
@@ -150,6 +156,7 @@ def oracle(
     dbeta = np.empty_like(tape.beta)
     dg = np.empty((steps, batch, heads, n) if tape.per_channel else (steps, batch, heads), EXTENDED)
     ds = np.zeros((batch, heads, n, n), dtype=EXTENDED)
+    dstates = np.empty_like(tape.prev)
     peak = max(
         float(np.max(np.abs(tape.prev), initial=0.0)), float(np.max(np.abs(tape.final), initial=0))
     )
@@ -171,6 +178,7 @@ def oracle(
         rows = np.sum(s_prev * dp, axis=-1)  # [B, H, N]: sum_j S_prev[i, j] dP[i, j]
         dg[t] = a[..., 0] * rows if tape.per_channel else a[..., 0, 0] * np.sum(rows, axis=-1)
         ds = a * dp
+        dstates[t] = ds
         peak = max(peak, float(np.max(np.abs(ds), initial=0.0)))
     return OracleResult(
         y=_steps_second(tape.y),
@@ -182,7 +190,26 @@ def oracle(
         dbeta=_steps_second(dbeta),
         dstate=None if state is None else ds,
         peak=peak,
+        states=_steps_second(tape.prev),
+        dstates=_steps_second(dstates),
     )
+
+
+def oracle_chunk_states(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    chunk: int,
+) -> tuple[Array, Array, Array]:
+    """``(h, dh, final)``: the state entering each chunk of ``chunk`` steps and its cotangent,
+    ``[B, ceil(S / chunk), H, N, N]``, and the final state, all in long double."""
+    exact = oracle(q, k, v, g, beta, dy, state)
+    return exact.states[:, ::chunk], exact.dstates[:, ::chunk], exact.final
 
 
 def relative_error(actual: ArrayLike, truth: ArrayLike, dtype: DTypeLike = np.float64) -> float:

@@ -83,6 +83,7 @@ LAYERS = [
     "reference._recurrent",
     "reference._chunk_math",
     "reference._chunked",
+    "reference._states",
     "reference",
     "generate",
     "fixtures",

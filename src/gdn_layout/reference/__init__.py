@@ -68,8 +68,9 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from ..packing import check_out, unpack
 from . import _chunked, _recurrent
 from ._inputs import Inputs, validate
+from ._states import chunk_states
 
-__all__ = ["Method", "backward", "default_checkpoint_every", "forward"]
+__all__ = ["Method", "backward", "chunk_states", "default_checkpoint_every", "forward"]
 
 Method = Literal["chunked", "recurrent"]
 _METHODS = ("chunked", "recurrent")

@@ -63,7 +63,7 @@ from ._chunk_math import (
     unit_lower_inverse,
 )
 from ._inputs import Inputs
-from ._recurrent import row_scale
+from ._recurrent import Boundaries, row_scale
 
 _Array = NDArray[Any]
 
@@ -320,24 +320,42 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
         _scatter(y, out, st)
 
 
-def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
+def backward(
+    x: Inputs,
+    grads: GdnGrads | None,
+    every: int,
+    tick: Callable[[], None],
+    record: Boundaries | None = None,
+) -> None:
     """Backward by chunks, ``every`` steps stacked at a time.
 
     The forward sweep keeps, for the backward sweep, the state entering every stack and the
     pair decays: ``O(B*S*H*(L + N*N/C))`` elements for chunks of ``L`` steps and stacks of
     ``C = every``, about the size of the inputs. The backward sweep forms the rest again, in
     float64: each chunk's system, the state entering it, and what each step wrote.
+
+    With ``record``, the states entering the stacks are kept in ``record.h``, and the state's
+    cotangent entering each stack and the final state are written to ``record``. Without
+    ``grads`` (only with ``record``), the backward sweep steps only the state's cotangent back.
     """
+    assert grads is not None or record is not None
     b, h, s, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
     length = min(every, chunk_length(n))
     kept = []
-    for t0 in range(0, s, every):
+    for index, t0 in enumerate(range(0, s, every)):
         bounds = chunks(x.g, t0, min(t0 + every, s), length)
         pre = _prepare(st := _stack(x, bounds, backward=False))
-        kept.append(_Kept(bounds, pre.pairs, state.copy()))
+        if record is None:
+            entry = state.copy()
+        else:  # h is the store of the entry states
+            entry = record.h[:, index]
+            entry[...] = state
+        kept.append(_Kept(bounds, pre.pairs, entry))
         _advance(st, pre, state)
         tick()
+    if record is not None:
+        record.final[...] = state
     del state
 
     d_state = np.zeros((b, h, n, n), _WIDE)
@@ -352,10 +370,18 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
             v=wide("v", st.v), g=wide("g", st.g), beta=wide("beta", st.beta), dy=wide("dy", st.dy)
         )
         pre = _prepare(st, stack, rows)
-        solved = _advance(st, pre, wide("entry", stack.entry))  # in place: the copy is ours
-        _backward_stack(x, grads, st, pre, solved, d_state)
+        if grads is None:
+            _step_back(st, pre, d_state, np.empty_like(pre.xe), x.scale)
+        else:
+            entry = wide("entry", stack.entry)
+            if record is not None and entry is stack.entry:
+                entry = entry.copy()  # stepped in place below: h keeps its own
+            solved = _advance(st, pre, entry)
+            _backward_stack(x, grads, st, pre, solved, d_state)
+        if record is not None:
+            record.dh[:, len(kept)] = d_state
         tick()
-    if grads.dstate is not None:
+    if grads is not None and grads.dstate is not None:
         grads.dstate[...] = d_state
 
 
@@ -390,6 +416,40 @@ class _Widener:
         return np.concatenate((q, k), axis=2, out=self._buffer("rows", (b, v, 2 * size, n)))
 
 
+def _step_back(
+    st: _Stack, pre: _Prepared, d_state: _Array, cot: _Array, c: float
+) -> tuple[_Array, _Array]:
+    """Step the state's cotangent ``d_state`` back through the stack's chunks, in place.
+
+    Writes ``c * dy`` to the first half of ``cot`` (``[B, V, 2L, N]``); returns the cotangent
+    at each chunk's end and ``d_w``, both ``[B, V, ...]``.
+    """
+    assert st.dy is not None
+    size = st.length
+    lq = pre.lx[:, :, :size]
+    qe, ke = pre.xe[:, :, :size], pre.xe[:, :, size:]
+
+    # dS steps back: dS_entry = e_end * dS + qe^T @ (c dy) - ke^T @ (beta * d_w), with
+    # d_w = inv^T @ d_u and d_u = kd @ dS + c * lq^T @ dy.
+    c_dy = np.multiply(st.dy, c, out=cot[:, :, :size])
+    d_u_local = st.split(np.matmul(transposed(lq), c_dy))
+    from_dy = st.split(np.matmul(transposed(qe), c_dy))
+    kd, inv_t = st.split(pre.kd), st.split(transposed(pre.inv))
+    ke_t, beta_s, e_end = st.split(transposed(ke)), st.split(st.beta), st.split(pre.e[:, :, -1])
+    d_ends = np.empty((*kd.shape[:3], *d_state.shape[2:]), d_state.dtype)
+    d_w = np.empty(kd.shape, d_state.dtype)
+    for j in reversed(range(len(st.bounds))):
+        d_ends[:, :, j] = d_state
+        d_w[:, :, j] = np.matmul(
+            inv_t[:, :, j], np.matmul(kd[:, :, j], d_state) + d_u_local[:, :, j]
+        )
+        d_state *= row_scale(e_end[:, :, j])
+        d_state += from_dy[:, :, j]
+        d_state -= np.matmul(ke_t[:, :, j], beta_s[:, :, j] * d_w[:, :, j])
+    heads = pre.e.shape[1]
+    return _merge(d_ends, heads), _merge(d_w, heads)
+
+
 def _backward_stack(
     x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, solved: _Solved, d_state: _Array
 ) -> None:
@@ -398,36 +458,14 @@ def _backward_stack(
     The state's cotangent steps back chunk by chunk; everything else is done for all the
     chunks at once, on rows stacked as ``[q; k]`` where products share an operand.
     """
-    assert st.dy is not None
-    bounds = st.bounds
     size, c, ng = st.length, x.scale, st.g.shape[-1]
-    dy, beta, k = st.dy, st.beta, pre.k
-    lq, lk = pre.lx[:, :, :size], pre.lx[:, :, size:]
-    qe, ke = pre.xe[:, :, :size], pre.xe[:, :, size:]
+    beta, k = st.beta, pre.k
+    lk = pre.lx[:, :, size:]
+    ke = pre.xe[:, :, size:]
     s0, u = solved
-    r = st.v - np.matmul(ke, s0)  # u = inv @ (beta * r)
-
-    # dS steps back: dS_entry = e_end * dS + qe^T @ (c dy) - ke^T @ (beta * d_w), with
-    # d_w = inv^T @ d_u and d_u = kd @ dS + c * lq^T @ dy.
     cot = np.empty_like(pre.xe)  # [c * dy; d_w], then [c * dy; -d_r]
-    c_dy = np.multiply(dy, c, out=cot[:, :, :size])
-    d_u_local = st.split(np.matmul(transposed(lq), c_dy))
-    from_dy = st.split(np.matmul(transposed(qe), c_dy))
-    kd, inv_t = st.split(pre.kd), st.split(transposed(pre.inv))
-    ke_t, beta_s, e_end = st.split(transposed(ke)), st.split(beta), st.split(pre.e[:, :, -1])
-    d_ends = np.empty((*kd.shape[:3], *d_state.shape[2:]), d_state.dtype)
-    d_w = np.empty(kd.shape, d_state.dtype)
-    for j in reversed(range(len(bounds))):
-        d_ends[:, :, j] = d_state
-        d_w[:, :, j] = np.matmul(
-            inv_t[:, :, j], np.matmul(kd[:, :, j], d_state) + d_u_local[:, :, j]
-        )
-        d_state *= row_scale(e_end[:, :, j])
-        d_state += from_dy[:, :, j]
-        d_state -= np.matmul(ke_t[:, :, j], beta_s[:, :, j] * d_w[:, :, j])
-    del d_u_local, from_dy
-    heads = pre.e.shape[1]
-    d_end, d_w = _merge(d_ends, heads), _merge(d_w, heads)
+    d_end, d_w = _step_back(st, pre, d_state, cot, c)
+    r = st.v - np.matmul(ke, s0)  # u = inv @ (beta * r)
 
     # S_end = e_end * S0 + kd^T @ u: the couplings with the chunk's exit
     ud = np.matmul(u, transposed(d_end))  # d kd
@@ -449,7 +487,7 @@ def _backward_stack(
     # y = c * qe @ S0 and r = v - ke @ S0: cotangent rows [c * dy; -d_r] against S0
     np.negative(d_r, out=cot[:, :, size:])
     d_xe = np.matmul(cot, transposed(s0))
-    del cot, c_dy  # c_dy is a view of cot
+    del cot
     d_rows = stepwise(pre.e, d_xe)
     entry = block_sum(np.multiply(d_xe, pre.xe, out=d_xe), size)
     del d_xe

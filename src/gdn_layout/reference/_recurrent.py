@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -12,6 +12,19 @@ from ..packing import GdnGrads
 from ._inputs import Inputs
 
 _Array = NDArray[Any]
+
+
+class Boundaries(NamedTuple):
+    """Where a backward records the states at the boundaries of its intervals (or stacks).
+
+    ``h`` is ``[B, K, H, N, N]`` for ``K`` intervals: the state entering each; ``dh`` the same
+    shape: the cotangent of that state, from the steps at and after its interval's start;
+    ``final`` is ``[B, H, N, N]``: the state after the last step.
+    """
+
+    h: _Array
+    dh: _Array
+    final: _Array
 
 
 def row_scale(a: _Array) -> _Array:
@@ -45,19 +58,35 @@ def forward_steps(
             states[t - t0 + 1] = state
 
 
-def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -> None:
-    """The spec's backward, step by step, from checkpoints taken every ``every`` steps."""
+def backward(
+    x: Inputs,
+    grads: GdnGrads,
+    every: int,
+    tick: Callable[[], None],
+    record: Boundaries | None = None,
+) -> None:
+    """The spec's backward, step by step, from checkpoints taken every ``every`` steps.
+
+    With ``record``, the checkpoints are kept in ``record.h``, and the state's cotangent at
+    each checkpoint and the final state are written to ``record``.
+    """
     assert x.dy is not None
     b, h, s, n = x.q.shape
     c = x.scale
     per_channel = x.layout.gate_per_channel
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
     starts = list(range(0, s, every))
-    checkpoints = np.empty((len(starts), b, h, n, n), x.q.dtype)
+    checkpoints = (
+        np.empty((len(starts), b, h, n, n), x.q.dtype)
+        if record is None
+        else np.moveaxis(record.h, 1, 0)  # a view: the checkpoints are written to h
+    )
     for index, t0 in enumerate(starts):
         checkpoints[index] = state
         forward_steps(x, state, t0, min(t0 + every, s))
         tick()
+    if record is not None:
+        record.final[...] = state
     del state
 
     d_state = np.zeros((b, h, n, n), x.q.dtype)  # dS: gradient reaching S_t from later steps
@@ -89,6 +118,8 @@ def backward(x: Inputs, grads: GdnGrads, every: int, tick: Callable[[], None]) -
             dg = a[..., 0] * np.sum(s_prev * d_state, axis=-1)
             grads.dg[:, t] = dg if per_channel else np.sum(dg, axis=-1)
             d_state *= a
+        if record is not None:
+            record.dh[:, index] = d_state
         tick()
     if grads.dstate is not None:
         grads.dstate[...] = d_state
