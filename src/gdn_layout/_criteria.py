@@ -65,6 +65,7 @@ __all__ = [
     "measure_floors",
     "per_grad",
     "round_to",
+    "tensor_floors",
     "term_scales",
 ]
 
@@ -126,14 +127,29 @@ def measure_floors(
 ) -> dict[str, dict[str, tuple[float, float]]]:
     """The floors of every gradient for every dtype of :data:`FLOOR_DTYPES`, from a packed
     float32 result ``low`` and the float64 ``truth`` of the same inputs."""
+    spans = {seg.name: slice(seg.offset, seg.offset + seg.length) for seg in layout.segments()}
+    return tensor_floors(
+        {name: low[span] for name, span in spans.items()},
+        {name: truth[span] for name, span in spans.items()},
+    )
+
+
+def tensor_floors(
+    low: Mapping[str, NDArray[Any]], truth: Mapping[str, NDArray[Any]]
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """The floors of each named tensor for every dtype of :data:`FLOOR_DTYPES`, from its float32
+    step-by-step result in ``low`` and its float64 ``truth``."""
     floors: dict[str, dict[str, tuple[float, float]]] = {}
-    for name in FLOOR_DTYPES:
-        rounded = round_to(low, name).astype(np.float64)
-        per_grad = {}
-        for seg in layout.segments():
-            span = slice(seg.offset, seg.offset + seg.length)
-            per_grad[seg.name] = _figures(rounded[span], truth[span])
-        floors[name] = per_grad
+    for dtype in FLOOR_DTYPES:
+        floors[dtype] = {
+            name: _figures(
+                round_to(np.ascontiguousarray(low[name], np.float32).ravel(), dtype).astype(
+                    np.float64
+                ),
+                np.asarray(truth[name], np.float64).ravel(),
+            )
+            for name in low
+        }
     return floors
 
 
@@ -165,21 +181,27 @@ def encode_floors(floors: Floors) -> str:
     return json.dumps(document, sort_keys=True, separators=(",", ":"))
 
 
-def decode_floors(text: str) -> dict[str, dict[str, tuple[float, float]]]:
-    """Parse :func:`encode_floors`' text; a ValueError says what is wrong."""
+def decode_floors(
+    text: str, names: tuple[str, ...] = GRADIENT_NAMES, key: str = "floors"
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """Parse :func:`encode_floors`' text, floors of the tensors ``names`` kept under metadata
+    ``key``; a ValueError says what is wrong."""
     try:
         document: Any = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as err:
-        raise ValueError(f"floors is not JSON: {err}") from None
+        raise ValueError(f"{key} is not JSON: {err}") from None
     try:
-        return checked_floors(document, "floors")
+        return checked_floors(document, key, names)
     except TypeError as err:  # the file's to fix, like every other damage
         raise ValueError(str(err)) from None
 
 
-def checked_floors(value: object, where: str) -> dict[str, dict[str, tuple[float, float]]]:
-    """``value`` as floors: ``{dtype: {gradient: (rms, max)}}``, each figure a finite number
-    >= 0. A floor of inf, or one that is not a number, would let any error pass."""
+def checked_floors(
+    value: object, where: str, names: tuple[str, ...] = GRADIENT_NAMES
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """``value`` as floors: ``{dtype: {name: (rms, max)}}`` for tensors among ``names`` (the
+    gradients), each figure a finite number >= 0. A floor of inf, or one that is not a number,
+    would let any error pass."""
     if not isinstance(value, Mapping):
         raise TypeError(
             f"{where} must be a mapping {{dtype: {{gradient: (rms, max)}}}}, "
@@ -193,10 +215,10 @@ def checked_floors(value: object, where: str) -> dict[str, dict[str, tuple[float
             raise TypeError(f"{where}[{dtype!r}] must be a mapping, got {type(per).__name__}")
         parsed = {}
         for grad, pair in per.items():
-            if grad not in GRADIENT_NAMES or not _is_floor(pair):
+            if grad not in names or not _is_floor(pair):
                 raise ValueError(
-                    f"{where}[{dtype!r}][{grad!r}] must be (rms, max) for a gradient among "
-                    f"{', '.join(GRADIENT_NAMES)}, two finite numbers >= 0; got {pair!r}"
+                    f"{where}[{dtype!r}][{grad!r}] must be (rms, max) for a tensor among "
+                    f"{', '.join(names)}, two finite numbers >= 0; got {pair!r}"
                 )
             parsed[grad] = (float(pair[0]), float(pair[1]))
         floors[dtype] = parsed

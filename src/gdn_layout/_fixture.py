@@ -58,6 +58,11 @@ FORMAT_VERSION: Final = 1
 REGIMES: Final = ("zero", "mild", "strong", "mixed", "qwen", "extreme")
 #: The tensors of a fixture file, in the reference's argument order then ``y`` and ``packed``.
 TENSOR_NAMES: Final = ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed")
+#: The states a fixture may also hold: the state after the last step (whenever the state is
+#: carried), and with ``states_chunk`` the state entering each chunk and its cotangent.
+STATE_NAMES: Final = ("final_state", "h", "dh")
+#: The tensors besides the gradients that have precision floors (``state_floors``).
+STATE_FLOOR_NAMES: Final = ("y", *STATE_NAMES)
 
 
 class GdnInputs(NamedTuple):
@@ -113,6 +118,16 @@ class Fixture:
     #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.compare`):
     #: ``{dtype: {gradient: (rms, max)}}``, or None.
     floors: Floors | None = field(default=None, kw_only=True)
+    #: The state after the last step, ``[B, H, N, N]`` (see :func:`make_fixture`), or None.
+    final_state: NDArray[Any] | None = field(default=None, kw_only=True)
+    #: The state entering each chunk of ``states_chunk`` steps and its cotangent,
+    #: ``[B, ceil(S / states_chunk), H, N, N]`` each (:func:`~gdn_layout.reference.chunk_states`),
+    #: or None.
+    h: NDArray[Any] | None = field(default=None, kw_only=True)
+    dh: NDArray[Any] | None = field(default=None, kw_only=True)
+    states_chunk: int | None = field(default=None, kw_only=True)
+    #: The floors of ``y`` and the states, as ``floors`` are of the gradients, or None.
+    state_floors: Floors | None = field(default=None, kw_only=True)
     #: The file this fixture was loaded from, and the gdn-layout version that wrote it.
     path: Path | None = field(default=None, kw_only=True)
     writer_version: str | None = field(default=None, kw_only=True)
@@ -141,8 +156,21 @@ class Fixture:
             layout = GdnBackwardLayout.from_inputs(self.q, self.g, self.state)
         except (TypeError, ValueError) as err:
             raise ValueError(f"Fixture: {err}") from None
+        if (self.h is None) != (self.dh is None) or (self.h is None) != (self.states_chunk is None):
+            raise ValueError(
+                "Fixture: h, dh and states_chunk are given together or not at all; got "
+                + ", ".join(
+                    f"{n} {'given' if getattr(self, n) is not None else 'None'}"
+                    for n in ("h", "dh", "states_chunk")
+                )
+            )
+        if (
+            self.states_chunk is not None
+            and non_negative_int(self.states_chunk, "Fixture: states_chunk") < 1
+        ):
+            raise ValueError(f"Fixture: states_chunk must be at least 1, got {self.states_chunk}")
         for name, array in arrays.items():
-            expected = _expected_shape(layout, name)
+            expected = _expected_shape(layout, name, self.states_chunk)
             if array.shape != expected:
                 raise ValueError(
                     f"Fixture: {name} has shape {array.shape}, expected {expected} for {layout!r}"
@@ -231,8 +259,8 @@ class Fixture:
         return GdnInputs(self.q, self.k, self.v, self.g, self.beta, self.dy, self.state)
 
     def tensors(self) -> dict[str, NDArray[Any]]:
-        """The file's tensors by name: ``state`` only when carried."""
-        named = {name: getattr(self, name) for name in TENSOR_NAMES}
+        """The file's tensors by name: ``state`` only when carried, the states when held."""
+        named = {name: getattr(self, name) for name in (*TENSOR_NAMES, *STATE_NAMES)}
         return {name: array for name, array in named.items() if array is not None}
 
     def metadata(self) -> dict[str, str]:
@@ -251,10 +279,21 @@ class Fixture:
             meta["compute_dtype"] = self.compute_dtype
         if self.floors is not None:
             meta["floors"] = encode_floors(self.floors)
+        if self.states_chunk is not None:
+            meta["states_chunk"] = str(self.states_chunk)
+        if self.state_floors is not None:
+            meta["state_floors"] = encode_floors(self.state_floors)
         return meta
 
 
-def _expected_shape(layout: GdnBackwardLayout, name: str) -> tuple[int, ...]:
+def _expected_shape(
+    layout: GdnBackwardLayout, name: str, chunk: int | None = None
+) -> tuple[int, ...]:
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    if name == "final_state":
+        return (b, h, n, n)
+    if name in ("h", "dh"):
+        return (b, -(-s // chunk) if chunk else 0, h, n, n)
     return (layout.total_elems,) if name == "packed" else layout.input_shape(name)
 
 
@@ -435,7 +474,7 @@ def _load_mapped(
 def _plan(path: Path, header: safetensors.Header) -> tuple[dict[str, str], safetensors.Header]:
     """The metadata of a fixture's header, and the header, once both are checked."""
     metadata = _parse_metadata(header.metadata, path)
-    _check_entries(header.entries, _layout_of(metadata, path), path)
+    _check_entries(header.entries, _layout_of(metadata, path), _chunk_of(metadata, path), path)
     safetensors.check_tiling(header.entries, header.size - header.data_start, path)
     return metadata, header
 
@@ -455,12 +494,19 @@ def _build(
     try:
         seed = int(metadata["seed"]) if "seed" in metadata else None
         floors = decode_floors(metadata["floors"]) if "floors" in metadata else None
+        state_floors = (
+            decode_floors(metadata["state_floors"], STATE_FLOOR_NAMES, "state_floors")
+            if "state_floors" in metadata
+            else None
+        )
         return Fixture(
             **arrays,
             regime=metadata.get("regime"),
             seed=seed,
             compute_dtype=metadata.get("compute_dtype"),
             floors=floors,
+            states_chunk=_chunk_of(metadata, path),
+            state_floors=state_floors,
             path=path,
             writer_version=metadata.get("gdn_layout_version"),
             stamp=stamp,
@@ -500,21 +546,39 @@ def _layout_of(meta: Mapping[str, str], path: Path) -> GdnBackwardLayout:
         raise FixtureError(f"{path}: metadata layout {text!r:.200} does not parse: {err}") from None
 
 
-def _check_entries(entries: list[Entry], layout: GdnBackwardLayout, path: Path) -> None:
+def _chunk_of(meta: Mapping[str, str], path: Path) -> int | None:
+    text = meta.get("states_chunk")
+    if text is None:
+        return None
+    if not (text.isascii() and text.isdigit() and len(text) <= 18 and int(text) > 0):
+        raise FixtureError(
+            f"{path}: metadata states_chunk must be a positive integer, got {text!r:.50}"
+        )
+    return int(text)
+
+
+def _check_entries(
+    entries: list[Entry], layout: GdnBackwardLayout, chunk: int | None, path: Path
+) -> None:
     names = {e.name for e in entries}
     required = set(TENSOR_NAMES) - (set() if layout.carry_state else {"state"})
-    missing = [n for n in TENSOR_NAMES if n in required - names]
+    missing: list[str] = [n for n in TENSOR_NAMES if n in required - names]
+    states = {"h", "dh"} if chunk is not None else set()
+    missing += [n for n in ("h", "dh") if n in states - names]
     if missing:
         raise FixtureError(f"{path}: missing tensor(s) {', '.join(missing)} required by {layout!r}")
-    unexpected = sorted(names - required)
+    unexpected = sorted(names - required - states - {"final_state"})
     if unexpected:
-        raise FixtureError(f"{path}: unexpected tensor(s) {', '.join(unexpected)} for {layout!r}")
+        extra = "" if chunk is not None else " (h and dh come with metadata states_chunk)"
+        raise FixtureError(
+            f"{path}: unexpected tensor(s) {', '.join(unexpected)} for {layout!r}{extra}"
+        )
     by_name = {e.name: e for e in entries}
-    for name in TENSOR_NAMES:
+    for name in (*TENSOR_NAMES, *STATE_NAMES):
         entry = by_name.get(name)
         if entry is None:
             continue
-        expected = _expected_shape(layout, name)
+        expected = _expected_shape(layout, name, chunk)
         if entry.shape != expected:
             raise FixtureError(
                 f"{path}: tensor {name!r} has shape {entry.shape}, expected {expected} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -45,7 +46,7 @@ from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
-from .suites import MANIFEST, suite_files, verify_suite
+from .suites import MANIFEST, STATE_TENSORS, compare_states, state_shape, suite_files, verify_suite
 
 __all__ = ["main"]
 
@@ -142,6 +143,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write the standard coverage set and its manifest.json into DIR instead",
     )
+    fixture.add_argument(
+        "--states",
+        type=dimension,
+        metavar="CHUNK",
+        help="also keep the state entering each chunk of CHUNK steps and its cotangent (h, dh; "
+        "the final state is kept whenever the state is carried)",
+    )
     fixture.add_argument("--force", action="store_true", help="replace existing files")
     fixture.add_argument(
         "--any-suffix",
@@ -204,6 +212,19 @@ def _parser() -> argparse.ArgumentParser:
         help="also write heatmaps of the error per gradient, e.g. errors.png (needs [plot])",
     )
     compare.add_argument("--force", action="store_true", help="replace an existing --plot file")
+    compare.add_argument(
+        "--tensor",
+        choices=STATE_TENSORS,
+        help="ACTUAL is the kernel's y, h (the state entering each chunk), dh (its cotangent) or "
+        "final_state, judged against the fixture EXPECTED's (computed from its inputs when it "
+        "keeps none)",
+    )
+    compare.add_argument(
+        "--chunk",
+        type=dimension,
+        metavar="C",
+        help="the chunk length of h and dh (the fixture's, else 64)",
+    )
     compare.set_defaults(run=_compare)
 
     verify = commands.add_parser(
@@ -301,6 +322,8 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
         progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
+        if args.states is not None:
+            raise UsageError("--suite writes no states; drop --states")
         try:
             paths = write_suite(
                 args.suite,
@@ -327,8 +350,15 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         raise UsageError(why)
     regime = args.gate_regime or "mixed"
     progress = Progress(enabled=not args.quiet and stderr_is_terminal())
+    if args.states == 0:
+        raise UsageError("--states: a chunk has at least 1 step, got 0")
     fixture = make_fixture(
-        layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
+        layout,
+        dtype=dtype,
+        regime=regime,
+        seed=args.seed,
+        progress=progress.update,
+        states=args.states,
     )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()
@@ -360,6 +390,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    if args.tensor is not None:
+        return _compare_tensor(args)
+    if args.chunk is not None:
+        raise UsageError("--chunk is the chunk length of --tensor h or dh; give --tensor")
     actual = _open(args.actual, args.dtype)
     expected = _open(args.expected, args.dtype)
     layout = _resolve_layout([actual, expected], args)
@@ -388,6 +422,31 @@ def _compare(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         plot_errors(result, path=args.plot)
         print(f"wrote {args.plot}")
+    return 0 if result.passed else 1
+
+
+def _compare_tensor(args: argparse.Namespace) -> int:
+    given = [f for f in ("rtol", "atol", "max_rms_ratio", "plot") if getattr(args, f) is not None]
+    if given:
+        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        raise UsageError(f"--tensor is judged against the fixture's floors; drop {flags}")
+    expected = load_fixture(args.expected)
+    if args.chunk == 0:
+        raise UsageError("--chunk: a chunk has at least 1 step, got 0")
+    shape = state_shape(expected, args.tensor, args.chunk)
+    actual = _open(args.actual, args.dtype)
+    flat = actual.packed.reshape(-1)
+    if flat.size != math.prod(shape):
+        raise UsageError(
+            f"{args.actual}: {flat.size} elements, but {args.tensor} of {args.expected} has "
+            f"shape {shape} ({math.prod(shape)} elements)"
+        )
+    with actual.unchanged():
+        result = compare_states(flat.reshape(shape), expected, args.tensor, chunk=args.chunk)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result)
     return 0 if result.passed else 1
 
 

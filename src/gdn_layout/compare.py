@@ -342,6 +342,47 @@ def error_map(
     return _compare_grad(seg, actual[span], expected[span], 0.0, 0.0, None, False).error_map
 
 
+def compare_tensor(
+    actual: object,
+    expected: NDArray[Any],
+    name: str,
+    *,
+    floors: Floors | None = None,
+    func: str = "compare_states",
+) -> GradComparison:
+    """One tensor besides the gradients (``y``, ``h``, ``dh``, ``final_state``) judged as a
+    gradient is: by the calibrated criterion against ``floors`` (``{dtype: {name: (rms,
+    max)}}``, a fixture's :attr:`~gdn_layout.Fixture.state_floors`), the worst element named
+    in the tensor's own axes (``b, c, h, i, j`` for ``h`` and ``dh``).
+
+    Raises
+    ------
+    TypeError
+        ``actual`` is not an array of a float dtype.
+    ValueError
+        Its shape is not ``expected``'s.
+    """
+    array = np.asarray(as_packed(actual, "actual", func))
+    if not is_floating(array.dtype):
+        raise TypeError(f"{func}: {name} must have a float dtype, got {array.dtype}")
+    _check_plain_values(name, array, func)
+    if array.shape != expected.shape:
+        raise ValueError(f"{func}: {name} must have shape {expected.shape}, got {array.shape}")
+    seg = Segment(name, 0, expected.size, expected.shape)
+    a, e = array.reshape(-1), np.asarray(expected).reshape(-1)
+    judged = least_precise(array.dtype, expected.dtype)
+    if judged not in CALIBRATED_DTYPES:  # pragma: no cover - least_precise names one of them
+        judged = "float64"
+    c = calibration(floors, judged, name, e)
+    result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, False)
+    return dataclasses.replace(
+        result,
+        floor=c.floor,
+        judged_dtype=judged,
+        error_floor_ratio=c.ratio(result.rms_ratio, result.max_abs_error),
+    )
+
+
 # -- validation ----------------------------------------------------------------------------
 
 

@@ -14,14 +14,14 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, Final, NamedTuple
+from typing import IO, Any, Final, Literal, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from . import reference
-from ._checks import not_a_layout
-from ._criteria import measure_floors
+from ._checks import non_negative_int, not_a_layout
+from ._criteria import measure_floors, tensor_floors
 from ._files import Temporaries, atomic_write, install_folder, open_regular, remove_abandoned
 from ._fixture import (
     FORMAT,
@@ -172,6 +172,7 @@ def make_fixture(
     seed: int = 0,
     progress: Callable[[float], object] | None = None,
     calibrate: bool = True,
+    states: int | None = None,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
@@ -199,6 +200,13 @@ def make_fixture(
     calibrate : bool
         Whether to measure the precision floors (below) and keep them in
         :attr:`Fixture.floors`.
+    states : int, optional
+        A chunk length: keep the state entering each chunk of that many steps and its
+        cotangent (:attr:`Fixture.h`, :attr:`Fixture.dh`, from
+        :func:`~gdn_layout.reference.chunk_states`). The state after the last step
+        (:attr:`Fixture.final_state`) is kept whenever the state is carried, and with
+        ``states``. Calibrated, their floors and ``y``'s are measured as the gradients' are,
+        from the step-by-step form in float32, and kept in :attr:`Fixture.state_floors`.
 
     Returns
     -------
@@ -219,7 +227,9 @@ def make_fixture(
     ((336,), (1, 2, 8, 8), 'float64')
     """
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
-    return _fixture_of(layout, x, regime, int(seed), progress, calibrate)
+    if states is not None and non_negative_int(states, "make_fixture: states") < 1:
+        raise ValueError(f"make_fixture: states must be a chunk length of 1 or more, got {states}")
+    return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states)
 
 
 def _fixture_of(
@@ -229,29 +239,57 @@ def _fixture_of(
     seed: int,
     progress: Callable[[float], object] | None = None,
     calibrate: bool = True,
+    states: int | None = None,
 ) -> Fixture:
     """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
     state = None if x.state is None else x.state.astype(np.float64)
     q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
     wide = GdnInputs(q, k, v, g, beta, dy, state)
-    y = reference.forward(*wide[:5], state=wide.state, dtype=np.float64)
-    if isinstance(y, tuple):  # (y, final_state) when the state is carried
-        y = y[0]
+    truth = reference_outputs(wide, states, "chunked")
     packed = reference.backward(*wide, dtype=np.float64, progress=progress)
-    floors = None
+    floors = state_floors = None
     if calibrate:
         low = reference.backward(*x, dtype=np.float32, method="recurrent")
         floors = measure_floors(low, packed, layout)
+        if len(truth) > 1:  # the states are kept, and so are their floors and y's
+            state_floors = tensor_floors(reference_outputs(x, states, "recurrent"), truth)
     target = x.q.dtype
+
+    def kept(name: str) -> NDArray[Any] | None:
+        return None if name not in truth else np.asarray(truth[name]).astype(target)
+
     return Fixture(
         *x,
-        y=np.asarray(y).astype(target),
+        y=np.asarray(truth["y"]).astype(target),
         packed=np.asarray(packed).astype(target),
         regime=regime,
         seed=seed,
         compute_dtype="float64",
         floors=floors,
+        final_state=kept("final_state"),
+        h=kept("h"),
+        dh=kept("dh"),
+        states_chunk=states,
+        state_floors=state_floors,
     )
+
+
+def reference_outputs(
+    x: GdnInputs, states: int | None, method: Literal["chunked", "recurrent"]
+) -> dict[str, NDArray[Any]]:
+    """``y``, and the states a fixture keeps (``final_state`` when the state is carried or
+    ``states`` given, ``h`` and ``dh`` with ``states``), by ``method``: the float64 truth
+    (``"chunked"``, of float64 inputs) or the float32 step-by-step form (``"recurrent"``)."""
+    dtype = np.float64 if method == "chunked" else np.float32
+    result = reference.forward(*x[:5], state=x.state, dtype=dtype, method=method)
+    y, final = result if isinstance(result, tuple) else (result, None)
+    outputs = {"y": y}
+    if states is not None:
+        h, dh, final = reference.chunk_states(*x, chunk=states, dtype=dtype, method=method)
+        outputs.update(h=h, dh=dh)
+    if final is not None:
+        outputs["final_state"] = final
+    return outputs
 
 
 class _Case(NamedTuple):
@@ -379,7 +417,7 @@ def write_suite(
     files keep their seeds and bytes. ``manifest.json`` lists each file with its layout,
     regime, seed, dtype, size, SHA-256, the boundaries of each chunk size it crosses
     (``crosses``) and whether its batch rows are identical (``identical_rows``). The whole set
-    is about 70 MiB in float32. Returns the fixture paths. ``progress``, when given, is called
+    is about 71 MiB in float32. Returns the fixture paths. ``progress``, when given, is called
     with the fraction of the files written so far.
 
     The suite is all or nothing: it is written into a temporary folder next to ``directory``

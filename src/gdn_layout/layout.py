@@ -55,6 +55,7 @@ INPUT_NAMES: Final = {
 #: of ``dstate`` ``[B, H, N, N]``: key row ``i``, value column ``j``.
 _SEQUENCE_AXES: Final = ("b", "s", "h", "n")
 _STATE_AXES: Final = ("b", "h", "i", "j")
+_CHUNK_AXES: Final = ("b", "c", "h", "i", "j")
 
 
 class Segment(NamedTuple):
@@ -77,8 +78,12 @@ class Segment(NamedTuple):
 
 
 def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
-    """The axis names of the gradient ``name`` with ``ndim`` axes (see :attr:`Segment.axes`)."""
-    return _STATE_AXES if name == "dstate" else _SEQUENCE_AXES[:ndim]
+    """The axis names of the gradient ``name`` with ``ndim`` axes (see :attr:`Segment.axes`);
+    also of the states a fixture may hold: ``h`` and ``dh`` are ``("b", "c", "h", "i", "j")``
+    (``c`` the chunk), ``final_state`` is as ``dstate``, ``y`` as ``dq``."""
+    if name in ("h", "dh"):
+        return _CHUNK_AXES
+    return _STATE_AXES if name in ("dstate", "final_state") else _SEQUENCE_AXES[:ndim]
 
 
 @dataclass(frozen=True)

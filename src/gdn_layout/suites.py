@@ -32,18 +32,34 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from ._arrays import as_framework, as_packed
-from ._comparison import Comparison
-from ._criteria import Tolerance
+from ._checks import non_negative_int
+from ._comparison import Comparison, GradComparison
+from ._criteria import Floors, Tolerance, tensor_floors
 from ._fixture import REGIMES, Fixture, FixtureError, GdnInputs, load_checked
-from .compare import compare
-from .generate import make_fixture
+from .compare import compare, compare_tensor
+from .generate import make_fixture, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .packing import unpack
 
-__all__ = ["MANIFEST", "Case", "load_suite", "make_case", "suite_files", "verify_suite"]
+__all__ = [
+    "MANIFEST",
+    "STATE_TENSORS",
+    "Case",
+    "compare_states",
+    "load_suite",
+    "make_case",
+    "suite_files",
+    "verify_suite",
+]
 
 #: The name of a suite's manifest, in the suite's folder.
 MANIFEST = "manifest.json"
+#: The parts of a kernel besides its gradient that a case can judge, in the order a bisection
+#: compares them: the forward's output, the state entering each chunk, that state's cotangent,
+#: and the state after the last step.
+STATE_TENSORS = ("y", "h", "dh", "final_state")
+#: The chunk length of ``h`` and ``dh`` when a fixture keeps none: the usual kernels' 64.
+DEFAULT_CHUNK = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,6 +74,10 @@ class Case:
 
     name: str
     fixture: Fixture = field(repr=False)
+    #: The expected states and their floors computed for this case, by (tensor, chunk).
+    _states: dict[tuple[str, int], tuple[NDArray[Any], Floors]] = field(
+        default_factory=dict, repr=False, init=False
+    )
 
     @property
     def layout(self) -> GdnBackwardLayout:
@@ -177,6 +197,163 @@ class Case:
                 lines.append(rows)
             raise AssertionError("\n".join(lines))
         return result
+
+    def check_states(
+        self,
+        *,
+        y: object = None,
+        h: object = None,
+        dh: object = None,
+        final_state: object = None,
+        chunk: int | None = None,
+    ) -> dict[str, GradComparison]:
+        """Judge the parts of a kernel given (its ``y``, the state ``h`` entering each chunk
+        of ``chunk`` steps, that state's cotangent ``dh``, the ``final_state``) with
+        :func:`compare_states`, and raise AssertionError naming each that differs and its worst
+        element (chunk, batch, head and ``(i, j)`` for a state); return the comparisons when
+        all pass. Compare them in that order to find the first part of a kernel that is wrong.
+
+        Raises
+        ------
+        AssertionError
+            A part differs.
+        ValueError
+            No part is given, ``chunk`` is not a positive integer, or a part has another shape.
+        """
+        __tracebackhide__ = True
+        given = {"y": y, "h": h, "dh": dh, "final_state": final_state}
+        given = {name: value for name, value in given.items() if value is not None}
+        if not given:
+            raise ValueError("check_states: give at least one of y, h, dh, final_state")
+        results = {}
+        for name, actual in given.items():
+            expected, floors = _state_reference(self.fixture, name, chunk, self._states)
+            with self.fixture.unchanged():
+                results[name] = compare_tensor(
+                    actual, expected, name, floors=floors, func="check_states"
+                )
+        failed = [r for r in results.values() if not r.passed]
+        if failed:
+            lines = [f"case {self.name}: {', '.join(r.name for r in failed)} differ", ""]
+            for r in failed:
+                lines.append(f"  {r.summary()}")
+                if r.worst is not None:
+                    axes = ", ".join(f"{a}={i}" for a, i in zip(r.axes, r.worst, strict=True))
+                    lines.append(f"    worst at {axes}")
+            raise AssertionError("\n".join(lines))
+        return results
+
+
+def compare_states(
+    actual: object, fixture: Fixture, tensor: str = "h", *, chunk: int | None = None
+) -> GradComparison:
+    """A kernel's ``y``, ``h``, ``dh`` or ``final_state`` (``tensor``) judged against
+    ``fixture``'s, as its gradients are: by the calibrated criterion, against floors measured
+    the same way (the step-by-step form in float32), the worst element named in the tensor's
+    axes: ``[b, c, h, i, j]`` (batch, chunk, head, key row, value column) for ``h`` and ``dh``,
+    ``[b, h, i, j]`` for ``final_state``, ``[b, s, h, n]`` for ``y``.
+
+    ``h[b, c]`` is the state entering chunk ``c`` (steps ``c*chunk`` onward), ``dh[b, c]`` the
+    gradient of ``sum(y * dy)`` with respect to it (see
+    :func:`~gdn_layout.reference.chunk_states`). A fixture made with ``states=chunk`` holds
+    them and their floors; for any other (or another ``chunk``) they are computed from the
+    fixture's inputs by the float64 reference, as the fixture would have held them.
+
+    Parameters
+    ----------
+    actual : array_like
+        The kernel's tensor, in the shape of the fixture's (any array: NumPy, torch, ...).
+    fixture : Fixture
+        The case.
+    tensor : {"y", "h", "dh", "final_state"}
+        Which part of the kernel ``actual`` is.
+    chunk : int, optional
+        The chunk length of ``h`` and ``dh``: the fixture's ``states_chunk``, else 64.
+
+    Returns
+    -------
+    GradComparison
+        Named ``tensor``; ``str()`` of it is one line with the verdict.
+
+    Raises
+    ------
+    ValueError
+        ``tensor`` is unknown, ``chunk`` is not a positive integer, or ``actual`` has another
+        shape.
+    TypeError
+        ``actual`` is not a float array.
+    FixtureError
+        The fixture is memory-mapped and its file changed.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> from gdn_layout.generate import make_fixture
+    >>> from gdn_layout.reference import chunk_states
+    >>> fx = make_fixture(GdnBackwardLayout(1, 40, 2, 4, carry_state=True), states=16)
+    >>> h, dh, final = chunk_states(*fx.inputs, chunk=16, dtype=np.float32)
+    >>> compare_states(h, fx, "h").passed, compare_states(final, fx, "final_state").passed
+    (True, True)
+    >>> h[0, 2, 1] = 0  # the state entering chunk 2 lost, in head 1
+    >>> result = compare_states(h, fx, "h")
+    >>> result.passed, result.worst[:3]  # batch 0, chunk 2, head 1
+    (False, (0, 2, 1))
+    """
+    expected, floors = _state_reference(fixture, tensor, chunk)
+    with fixture.unchanged():
+        return compare_tensor(actual, expected, tensor, floors=floors)
+
+
+def state_shape(fixture: Fixture, tensor: str, chunk: int | None = None) -> tuple[int, ...]:
+    """The shape of ``tensor`` (one of :data:`STATE_TENSORS`) for ``fixture``'s layout and the
+    chunk length :func:`compare_states` takes for ``chunk``."""
+    size = _chunk_for(fixture, tensor, chunk)
+    layout = fixture.layout
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    if tensor == "y":
+        return layout.input_shape("y")
+    if tensor == "final_state":
+        return (b, h, n, n)
+    return (b, -(-s // size), h, n, n)
+
+
+def _chunk_for(fixture: Fixture, tensor: str, chunk: object) -> int:
+    if tensor not in STATE_TENSORS:
+        raise ValueError(f"compare_states: tensor must be one of {STATE_TENSORS}, got {tensor!r}")
+    if chunk is None:
+        return fixture.states_chunk or DEFAULT_CHUNK
+    size = non_negative_int(chunk, "compare_states: chunk")
+    if size < 1:
+        raise ValueError(f"compare_states: chunk must be a positive integer, got {chunk}")
+    return size
+
+
+def _state_reference(
+    fixture: Fixture, tensor: str, chunk: object, cache: dict[tuple[str, int], Any] | None = None
+) -> tuple[NDArray[Any], Floors]:
+    """The expected ``tensor`` of ``fixture`` and its floors: kept in the fixture where it
+    has them, else computed from its inputs (and kept in ``cache``)."""
+    size = _chunk_for(fixture, tensor, chunk)
+    stored = getattr(fixture, tensor)
+    if tensor in ("h", "dh") and size != fixture.states_chunk:
+        stored = None
+    floors = fixture.state_floors
+    if stored is not None and floors is not None and tensor in floors.get("float32", {}):
+        return stored, floors
+    key = (tensor, size)
+    if cache is not None and key in cache:
+        return cache[key]  # type: ignore[no-any-return]
+    x = fixture.inputs
+    wide = GdnInputs._make(None if a is None else np.asarray(a, np.float64) for a in x)
+    truth = reference_outputs(wide, size, "chunked")
+    low = reference_outputs(x, size, "recurrent")
+    measured = tensor_floors({tensor: low[tensor]}, {tensor: truth[tensor]})
+    expected = stored if stored is not None else truth[tensor].astype(fixture.dtype)
+    expected.flags.writeable = False
+    if cache is not None:
+        cache[key] = (expected, measured)
+    return expected, measured
 
 
 def _rows_unlike_the_first(case: Case, actual: object) -> str | None:

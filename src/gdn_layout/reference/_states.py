@@ -9,7 +9,7 @@ the state entering each, and its backward sweep carries the state's cotangent th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -32,6 +32,7 @@ def chunk_states(
     *,
     chunk: int = 64,
     dtype: DTypeLike = np.float64,
+    method: Literal["chunked", "recurrent"] = "chunked",
 ) -> tuple[_Array, _Array, _Array]:
     """The state entering every chunk, its cotangent, and the final state.
 
@@ -46,6 +47,9 @@ def chunk_states(
         The computation dtype, and that of the results. As in :func:`backward`, the chunked
         form's backward sweep computes in float64 whatever it is, from the float32 states:
         ``dh`` in float32 is the float64 cotangent rounded once.
+    method : {"chunked", "recurrent"}
+        As in :func:`backward`: ``"recurrent"`` is the spec's step-by-step form throughout,
+        in ``dtype`` (what the precision floors of states are measured with).
 
     Returns
     -------
@@ -110,8 +114,10 @@ def chunk_states(
         dh=np.empty((b, count, heads, n, n), compute),
         final=np.empty((b, heads, n, n), compute),
     )
+    if method not in ("chunked", "recurrent"):
+        raise ValueError(f"chunk_states: method must be 'chunked' or 'recurrent', got {method!r}")
     with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-        if _chunked.suits(inputs):
+        if method == "chunked" and _chunked.suits(inputs):
             _chunked.backward(inputs, None, every, _nothing, record)
         else:  # the step-by-step form computes the gradients too: into a scratch buffer
             _, scratch = empty(inputs.layout, compute)
