@@ -5,14 +5,11 @@ regime, the gate mode and whether a state is carried; :meth:`Case.draw` makes th
 its seed. The regimes:
 
 gates (``GATES``)
-    ``mild`` uniform in [-1, 0]; ``const<g>`` a constant log-gate ``g`` from -5 down to -80;
-    ``uniform<lo>,<hi>`` uniform strong decay; ``qwen`` Qwen3-Next's
-    ``g = -exp(A_log) * softplus(a + dt_bias)`` with ``exp(A_log)`` uniform in [1, 16] and
-    ``dt_bias`` standard normal per head, ``a`` standard normal per step (and channel);
-    ``mixed`` the fixtures' regime: each element no decay (0), mild (uniform in
-    [-0.1, -0.001]) or strong (uniform in [-8, -3]) at random; ``spiky`` mostly mild (uniform
-    in [-0.1, 0]) with 10% of the steps (per batch element and head, all channels at once)
-    at -30.
+    ``uniform<lo>,<hi>`` uniform in ``[lo, hi]`` (``uniform-1,0``: gentle decay);
+    ``const<g>`` a constant log-gate ``g`` from -5 down to -80; ``qwen`` and ``mixed`` the
+    library's regimes of those names (:mod:`gdn_layout.regimes`: Qwen3-Next's gates; each
+    element no decay, mild or strong at random); ``spiky`` mostly mild (uniform in [-0.1, 0])
+    with 10% of the steps (per batch element and head, all channels at once) at -30.
 norms (``NORMS``)
     ``unit`` L2-normalised ``q`` and ``k`` (what the op's callers pass); ``upto4`` normalised
     vectors scaled by a norm drawn uniformly in (0, 4] per step and head; ``raw`` plain standard
@@ -35,13 +32,15 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from gdn_layout.regimes import draw_gate
+
 __all__ = ["BETAS", "GATES", "NORMS", "STRONG_DECAY", "Case", "Inputs"]
 
 Array = NDArray[Any]
 Inputs = dict[str, Array]
 
 STRONG_DECAY = ("const-5", "const-12", "const-20", "const-40", "const-80")
-GATES = ("mild", *STRONG_DECAY, "uniform-30,-10", "uniform-80,-5", "qwen", "spiky", "mixed")
+GATES = ("uniform-1,0", *STRONG_DECAY, "uniform-30,-10", "uniform-80,-5", "qwen", "spiky", "mixed")
 NORMS = ("unit", "upto4", "raw", "key3")
 BETAS = ("uniform", "zero", "one", "mixed")
 
@@ -50,25 +49,13 @@ def _gates(
     rng: np.random.Generator, regime: str, shape: tuple[int, ...], per_head: tuple[int, int, int]
 ) -> Array:
     """Log-gates of ``shape`` (``[B, S, H]`` or ``[B, S, H, N]``) in ``regime``."""
-    heads = per_head[2]
-    if regime == "mild":
-        return rng.uniform(-1.0, 0.0, shape)
+    if regime in ("qwen", "mixed"):  # one definition, the fixtures'
+        return draw_gate(rng, shape, regime)
     if regime.startswith("const"):
         return np.full(shape, float(regime.removeprefix("const")))
     if regime.startswith("uniform"):
         low, high = (float(x) for x in regime.removeprefix("uniform").split(","))
         return rng.uniform(low, high, shape)
-    if regime == "qwen":
-        extra = (1,) * (len(shape) - 3)
-        rate = rng.uniform(1.0, 16.0, heads).reshape(1, 1, heads, *extra)  # exp(A_log)
-        dt_bias = rng.standard_normal(heads).reshape(1, 1, heads, *extra)
-        a = rng.standard_normal(shape)
-        return -rate * np.logaddexp(0.0, a + dt_bias)  # softplus, without overflow
-    if regime == "mixed":  # the fixtures' regime: no decay, mild or strong, element by element
-        choice = rng.integers(0, 3, shape)
-        return np.choose(
-            choice, [np.zeros(shape), rng.uniform(-0.1, -0.001, shape), rng.uniform(-8, -3, shape)]
-        )
     if regime == "spiky":
         g = rng.uniform(-0.1, 0.0, shape)
         spikes = rng.random(per_head) < 0.1
@@ -113,7 +100,7 @@ class Case:
     seq: int = 8
     heads: int = 1
     n: int = 4
-    gates: str = "mild"
+    gates: str = "uniform-1,0"
     per_channel: bool = False
     carry: bool = False
     norms: str = "unit"

@@ -155,7 +155,7 @@ def test_chunk_sizes_in_float32(chunk: int, seq: int, per_channel: bool, carry: 
     [
         Case(2, 21, 2, 1, gates="qwen", carry=True),  # N = 1
         Case(1, 21, 2, 4, gates="spiky", per_channel=True, norms="upto4", beta="one"),
-        Case(1, 33, 1, 4, gates="mild", norms="key3", carry=True),
+        Case(1, 33, 1, 4, gates="uniform-1,0", norms="key3", carry=True),
     ],
     ids=str,
 )

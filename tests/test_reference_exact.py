@@ -345,7 +345,7 @@ def loss(inputs: Inputs) -> tuple[float, float]:
         Case(1, 5, 1, 3, gates="uniform-30,-10", beta="mixed", seed=14),
         Case(1, 6, 1, 2, gates="qwen", norms="upto4", seed=15),
         Case(1, 7, 1, 2, gates="spiky", norms="key3", seed=16),
-        Case(1, 4, 2, 3, gates="mild", norms="raw", seed=17),
+        Case(1, 4, 2, 3, gates="uniform-1,0", norms="raw", seed=17),
         Case(1, 5, 1, 4, gates="uniform-80,-5", norms="upto4", beta="zero", seed=18),
         Case(1, 6, 1, 3, gates="const-20", norms="key1.4", beta="one", seed=19),
     ],

@@ -71,6 +71,7 @@ LAYERS = [
     "_errormap",
     "_files",
     "_picture",
+    "regimes",
     "layout",
     "_limits",
     "packing",

@@ -33,12 +33,12 @@ from ._safetensors import Entry, FixtureError, dtype_code
 from ._version import __version__
 from .layout import GdnBackwardLayout
 from .packing import GdnGrads, unpack
+from .regimes import REGIMES
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MAP_THRESHOLD",
-    "REGIMES",
     "FileStamp",
     "Fixture",
     "FixtureError",
@@ -53,9 +53,6 @@ __all__ = [
 FORMAT: Final = "gdn-layout-fixture"
 #: The ``format_version`` this module writes and the only one it reads.
 FORMAT_VERSION: Final = 1
-#: The gate regimes a fixture can record; :func:`gdn_layout.generate.draw_inputs` draws each.
-#: New regimes go at the end: the standard suite numbers its files (and seeds) in this order.
-REGIMES: Final = ("zero", "mild", "strong", "mixed", "qwen", "extreme")
 #: The tensors of a fixture file, in the reference's argument order then ``y`` and ``packed``.
 TENSOR_NAMES: Final = ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed")
 #: The states a fixture may also hold: the state after the last step (whenever the state is

@@ -35,7 +35,7 @@ from ._cli_values import (
     tolerance,
 )
 from ._dtypes import is_floating, resolve
-from ._fixture import REGIMES, FixtureError, load_fixture, save_fixture
+from ._fixture import FixtureError, load_fixture, save_fixture
 from ._limits import human_bytes, impossible_arrays, memory_refusal
 from ._packed import PackedFile, open_packed
 from ._process import escaping_output, report, sigterm_as_exit
@@ -46,6 +46,7 @@ from .compare import compare
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
+from .regimes import REGIMES
 from .suites import MANIFEST, STATE_TENSORS, compare_states, state_shape, suite_files, verify_suite
 
 __all__ = ["main"]

@@ -21,6 +21,11 @@ order. Its ``__metadata__`` (string values only) records:
     ``{dtype: {gradient: [rms, max]}}``, measured by :func:`make_fixture`; what
     :func:`~gdn_layout.compare` judges a kernel against (see :mod:`gdn_layout.compare`).
     Files without it load as before.
+``states_chunk``, ``state_floors``
+    with tensors ``h`` and ``dh`` (the state entering each chunk of ``states_chunk`` steps, and
+    its cotangent, ``[B, ceil(S / states_chunk), H, N, N]``), and ``final_state``
+    (``[B, H, N, N]``, kept whenever the state is carried): the floors of those and of ``y``,
+    as ``floors`` are of the gradients (see :func:`make_fixture`'s ``states``).
 
 The record and its files are in :mod:`gdn_layout._fixture`, the format in
 :mod:`gdn_layout._safetensors` and generation in :mod:`gdn_layout.generate`; this module
@@ -62,7 +67,6 @@ from ._fixture import (
     FORMAT,
     FORMAT_VERSION,
     MAP_THRESHOLD,
-    REGIMES,
     Fixture,
     FixtureError,
     GdnInputs,
@@ -71,6 +75,7 @@ from ._fixture import (
 )
 from ._packed import PackedFile, open_packed
 from .generate import draw_inputs, make_fixture, write_suite
+from .regimes import REGIMES
 
 __all__ = [
     "FORMAT",

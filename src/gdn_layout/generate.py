@@ -26,7 +26,6 @@ from ._files import Temporaries, atomic_write, install_folder, open_regular, rem
 from ._fixture import (
     FORMAT,
     FORMAT_VERSION,
-    REGIMES,
     Fixture,
     GdnInputs,
     check_seed,
@@ -36,6 +35,7 @@ from ._fixture import (
 from ._safetensors import dtype_code
 from ._version import __version__
 from .layout import GdnBackwardLayout
+from .regimes import REGIMES, draw_gate
 
 __all__ = ["REGIMES", "draw_inputs", "make_fixture", "write_suite"]
 
@@ -54,24 +54,9 @@ def draw_inputs(
     """Random inputs for ``layout`` as the op expects them, in ``dtype``.
 
     ``q`` and ``k`` are L2-normalised over ``N``; ``v``, ``dy`` and ``state`` are standard
-    normal; ``beta`` is uniform in ``[0.05, 0.95]``. The log-gate ``g`` depends on ``regime``:
-
-    ``"zero"``
-        ``g = 0``: no decay.
-    ``"mild"``
-        ``g`` uniform in ``[-0.1, -0.001]``: ``exp(g)`` near 1.
-    ``"strong"``
-        ``g`` uniform in ``[-8, -3]``: ``exp(g)`` near 0.
-    ``"mixed"``
-        each element of ``g`` drawn from one of the three above, at random.
-    ``"qwen"``
-        as Qwen3-Next computes its gates: ``g = -exp(A_log) * softplus(a + dt_bias)``, with
-        ``exp(A_log)`` uniform in ``[1, 16]`` and ``dt_bias`` uniform in ``[-1, 1]`` per head
-        (model parameters, shared by the batch), and ``a`` standard normal per step (per step
-        and key channel for a per-channel gate). ``g`` lies in about ``[-80, -0.01]``.
-    ``"extreme"``
-        ``g`` uniform in ``[-30, -10]``: ``exp(g)`` below ``5e-5``, down to ``1e-13``, where
-        a kernel that divides by cumulative decays overflows.
+    normal; ``beta`` is uniform in ``[0.05, 0.95]``. The log-gate ``g`` is drawn as
+    ``regime`` says (:mod:`gdn_layout.regimes`: ``"zero"``, ``"mild"``, ``"strong"``,
+    ``"mixed"``, ``"qwen"``, ``"extreme"``).
 
     Each tensor has its own random stream, so ``q`` is the same for every regime and gate
     mode of a seed, and a layout with ``carry_state`` shares all other inputs with the one
@@ -128,7 +113,7 @@ def draw_inputs(
         "q": unit(streams["q"]),
         "k": unit(streams["k"]),
         "v": streams["v"].standard_normal(qkv),
-        "g": _gate(streams["g"], layout.input_shape("g"), regime),
+        "g": draw_gate(streams["g"], layout.input_shape("g"), regime),
         "beta": streams["beta"].uniform(0.05, 0.95, layout.input_shape("beta")),
         "dy": streams["dy"].standard_normal(layout.input_shape("dy")),
         "state": (
@@ -139,29 +124,6 @@ def draw_inputs(
     }
     cast = {n: None if a is None else a.astype(target) for n, a in drawn.items()}
     return GdnInputs(**cast)  # type: ignore[arg-type]
-
-
-def _gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:
-    if regime == "qwen":
-        # Per head, broadcast over the batch, the steps and (per channel) the key channels.
-        per_head = shape[2:3] + (1,) * (len(shape) - 3)
-        decay = rng.uniform(1.0, 16.0, per_head)  # exp(A_log)
-        dt_bias = rng.uniform(-1.0, 1.0, per_head)
-        a = rng.standard_normal(shape)
-        return -decay * np.logaddexp(0.0, a + dt_bias)  # softplus(x) = log(1 + exp(x))
-    if regime == "extreme":
-        return rng.uniform(-30.0, -10.0, shape)
-    # The bounds keep every regime apart after a cast to bfloat16 too: mild never rounds to 0.
-    mild = rng.uniform(-0.1, -0.001, shape)
-    strong = rng.uniform(-8.0, -3.0, shape)
-    if regime == "zero":
-        return np.zeros(shape)
-    if regime == "mild":
-        return mild
-    if regime == "strong":
-        return strong
-    pick = rng.integers(0, 3, shape)
-    return np.select([pick == 1, pick == 2], [mild, strong], 0.0)
 
 
 def make_fixture(

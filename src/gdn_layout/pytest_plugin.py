@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from ._fixture import REGIMES
+from .regimes import REGIMES
 from .suites import Case
 
 __all__ = ["gdn_case"]
@@ -104,7 +104,6 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
     from ._limits import impossible_arrays, memory_refusal
-    from .fixtures import REGIMES
     from .layout import GdnBackwardLayout
     from .suites import make_case
 

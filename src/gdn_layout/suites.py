@@ -35,11 +35,12 @@ from ._arrays import as_framework, as_packed
 from ._checks import non_negative_int
 from ._comparison import Comparison, GradComparison
 from ._criteria import Floors, Tolerance, tensor_floors
-from ._fixture import REGIMES, Fixture, FixtureError, GdnInputs, load_checked
+from ._fixture import Fixture, FixtureError, GdnInputs, load_checked
 from .compare import compare, compare_tensor
 from .generate import make_fixture, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .packing import unpack
+from .regimes import REGIMES
 
 __all__ = [
     "MANIFEST",

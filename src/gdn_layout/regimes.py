@@ -1,0 +1,75 @@
+"""The gate regimes: one definition that fixture generation, suites, the command line, the
+pytest plugin and the tests draw from.
+
+A regime says how the log-gate ``g`` is drawn (the decay of a step is ``exp(g)``):
+
+``"zero"``
+    ``g = 0``: no decay, where bugs in the state's path show most.
+``"mild"``
+    ``g`` uniform in ``[-0.1, -0.001]``: ``exp(g)`` near 1.
+``"strong"``
+    ``g`` uniform in ``[-8, -3]``: ``exp(g)`` near 0.
+``"mixed"``
+    each element of ``g`` drawn from one of the three above, at random.
+``"qwen"``
+    as Qwen3-Next computes its gates: ``g = -exp(A_log) * softplus(a + dt_bias)``, with
+    ``exp(A_log)`` uniform in ``[1, 16]`` and ``dt_bias`` uniform in ``[-1, 1]`` per head
+    (model parameters, shared by the batch), and ``a`` standard normal per step (per step and
+    key channel for a per-channel gate). ``g`` lies in about ``[-80, -0.01]``.
+``"extreme"``
+    ``g`` uniform in ``[-30, -10]``: ``exp(g)`` below ``5e-5``, down to ``1e-13``, where a
+    kernel that divides by cumulative decays overflows.
+
+New regimes go at the end of :data:`REGIMES`: the standard suite numbers its files (and seeds)
+in this order.
+
+>>> import numpy as np
+>>> g = draw_gate(np.random.default_rng(0), (1, 4, 2), "strong")
+>>> bool(((-8 <= g) & (g <= -3)).all())
+True
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+__all__ = ["REGIMES", "draw_gate"]
+
+#: Every gate regime, in the standard suite's order.
+REGIMES: Final = ("zero", "mild", "strong", "mixed", "qwen", "extreme")
+
+
+def draw_gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:
+    """Log-gates of ``shape`` (``[B, S, H]``, or ``[B, S, H, N]`` per channel) in ``regime``,
+    one of :data:`REGIMES`, drawn from ``rng``.
+
+    Raises
+    ------
+    ValueError
+        ``regime`` is not one of :data:`REGIMES`.
+    """
+    if regime not in REGIMES:
+        raise ValueError(f"draw_gate: regime must be one of {REGIMES}, got {regime!r}")
+    if regime == "qwen":
+        # Per head, broadcast over the batch, the steps and (per channel) the key channels.
+        per_head = shape[2:3] + (1,) * (len(shape) - 3)
+        decay = rng.uniform(1.0, 16.0, per_head)  # exp(A_log)
+        dt_bias = rng.uniform(-1.0, 1.0, per_head)
+        a = rng.standard_normal(shape)
+        return -decay * np.logaddexp(0.0, a + dt_bias)  # softplus(x) = log(1 + exp(x))
+    if regime == "extreme":
+        return rng.uniform(-30.0, -10.0, shape)
+    # The bounds keep every regime apart after a cast to bfloat16 too: mild never rounds to 0.
+    mild = rng.uniform(-0.1, -0.001, shape)
+    strong = rng.uniform(-8.0, -3.0, shape)
+    if regime == "zero":
+        return np.zeros(shape)
+    if regime == "mild":
+        return mild
+    if regime == "strong":
+        return strong
+    pick = rng.integers(0, 3, shape)
+    return np.select([pick == 1, pick == 2], [mild, strong], 0.0)
