@@ -87,7 +87,10 @@ def test_float64_catches_what_float32_catches(
     bug: Bug, wide_suite: list[Fixture], narrow_suite: list[Fixture]
 ) -> None:
     def names(fixtures: list[Fixture]) -> set[str]:
-        return {fx.path.name for fx in fixtures if fx.path and not _judged(fx, bug(fx))}
+        # A recomputing bug over the first suite's shapes (S <= 130) only: they are where
+        # rtol = atol = 1e-7 let float64 bugs through, and the rest cost seconds each.
+        cheap = [fx for fx in fixtures if bug is not gate_one_step_late or fx.layout.seq <= 130]
+        return {fx.path.name for fx in cheap if fx.path and not _judged(fx, bug(fx))}
 
     caught32 = names(narrow_suite)
     assert caught32  # the bug is one float32 sees
