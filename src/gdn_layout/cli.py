@@ -148,6 +148,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write -o PATH even when its name does not end in .safetensors",
     )
+    fixture.add_argument(
+        "--workers",
+        type=_workers,
+        default=None,
+        metavar="N",
+        help="threads to compute with (default: every core this process may use); the files "
+        "are the same for every N",
+    )
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)
 
@@ -242,6 +250,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _workers(text: str) -> int:
+    """``--workers``: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
     *dims, flags = args.layout_defaults
     given = (args.batch, args.seq, args.heads, args.state_size)
@@ -302,7 +321,12 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
         progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
         paths = write_suite(
-            args.suite, dtype=dtype, seed=args.seed, overwrite=args.force, progress=progress.update
+            args.suite,
+            dtype=dtype,
+            seed=args.seed,
+            overwrite=args.force,
+            progress=progress.update,
+            workers=args.workers,
         )
         progress.done()
         total = sum(path.stat().st_size for path in paths)
@@ -321,7 +345,12 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     regime = args.gate_regime or "mixed"
     progress = Progress(enabled=not args.quiet and stderr_is_terminal())
     fixture = make_fixture(
-        layout, dtype=dtype, regime=regime, seed=args.seed, progress=progress.update
+        layout,
+        dtype=dtype,
+        regime=regime,
+        seed=args.seed,
+        progress=progress.update,
+        workers=args.workers,
     )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()

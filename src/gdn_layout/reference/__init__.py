@@ -321,7 +321,11 @@ def backward(
     def run(batch: slice, heads: slice) -> None:
         part = _part(inputs, batch, heads)
         views = GdnGrads(
-            *(grad[batch, :, heads] for grad in grads[:5]),
+            grads.dq[batch, :, heads],
+            grads.dk[batch, :, heads],
+            grads.dv[batch, :, heads],
+            grads.dg[batch, :, heads],
+            grads.dbeta[batch, :, heads],
             None if grads.dstate is None else grads.dstate[batch, heads],
         )
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
@@ -435,9 +439,7 @@ def _groups(batch: int, heads: int, count: int) -> list[tuple[slice, slice]]:
     if batch >= count:
         return [(rows, slice(0, heads)) for rows in _ranges(batch, count)]
     per_row = -(-count // batch)
-    return [
-        (slice(row, row + 1), part) for row in range(batch) for part in _ranges(heads, per_row)
-    ]
+    return [(slice(row, row + 1), part) for row in range(batch) for part in _ranges(heads, per_row)]
 
 
 def _ranges(size: int, count: int) -> Iterator[slice]:

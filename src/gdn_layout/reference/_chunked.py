@@ -347,7 +347,8 @@ def part_of(stacks: list[Stack], batch: slice, heads: slice) -> list[Stack]:
         pairs = stack.pairs
         if pairs is not None:
             count = len(stack.bounds)
-            assert heads.start is not None and heads.stop is not None
+            assert heads.start is not None
+            assert heads.stop is not None
             pairs = pairs[batch, heads.start * count : heads.stop * count]
         part.append(Stack(stack.bounds, pairs))
     return part
@@ -366,9 +367,7 @@ def forward(x: Inputs, state: _Array, y: _Array, stacks: list[Stack]) -> None:
         _scatter(y, out, st)
 
 
-def backward(
-    x: Inputs, grads: GdnGrads, stacks: list[Stack], tick: Callable[[], None]
-) -> None:
+def backward(x: Inputs, grads: GdnGrads, stacks: list[Stack], tick: Callable[[], None]) -> None:
     """Backward by chunks, one stack of ``stacks`` at a time.
 
     The forward sweep keeps, for the backward sweep, the state entering every stack:
@@ -377,7 +376,7 @@ def backward(
     forms the rest again, in float64: each chunk's system, the state entering it, and what each
     step wrote.
     """
-    b, h, s, n = x.q.shape
+    b, h, _, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
     kept = []
     for stack in stacks:
@@ -391,16 +390,16 @@ def backward(
     d_state = np.zeros((b, h, n, n), _WIDE)
     wide = _Widener()
     while kept:
-        stack = kept.pop()
-        st = _stack(x, stack.bounds, backward=True)
+        entry = kept.pop()
+        st = _stack(x, entry.bounds, backward=True)
         assert st.q is not None
         assert st.dy is not None
         rows = wide.rows(st.q, st.k)
         st = st._replace(
             v=wide("v", st.v), g=wide("g", st.g), beta=wide("beta", st.beta), dy=wide("dy", st.dy)
         )
-        pre = _prepare(st, stack, rows)
-        solved = _advance(st, pre, wide("entry", stack.entry))  # in place: the copy is ours
+        pre = _prepare(st, entry, rows)
+        solved = _advance(st, pre, wide("entry", entry.entry))  # in place: the copy is ours
         _backward_stack(x, grads, st, pre, solved, d_state)
         tick()
     if grads.dstate is not None:
