@@ -27,14 +27,13 @@ Array = NDArray[Any]
 
 def plain_backward(x: list[Any], dtype: Any, per_channel: bool) -> list[Array]:
     """The spec's backward, step by step, with every intermediate a fresh array."""
-    q, k, v, g, beta, dy, state0 = (
-        None if a is None else np.moveaxis(np.asarray(a, dtype), 1, 2).copy() for a in x
-    )
+    q, k, v, g, beta, dy = (np.moveaxis(np.asarray(a, dtype), 1, 2).copy() for a in x[:6])
+    state0 = None if x[6] is None else np.asarray(x[6], dtype)
     if not per_channel:
         g = g[..., None]
     b, h, s, n = q.shape
     c = 1.0 / math.sqrt(n) if n else 1.0  # a Python float, as the reference's
-    state = np.zeros((b, h, n, n), dtype) if state0 is None else np.moveaxis(state0, 1, 2).copy()
+    state = np.zeros((b, h, n, n), dtype) if state0 is None else state0.copy()
     states = [state.copy()]
     for t in range(s):
         state = state * np.exp(g[:, :, t])[..., :, None]
@@ -102,7 +101,7 @@ def test_the_step_by_step_form_is_the_plain_spec_bit_for_bit(
     with np.errstate(all="ignore"):
         expected = plain_backward(x, dtype, layout.gate_per_channel)
     try:
-        flat = backward(*x, dtype=dtype, method="recurrent", checkpoint_every=3, workers=workers)  # type: ignore[arg-type]
+        flat = backward(*x, dtype=dtype, method="recurrent", checkpoint_every=3, workers=workers)
     except FloatingPointError:
         return  # an overflow the plain form shares
     for name, got, want in zip(layout.names, unpack(flat, layout), expected, strict=False):
