@@ -69,6 +69,22 @@ float64; the chunked peer (float64 copy) per head with and without a carried sta
 problem whose length is not a multiple of its chunk, and on the first benchmark configuration,
 in float64; and the package's float32 function against the float64 reference, loosely.
 
+Beside it, ``chunk GF/s`` is the rate in the chunked algorithm's own matrix-product flops
+(:func:`chunked_flops`: what its forward and backward sweeps multiply, per chunk of ``L`` steps,
+``22 L N^2 + 26 L^2 N + 16/3 L^3`` per (batch, head), elementwise work left out).
+
+Two more sections follow the table, each run in its own subprocess with one BLAS thread:
+
+* **fixture / truth**: :func:`gdn_layout.fixtures.make_fixture` (float64 forward and backward,
+  the float32 step-by-step form, the floors) over the float64 backward alone on the same
+  inputs (the fixture's truth), with the time of each part; at B=1, S=4096, H=16, N=128, and
+  at the real scale below unless ``--quick``.
+* **workers**: the float64 backward at B=1, S=4096, H=16, N=64 with ``workers=1`` and
+  ``workers=2`` (best of several, interleaved), its scaling, its rate in the chunked
+  algorithm's flops beside ``np.matmul``'s in as many threads, and the scaling of that matmul
+  itself in the same run: on a shared machine the second core may be busy, and the matmul's
+  own scaling says how much of it there was to take.
+
 The last row is at a real model's scale (Qwen3-Next's linear attention: B=1, S=8192, H=16,
 N=128, float32): autograd of the recurrence is not run there (its extrapolated time and memory
 are printed instead); the chunked peer is run with a time limit.
@@ -85,6 +101,7 @@ import argparse
 import importlib
 import inspect
 import json
+import math
 import os
 import resource
 import subprocess
@@ -131,6 +148,24 @@ class Config(NamedTuple):
     def flops(self) -> int:
         """Recurrence-equivalent flops of forward + backward: ``22 * B * S * H * N^2``."""
         return 22 * self.batch * self.seq * self.heads * self.size**2
+
+    def chunked_flops(self) -> float:
+        """The chunked backward's own matrix-product flops (:func:`chunked_flops`)."""
+        return chunked_flops(self.batch, self.seq, self.heads, self.size)
+
+
+def chunked_flops(batch: int, seq: int, heads: int, size: int) -> float:
+    """Matrix-product flops of the chunked backward, forward sweep included.
+
+    Per chunk of ``L = min(64, 4N)`` steps and per (batch, head), a multiply-add counted as 2:
+    the products with the ``N x N`` state (``r``, the state's update, their backward, ``d_xe``:
+    ``22 L N^2``), the chunk's ``L x L`` couplings with ``N``-vectors (``lx`` twice, ``inv @``,
+    their backward: ``26 L^2 N``), and the triangular inverses, pair decays and straddling
+    sums (``16/3 L^3``).
+    """
+    length = max(1, min(64, 4 * size))
+    per_step = 22 * size**2 + 26 * length * size + 16 / 3 * length**2
+    return float(batch * seq * heads * per_step)
 
 
 def make_inputs(config: Config, seed: int = 0) -> dict[str, Array]:
@@ -205,10 +240,24 @@ def torch_side(tensors: dict[str, Any]) -> dict[str, Any]:
 def peer_available() -> str | None:
     """None when the chunked peer can be loaded, else why not."""
     try:
-        importlib.import_module(_PEER_MODULE)
+        load_peer("float64")
     except Exception as error:  # ImportError, or a transformers that fails on this torch
-        return f"transformers' {_PEER_NAME} cannot be imported ({error})"
+        return f"transformers' {_PEER_NAME} cannot be loaded ({type(error).__name__}: {error})"
     return None
+
+
+def _undecorated(peer: Any) -> Callable[..., Any]:
+    """The PyTorch function under transformers' decorators: ``inspect.unwrap``, and where the
+    decorator made a module (transformers 5.25 and later), the function its ``forward`` calls."""
+    function = inspect.unwrap(peer)
+    if not inspect.isfunction(function):
+        forward = getattr(type(function), "forward", None)
+        inner = inspect.getclosurevars(forward).nonlocals.get("func") if forward else None
+        if inner is None:
+            raise RuntimeError(f"cannot find the PyTorch function inside {type(peer).__name__}")
+        function = inspect.unwrap(inner)
+    found: Callable[..., Any] = function
+    return found
 
 
 def load_peer(dtype: str) -> Callable[..., Any]:
@@ -220,7 +269,7 @@ def load_peer(dtype: str) -> Callable[..., Any]:
     ``torch.float64``; the rest of the source is unchanged.
     """
     module = importlib.import_module(_PEER_MODULE)
-    function: Callable[..., Any] = inspect.unwrap(getattr(module, _PEER_NAME))
+    function = _undecorated(getattr(module, _PEER_NAME))
     if dtype == "float32":
         return function
     if dtype != "float64":
@@ -382,7 +431,75 @@ def matmul_gflops(dtype: str, size: int = 512, repeats: int = 30) -> float:
     return 2 * size**3 / best / 1e9
 
 
+def fixture_worker(config: Config) -> dict[str, Any]:
+    """Time ``make_fixture`` and its parts against the float64 backward (the truth)."""
+    from gdn_layout import reference
+    from gdn_layout._criteria import measure_floors
+    from gdn_layout.fixtures import draw_inputs, make_fixture
+
+    layout = GdnBackwardLayout(
+        config.batch, config.seq, config.heads, config.size, carry_state=True
+    )
+    make_fixture(GdnBackwardLayout(1, 8, 2, 4, carry_state=True))  # warm-up
+    x = draw_inputs(layout, dtype=np.float32)
+    wide: list[Any] = [None if a is None else a.astype(np.float64) for a in x]
+
+    def timed(run: Callable[[], Any]) -> tuple[Any, float]:
+        start = time.perf_counter()
+        result = run()
+        return result, time.perf_counter() - start
+
+    times: dict[str, float] = {}
+    packed, times["truth"] = timed(lambda: backward(*wide, dtype=np.float64))
+    q, k, v, g, beta, _dy, state = wide
+    _, times["forward"] = timed(lambda: reference.forward(q, k, v, g, beta, state))
+    low, times["step by step"] = timed(lambda: backward(*x, dtype=np.float32, method="recurrent"))
+    _, times["floors"] = timed(lambda: measure_floors(low, packed, layout))
+    _, times["fixture"] = timed(lambda: make_fixture(layout))
+    _, times["truth again"] = timed(lambda: backward(*wide, dtype=np.float64))
+    return times
+
+
+def scaling_worker(config: Config) -> dict[str, Any]:
+    """The float64 backward with one and two workers, and a two-thread matmul's scaling."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    inputs = make_inputs(config)
+    q, k, v, g, beta = (inputs[name] for name in _NAMES)
+    args = (q, k, v, g, beta, inputs["dy"], inputs.get("state"))
+    tiny: list[Any] = [a[:, :8] for a in args[:6]] + [args[6]]  # the first 8 steps
+    backward(*tiny)  # warm-up
+    best = {1: math.inf, 2: math.inf}
+    for _ in range(config.repeats):
+        for workers in best:
+            start = time.perf_counter()
+            backward(*args, dtype=config.dtype, workers=workers)
+            best[workers] = min(best[workers], time.perf_counter() - start)
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((512, 512)).astype(config.dtype) for _ in range(2))
+
+    def products(_: int) -> None:
+        for _ in range(20):
+            np.matmul(a, b)
+
+    matmul = {1: math.inf, 2: math.inf}
+    for _ in range(5):
+        for threads in matmul:
+            start = time.perf_counter()
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(products, range(threads)))
+            matmul[threads] = min(matmul[threads], (time.perf_counter() - start) / threads)
+    return {
+        "time": best,
+        "matmul_gflops": {t: 20 * 2 * 512**3 / v / 1e9 for t, v in matmul.items()},
+    }
+
+
 def worker(side: str, config: Config) -> dict[str, Any]:
+    if side == "fixture":
+        return fixture_worker(config)
+    if side == "scaling":
+        return scaling_worker(config)
     inputs = make_inputs(config)
     tiny = make_inputs(config._replace(seq=4))
     run: Callable[[], object]
@@ -500,6 +617,7 @@ _COLUMNS = (
     ("ch/ag", 6),
     ("ref traced", 11),
     ("GFLOP/s", 7),
+    ("chunk GF/s", 10),
     ("matmul", 7),
 )
 
@@ -629,6 +747,7 @@ def main() -> int:
                     _ratio(m_peer, m_ag, ""),
                     _mib(ours["traced_peak"]),
                     f"{config.flops() / ours['time'] / 1e9:.2f}",
+                    f"{config.chunked_flops() / ours['time'] / 1e9:.2f}",
                     f"{ours['matmul_gflops']:.1f}",
                 ]
             ),
@@ -640,14 +759,45 @@ def main() -> int:
         "autograd; reference: backward()). ag/ref, ch/ref: baseline time / reference time.\n"
         "peak: growth of peak RSS during the first full backward; ref/ag, ch/ag: that peak / "
         "autograd's. ref traced: tracemalloc peak of the reference backward.\n"
-        "GFLOP/s: recurrence-equivalent rate of the reference, 22*B*S*H*N^2 / time; matmul: "
-        "single-thread np.matmul of 512x512 in the row's dtype, best of 30.\n"
+        "GFLOP/s: recurrence-equivalent rate of the reference, 22*B*S*H*N^2 / time; chunk GF/s: "
+        "in the chunked algorithm's own matrix-product flops; matmul: single-thread np.matmul "
+        "of 512x512 in the row's dtype, best of 30.\n"
         "chunked: transformers' torch_chunk_gated_delta_rule (chunk 64, pads S itself); in "
         "float64 a copy of its source with its float32 cast retargeted to float64."
     )
     for note in notes:
         print(note)
+    fixture_and_workers(args.quick)
     return 0
+
+
+def fixture_and_workers(quick: bool) -> None:
+    """The fixture / truth and workers sections (see the module docstring)."""
+    print("\nfixture / truth: make_fixture (float32, carried state) over the float64 backward")
+    shapes = [(1, 512, 4, 32)] if quick else [(1, 4096, 16, 128), (1, 8192, 16, 128)]
+    for batch, seq, heads, size in shapes:
+        config = Config(batch, seq, heads, size, "float32", False, True, 1)
+        times = measure("fixture", config)
+        truth = min(times["truth"], times["truth again"])
+        parts = ", ".join(
+            f"{name} {times[name]:.2f}s" for name in ("forward", "step by step", "floors")
+        )
+        print(
+            f"B={batch} S={seq} H={heads} N={size}: fixture {times['fixture']:.2f}s, truth "
+            f"{truth:.2f}s, ratio {times['fixture'] / truth:.2f} ({parts})"
+        )
+    print("\nworkers: the float64 backward, one BLAS thread per worker")
+    config = Config(1, 512 if quick else 4096, 4 if quick else 16, 64, "float64", False, True, 3)
+    result = measure("scaling", config)
+    one, two = result["time"]["1"], result["time"]["2"]
+    peak = result["matmul_gflops"]
+    print(
+        f"{config.label()}: workers=1 {one:.3f}s, workers=2 {two:.3f}s, scaling {one / two:.2f}x; "
+        f"chunk GF/s {config.chunked_flops() / one / 1e9:.1f} and "
+        f"{config.chunked_flops() / two / 1e9:.1f} against np.matmul {peak['1']:.1f} and "
+        f"{peak['2']:.1f} in 1 and 2 threads (its own scaling {peak['2'] / peak['1']:.2f}x, "
+        "what the machine had to give)"
+    )
 
 
 if __name__ == "__main__":

@@ -114,24 +114,87 @@ def round_to(values: NDArray[np.float32], name: str) -> NDArray[np.float32]:
     as float32; bfloat16 without ml_dtypes, by rounding the float32 bits."""
     if name == "float32":
         return values
+    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1)
+    out = np.empty(flat.shape, np.float32)
+    _round_into(flat, name, out)
+    return out.reshape(np.shape(values))
+
+
+def _round_into(
+    values: NDArray[np.float32],
+    name: str,
+    out: NDArray[np.float32],
+    bits: NDArray[np.uint32] | None = None,
+) -> None:
+    """Write ``round_to(values, name)`` into ``out`` (float16 or bfloat16) of 1-D ``values``;
+    ``bits``, a uint32 buffer of the same shape, saves an allocation."""
     if name == "float16":
-        return values.astype(np.float16).astype(np.float32)
-    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    one, half, keep = np.uint64(1), np.uint64(0x7FFF), np.uint64(0xFFFF0000)
-    bits = (bits + half + ((bits >> np.uint64(16)) & one)) & keep
-    return bits.astype(np.uint32).view(np.float32)
+        half = np.empty(values.shape, np.float16) if bits is None else bits.view(np.float16)
+        np.copyto(half[: values.size], values, casting="same_kind")
+        np.copyto(out, half[: values.size])
+        return
+    # bfloat16: add half an ulp of bfloat16 (ties to even) to the float32 bits, drop the low
+    # 16. In uint32 the sum wraps only for NaNs whose bits are cut to 0 anyway: the low 32 bits
+    # of each step are those of the same sum in uint64.
+    raw = values.view(np.uint32)
+    work = out.view(np.uint32)
+    odd = np.empty_like(raw) if bits is None else bits
+    np.right_shift(raw, _SIXTEEN, out=odd)
+    np.bitwise_and(odd, _ONE, out=odd)
+    np.add(raw, _HALF, out=work)
+    np.add(work, odd, out=work)
+    np.bitwise_and(work, _KEEP, out=work)
+
+
+_SIXTEEN, _ONE = np.uint32(16), np.uint32(1)
+_HALF, _KEEP = np.uint32(0x7FFF), np.uint32(0xFFFF0000)
+
+#: Elements a block of :func:`measure_floors` works on: its buffers stay in cache.
+_FLOOR_BLOCK = 1 << 15
 
 
 def measure_floors(
     low: NDArray[np.float32], truth: NDArray[np.float64], layout: GdnBackwardLayout
 ) -> dict[str, dict[str, tuple[float, float]]]:
     """The floors of every gradient for every dtype of :data:`FLOOR_DTYPES`, from a packed
-    float32 result ``low`` and the float64 ``truth`` of the same inputs."""
-    spans = {seg.name: slice(seg.offset, seg.offset + seg.length) for seg in layout.segments()}
-    return tensor_floors(
-        {name: low[span] for name, span in spans.items()},
-        {name: truth[span] for name, span in spans.items()},
-    )
+    float32 result ``low`` and the float64 ``truth`` of the same inputs.
+
+    Each gradient's figures are those of ``_figures(round_to(low, d).astype(float64), truth)``
+    on its segment, bit for bit: every mean is NumPy's over the whole segment, as there; the
+    rounding, the errors and their largest value are formed a block at a time, so that no copy
+    of the whole buffer is made and each element is read from memory once per dtype.
+    """
+    floors: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in FLOOR_DTYPES}
+    segments = layout.segments()
+    longest = max((seg.length for seg in segments), default=0)
+    squares = np.empty(longest, np.float64)  # one segment's squared errors, for its mean
+    block = min(_FLOOR_BLOCK, longest)
+    rounded, bits = np.empty(block, np.float32), np.empty(block, np.uint32)
+    error = np.empty(block, np.float64)
+    for seg in segments:
+        span = slice(seg.offset, seg.offset + seg.length)
+        expected, measured = truth[span], np.ascontiguousarray(low[span], np.float32)
+        if seg.length == 0:
+            for name in FLOOR_DTYPES:
+                floors[name][seg.name] = (0.0, 0.0)
+            continue
+        sq = squares[: seg.length]
+        rms = math.sqrt(float(np.mean(np.square(expected, out=sq))))
+        for name in FLOOR_DTYPES:
+            peak = np.float64(0.0)
+            for start in range(0, seg.length, block):
+                stop = min(start + block, seg.length)
+                err = error[: stop - start]
+                part = measured[start:stop]
+                if name != "float32":
+                    _round_into(part, name, rounded[: stop - start], bits[: stop - start])
+                    part = rounded[: stop - start]
+                np.subtract(part, expected[start:stop], out=err)
+                np.abs(err, out=err)
+                peak = np.maximum(peak, err.max())
+                np.square(err, out=sq[start:stop])
+            floors[name][seg.name] = _floor_figures(rms, float(np.mean(sq)), float(peak))
+    return floors
 
 
 def tensor_floors(
@@ -154,16 +217,19 @@ def tensor_floors(
 
 
 def _figures(low: NDArray[np.float64], truth: NDArray[np.float64]) -> tuple[float, float]:
+    """The ``(rms, max)`` figures of ``low`` against ``truth``, each relative to rms(truth)."""
     if truth.size == 0:
         return (0.0, 0.0)
     rms = math.sqrt(float(np.mean(np.square(truth))))
     err = np.abs(low - truth)
+    return _floor_figures(rms, float(np.mean(np.square(err))), float(err.max()))
+
+
+def _floor_figures(rms: float, mean_square: float, peak: float) -> tuple[float, float]:
+    """The figures from the truth's RMS, the errors' mean square and their largest value."""
     if rms == 0:
-        return (0.0, 0.0) if not err.any() else (math.inf, math.inf)
-    return (
-        _short(math.sqrt(float(np.mean(np.square(err)))) / rms),
-        _short(float(err.max()) / rms),
-    )
+        return (0.0, 0.0) if peak == 0 else (math.inf, math.inf)
+    return (_short(math.sqrt(mean_square) / rms), _short(peak / rms))
 
 
 def _short(x: float) -> float:

@@ -157,6 +157,14 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write -o PATH even when its name does not end in .safetensors",
     )
+    fixture.add_argument(
+        "--workers",
+        type=_workers,
+        default=None,
+        metavar="N",
+        help="threads to compute with (default: every core this process may use); the files "
+        "are the same for every N",
+    )
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)
 
@@ -264,6 +272,17 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _workers(text: str) -> int:
+    """``--workers``: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:
     *dims, flags = args.layout_defaults
     given = (args.batch, args.seq, args.heads, args.state_size)
@@ -332,6 +351,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
                 seed=args.seed,
                 overwrite=args.force,
                 progress=progress.update,
+                workers=args.workers,
             )
         except ValueError as error:  # the folder given; every other argument is checked here
             raise UsageError(str(error).replace("write_suite: directory", "--suite")) from None
@@ -360,6 +380,7 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         seed=args.seed,
         progress=progress.update,
         states=args.states,
+        workers=args.workers,
     )
     path = save_fixture(args.output, fixture, overwrite=args.force)
     progress.done()

@@ -12,7 +12,9 @@ import hashlib
 import json
 import os
 import shutil
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Final, Literal, NamedTuple
 
@@ -135,6 +137,7 @@ def make_fixture(
     progress: Callable[[float], object] | None = None,
     calibrate: bool = True,
     states: int | None = None,
+    workers: int | None = 1,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
@@ -169,6 +172,10 @@ def make_fixture(
         (:attr:`Fixture.final_state`) is kept whenever the state is carried, and with
         ``states``. Calibrated, their floors and ``y``'s are measured as the gradients' are,
         from the step-by-step form in float32, and kept in :attr:`Fixture.state_floors`.
+    workers : int or None
+        Threads for the reference (see :func:`gdn_layout.reference.backward`): 1, the default,
+        computes in the calling thread, None on every core this process may use. The fixture
+        is the same, bit for bit, for every value.
 
     Returns
     -------
@@ -187,11 +194,15 @@ def make_fixture(
     >>> fx = make_fixture(gl.GdnBackwardLayout(1, 4, 2, 8, carry_state=True), regime="zero")
     >>> fx.packed.shape, fx.grads.dstate.shape, fx.compute_dtype
     ((336,), (1, 2, 8, 8), 'float64')
+    >>> fast = make_fixture(fx.layout, regime="zero", workers=2)
+    >>> bool(np.array_equal(fast.packed, fx.packed)), fast.floors == fx.floors
+    (True, True)
     """
+    threads = reference.resolve_workers(workers, "make_fixture")
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
     if states is not None and non_negative_int(states, "make_fixture: states") < 1:
         raise ValueError(f"make_fixture: states must be a chunk length of 1 or more, got {states}")
-    return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states)
+    return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states, threads)
 
 
 def _fixture_of(
@@ -202,19 +213,21 @@ def _fixture_of(
     progress: Callable[[float], object] | None = None,
     calibrate: bool = True,
     states: int | None = None,
+    workers: int = 1,
 ) -> Fixture:
     """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
     state = None if x.state is None else x.state.astype(np.float64)
     q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
     wide = GdnInputs(q, k, v, g, beta, dy, state)
-    truth = reference_outputs(wide, states, "chunked")
-    packed = reference.backward(*wide, dtype=np.float64, progress=progress)
+    truth = reference_outputs(wide, states, "chunked", workers)
+    packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
     if calibrate:
-        low = reference.backward(*x, dtype=np.float32, method="recurrent")
+        low = reference.backward(*x, dtype=np.float32, method="recurrent", workers=workers)
         floors = measure_floors(low, packed, layout)
         if len(truth) > 1:  # the states are kept, and so are their floors and y's
-            state_floors = tensor_floors(reference_outputs(x, states, "recurrent"), truth)
+            low_outputs = reference_outputs(x, states, "recurrent", workers)
+            state_floors = tensor_floors(low_outputs, truth)
     target = x.q.dtype
 
     def kept(name: str) -> NDArray[Any] | None:
@@ -237,13 +250,16 @@ def _fixture_of(
 
 
 def reference_outputs(
-    x: GdnInputs, states: int | None, method: Literal["chunked", "recurrent"]
+    x: GdnInputs,
+    states: int | None,
+    method: Literal["chunked", "recurrent"],
+    workers: int = 1,
 ) -> dict[str, NDArray[Any]]:
     """``y``, and the states a fixture keeps (``final_state`` when the state is carried or
     ``states`` given, ``h`` and ``dh`` with ``states``), by ``method``: the float64 truth
     (``"chunked"``, of float64 inputs) or the float32 step-by-step form (``"recurrent"``)."""
     dtype = np.float64 if method == "chunked" else np.float32
-    result = reference.forward(*x[:5], state=x.state, dtype=dtype, method=method)
+    result = reference.forward(*x[:5], state=x.state, dtype=dtype, method=method, workers=workers)
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}
     if states is not None:
@@ -366,6 +382,7 @@ def write_suite(
     seed: int = 0,
     overwrite: bool = False,
     progress: Callable[[float], object] | None = None,
+    workers: int | None = 1,
 ) -> list[Path]:
     """Write the standard fixture set for a kernel test-suite into ``directory``.
 
@@ -403,6 +420,10 @@ def write_suite(
         Replace an existing, non-empty folder that holds only a suite and its listed files.
     progress : callable, optional
         Called with the fraction of the files written.
+    workers : int or None
+        Threads that make the fixtures, each one case at a time: 1, the default, makes them in
+        the calling thread, None on every core this process may use. The files and the
+        manifest are the same, byte for byte, for every value.
 
     Returns
     -------
@@ -424,6 +445,7 @@ def write_suite(
     given = Path(directory)
     target = resolve_dtype(dtype, "write_suite")
     seed = check_seed(seed, "write_suite")
+    threads = reference.resolve_workers(workers, "write_suite")
     root = Path(os.path.realpath(given))  # a named folder with a parent, even for "."
     here = os.path.realpath(os.getcwd())
     if os.path.commonpath([root, here]) == os.fspath(root):
@@ -445,13 +467,33 @@ def write_suite(
         built = temporaries.new()
         built.mkdir()
         try:
-            names = _write_suite_files(built, target, seed, progress)
+            names = _write_suite_files(built, target, seed, progress, threads)
             install_folder(built, root, temporaries, overwrite=overwrite, replaceable=_not_a_suite)
         except BaseException:
             if temporaries.role(built) == "new":  # else it may hold the old folder: kept
                 shutil.rmtree(built, ignore_errors=True)
             raise
     return [given / name for name in names]
+
+
+def _in_order(make: Callable[[int], Fixture], count: int, workers: int) -> Iterator[Fixture]:
+    """``make(0), make(1), ...`` in order, made on ``workers`` threads at most ``2 * workers``
+    ahead of the one handed out, so that few fixtures wait in memory."""
+    if workers == 1:
+        yield from (make(index) for index in range(count))
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: deque[Future[Fixture]] = deque()
+        try:
+            for index in range(count):
+                pending.append(pool.submit(make, index))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()
 
 
 def _non_empty_folder(path: Path) -> bool:
@@ -512,16 +554,24 @@ def _listed_files(document: object) -> set[str] | None:
 
 
 def _write_suite_files(
-    root: Path, target: np.dtype[Any], seed: int, progress: Callable[[float], object] | None
+    root: Path,
+    target: np.dtype[Any],
+    seed: int,
+    progress: Callable[[float], object] | None,
+    workers: int = 1,
 ) -> list[str]:
     """Write every fixture and the manifest into the empty folder ``root``; their names."""
     entries: list[dict[str, Any]] = []
     cases = list(_suite_cases())
-    for index, (name, layout, regime, identical_rows) in enumerate(cases):
+
+    def make(index: int) -> Fixture:
+        _name, layout, regime, identical_rows = cases[index]
         if identical_rows:
-            fixture = _identical_rows_fixture(layout, target, regime, seed + index)
-        else:
-            fixture = make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
+            return _identical_rows_fixture(layout, target, regime, seed + index)
+        return make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
+
+    for index, fixture in enumerate(_in_order(make, len(cases), workers)):
+        name, layout, regime, identical_rows = cases[index]
         path = save_fixture(root / name, fixture)
         if progress is not None:
             progress((index + 1) / len(cases))

@@ -59,18 +59,29 @@ length, about the size of the inputs.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from ..packing import check_out, unpack
+from ..layout import GdnBackwardLayout
+from ..packing import GdnGrads, check_out, unpack
 from . import _chunked, _recurrent
 from ._inputs import Inputs, validate
 from ._states import chunk_states
 
-__all__ = ["Method", "backward", "chunk_states", "default_checkpoint_every", "forward"]
+__all__ = [
+    "Method",
+    "backward",
+    "chunk_states",
+    "default_checkpoint_every",
+    "forward",
+    "resolve_workers",
+]
 
 Method = Literal["chunked", "recurrent"]
 _METHODS = ("chunked", "recurrent")
@@ -89,6 +100,7 @@ def forward(
     *,
     dtype: DTypeLike = np.float64,
     method: Method = "chunked",
+    workers: int | None = 1,
 ) -> _Array: ...
 
 
@@ -103,6 +115,7 @@ def forward(
     *,
     dtype: DTypeLike = np.float64,
     method: Method = "chunked",
+    workers: int | None = 1,
 ) -> tuple[_Array, _Array]: ...
 
 
@@ -116,6 +129,7 @@ def forward(
     *,
     dtype: DTypeLike = np.float64,
     method: Method = "chunked",
+    workers: int | None = 1,
 ) -> _Array | tuple[_Array, _Array]:
     """Run the gated delta-net forward.
 
@@ -134,6 +148,11 @@ def forward(
         The computation dtype, and that of the results.
     method : {"chunked", "recurrent"}
         The formulation (see the module docstring); both compute the same function.
+    workers : int or None
+        How many threads share the work, each taking a group of batch elements and heads
+        (NumPy releases the GIL in its products and loops): 1 (the default) computes in the
+        calling thread, None takes one thread per core this process may use
+        (``os.sched_getaffinity``). The result is the same, bit for bit, for every value.
 
     Returns
     -------
@@ -145,9 +164,11 @@ def forward(
     Raises
     ------
     TypeError
-        An input is not floating, or ``dtype`` is neither float32 nor float64.
+        An input is not floating, ``dtype`` is neither float32 nor float64, or ``workers`` is
+        not an integer or None.
     ValueError
-        A shape does not fit ``q``'s, a value is not finite, or ``method`` is unknown.
+        A shape does not fit ``q``'s, a value is not finite, ``method`` is unknown, or
+        ``workers`` is below 1.
     FloatingPointError
         The result is not finite: finite inputs give that only when the recurrence itself
         overflows (keys far from unit norm, say); the message names the first such element.
@@ -165,10 +186,13 @@ def forward(
     >>> y2, final = forward(q, k, v, g, beta, np.zeros((1, 2, 4, 4)), method="recurrent")
     >>> final.shape, bool(np.allclose(y, y2))
     ((1, 2, 4, 4), True)
+    >>> bool(np.array_equal(forward(q, k, v, g, beta, workers=2), y))  # two threads
+    True
     """
     carried = state is not None
     inputs = validate(q, k, v, g, beta, state, None, dtype)
     _check_method(method)
+    threads = resolve_workers(workers, "forward")
     b, h, s, n = inputs.q.shape
     y = np.empty((b, s, h, n), dtype=inputs.q.dtype)
     final = (
@@ -176,11 +200,19 @@ def forward(
         if inputs.state is None
         else (inputs.state.copy())
     )
-    with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-        if _form(method, inputs) == "recurrent":
-            _recurrent.forward_steps(inputs, final, 0, s, y=y)
-        else:
-            _chunked.forward(inputs, final, y)
+    recurrent = _form(method, inputs) == "recurrent"
+    stacks = [] if recurrent else _chunked.forward_plan(inputs)
+
+    def run(batch: slice, heads: slice) -> None:
+        part = _part(inputs, batch, heads)
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+            if recurrent:
+                _recurrent.forward_steps(part, final[batch, heads], 0, s, y=y[batch, :, heads])
+            else:
+                plan = _chunked.part_of(stacks, batch, heads)
+                _chunked.forward(part, final[batch, heads], y[batch, :, heads], plan)
+
+    _spread(run, b, h, threads)
     _check_result("forward", "y", y)
     _check_result("forward", "the final state", final)
     return (y, final) if carried else y
@@ -200,6 +232,7 @@ def backward(
     checkpoint_every: int | None = None,
     method: Method = "chunked",
     progress: Callable[[float], object] | None = None,
+    workers: int | None = 1,
 ) -> _Array:
     """The packed gradient of ``sum(forward(q, k, v, g, beta, state) * dy)``.
 
@@ -230,7 +263,14 @@ def backward(
     progress : callable, optional
         Called with the fraction of the work done, rising to 1.0, after each checkpoint
         interval (or batch) of the forward and the backward sweep: a long run can draw a
-        progress bar with it.
+        progress bar with it. With several ``workers`` it is called from their threads, one
+        call at a time.
+    workers : int or None
+        How many threads share the work, as :func:`forward`: 1 (the default) computes in
+        the calling thread, None takes one per core this process may use. Each thread takes a
+        group of batch elements and heads with its own share of the memory, so the memory
+        needed stays about that of one thread. The result is the same, bit for bit, for every
+        value.
 
     Returns
     -------
@@ -242,7 +282,7 @@ def backward(
     ------
     TypeError, ValueError, FloatingPointError
         As :func:`forward`; also a TypeError or ValueError for a bad ``out``,
-        ``checkpoint_every`` or ``progress``.
+        ``checkpoint_every``, ``progress`` or ``workers``.
 
     Examples
     --------
@@ -260,9 +300,12 @@ def backward(
     >>> slow = backward(q, k, v, g, beta, dy, state, method="recurrent", checkpoint_every=1)
     >>> bool(np.allclose(flat, slow, rtol=1e-12, atol=1e-12))
     True
+    >>> bool(np.array_equal(backward(q, k, v, g, beta, dy, state, workers=None), flat))
+    True
     """
     inputs = validate(q, k, v, g, beta, state, dy, dtype)
     _check_method(method)
+    threads = resolve_workers(workers, "backward")
     layout = inputs.layout
     every = _checkpoint_interval(checkpoint_every, layout.seq)
     if out is None:
@@ -279,9 +322,27 @@ def backward(
     if checkpoint_every is None and form == "chunked":
         every = _chunked.default_interval(layout.seq, layout.state_size)
     grads = unpack(flat, layout)
-    sweep = _recurrent.backward if form == "recurrent" else _chunked.backward
-    with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-        sweep(inputs, grads, every, _ticker(progress, 2 * math.ceil(layout.seq / every)))
+    stacks = [] if form == "recurrent" else _chunked.backward_plan(inputs, every)
+    groups = _groups(layout.batch, layout.heads, threads)
+    tick = _ticker(progress, 2 * math.ceil(layout.seq / every) * len(groups))
+
+    def run(batch: slice, heads: slice) -> None:
+        part = _part(inputs, batch, heads)
+        views = GdnGrads(
+            grads.dq[batch, :, heads],
+            grads.dk[batch, :, heads],
+            grads.dv[batch, :, heads],
+            grads.dg[batch, :, heads],
+            grads.dbeta[batch, :, heads],
+            None if grads.dstate is None else grads.dstate[batch, heads],
+        )
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+            if form == "recurrent":
+                _recurrent.backward(part, views, every, tick)
+            else:
+                _chunked.backward(part, views, _chunked.part_of(stacks, batch, heads), tick)
+
+    _spread(run, layout.batch, layout.heads, threads)
     for name, grad in zip(layout.names, grads, strict=False):
         if grad is not None:
             _check_result("backward", name, grad)
@@ -334,16 +395,99 @@ def _checkpoint_interval(value: object, seq: int) -> int:
 
 
 def _ticker(progress: Callable[[float], object] | None, total: int) -> Callable[[], None]:
-    """A callback for each unit of work, reporting the fraction done to ``progress``."""
+    """A callback for each unit of work, reporting the fraction done to ``progress``; threads
+    may share it."""
     if progress is None:
         return lambda: None
     if not callable(progress):
         raise TypeError(f"progress must be callable or None, got {type(progress).__name__}")
     done = 0
+    lock = threading.Lock()
 
     def tick() -> None:
         nonlocal done
-        done += 1
-        progress(done / total)
+        with lock:
+            done += 1
+            progress(done / total)
 
     return tick
+
+
+def resolve_workers(value: object, func: str) -> int:
+    """The number of threads ``workers=value`` asks ``func`` for: a positive integer as
+    given, or for None the cores this process may use.
+
+    >>> resolve_workers(3, "backward")
+    3
+    >>> resolve_workers(None, "backward") >= 1
+    True
+    """
+    if value is None:
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{func}: workers must be a positive integer or None, got "
+            f"{type(value).__name__} {value!r}"
+        )
+    if value < 1:
+        raise ValueError(f"{func}: workers must be a positive integer or None, got {value}")
+    return int(value)
+
+
+def _groups(batch: int, heads: int, count: int) -> list[tuple[slice, slice]]:
+    """At most ``count`` groups of batch elements and heads, ``(batch, heads)`` slices that
+    cover every pair once: whole batch elements while there are enough of them, else each
+    batch element's heads in ranges."""
+    count = max(1, min(count, batch * heads))
+    if count == 1 or batch == 0 or heads == 0:
+        return [(slice(0, batch), slice(0, heads))]
+    if batch >= count:
+        return [(rows, slice(0, heads)) for rows in _ranges(batch, count)]
+    per_row = -(-count // batch)
+    return [(slice(row, row + 1), part) for row in range(batch) for part in _ranges(heads, per_row)]
+
+
+def _ranges(size: int, count: int) -> Iterator[slice]:
+    """``[0, size)`` in ``min(count, size)`` contiguous ranges of near-equal length."""
+    count = min(count, size)
+    for index in range(count):
+        yield slice(size * index // count, size * (index + 1) // count)
+
+
+def _spread(run: Callable[[slice, slice], None], batch: int, heads: int, threads: int) -> None:
+    """``run(batch, heads)`` on each group of :func:`_groups`, on ``threads`` threads."""
+    groups = _groups(batch, heads, threads)
+    if len(groups) == 1:
+        run(*groups[0])
+        return
+    with ThreadPoolExecutor(max_workers=min(threads, len(groups))) as pool:
+        for done in [pool.submit(run, *group) for group in groups]:
+            done.result()
+
+
+def _part(x: Inputs, batch: slice, heads: slice) -> Inputs:
+    """The inputs of the batch elements ``batch`` and heads ``heads``, as views."""
+    b = len(range(*batch.indices(x.q.shape[0])))
+    h = len(range(*heads.indices(x.q.shape[1])))
+    layout = GdnBackwardLayout(
+        b,
+        x.layout.seq,
+        h,
+        x.layout.state_size,
+        gate_per_channel=x.layout.gate_per_channel,
+        carry_state=x.layout.carry_state,
+    )
+    return Inputs(
+        q=x.q[batch, heads],
+        k=x.k[batch, heads],
+        v=x.v[batch, heads],
+        g=x.g[batch, heads],
+        beta=x.beta[batch, heads],
+        state=None if x.state is None else x.state[batch, heads],
+        dy=None if x.dy is None else x.dy[batch, heads],
+        layout=layout,
+        scale=x.scale,
+    )

@@ -237,9 +237,9 @@ class _Kept(NamedTuple):
 _WIDE = np.dtype(np.float64)
 
 
-def _prepare(st: _Stack, kept: _Kept | None = None, rows: _Array | None = None) -> _Prepared:
-    """The stack's state-independent matrices; the pair decays from ``kept`` when the forward
-    sweep made them. ``rows``, ``[q; k]`` already formed, sets the dtype."""
+def _prepare(st: _Stack, kept: _Kept, rows: _Array | None = None) -> _Prepared:
+    """The stack's state-independent matrices, with the pair decays of ``kept``. ``rows``,
+    ``[q; k]`` already formed, sets the dtype."""
     size = st.length
     if rows is None:
         rows = st.k if st.q is None else np.concatenate((st.q, st.k), axis=2)
@@ -249,7 +249,7 @@ def _prepare(st: _Stack, kept: _Kept | None = None, rows: _Array | None = None) 
     e, to_end = decays(st.g, dtype)
     pairs = f = fi = None
     if st.g.shape[-1] == 1:
-        pairs = pair_decay(st.g[..., 0], _WIDE) if kept is None else kept.pairs
+        pairs = kept.pairs
         assert pairs is not None
         lx = np.matmul(rows, transposed(k))
         _by_pair(lx, pairs)
@@ -304,14 +304,61 @@ def _merge(a: _Array, heads: int) -> _Array:
     return a.reshape(a.shape[0], heads, *a.shape[3:])
 
 
-def forward(x: Inputs, state: _Array, y: _Array) -> None:
+class Stack(NamedTuple):
+    """One stack of the plan: its chunks and, with a per-head gate, their pair decays for
+    every batch element and head, float64 ``[B, H * count, L, L]``."""
+
+    bounds: list[tuple[int, int]]
+    pairs: _Array | None
+
+
+def plan(x: Inputs, every: int, length: int) -> list[Stack]:
+    """The stacks of ``every`` steps, in chunks of at most ``length``, that :func:`forward` and
+    :func:`backward` take: formed for all batch elements and heads at once, so that a part of
+    them (:func:`part_of`) is computed exactly as the whole would be. A chunk is cut short
+    where any head's decay calls for it, and the pair decays' exponents are one matrix
+    product over all heads."""
+    stacks = []
+    for t0 in range(0, x.q.shape[2], every):
+        bounds = chunks(x.g, t0, min(t0 + every, x.q.shape[2]), length)
+        pairs = None
+        if x.g.shape[-1] == 1:
+            gates = _gather(x.g, bounds, max(c1 - c0 for c0, c1 in bounds))
+            pairs = pair_decay(gates[..., 0], _WIDE)
+        stacks.append(Stack(bounds, pairs))
+    return stacks
+
+
+def forward_plan(x: Inputs) -> list[Stack]:
+    """The plan of :func:`forward`."""
+    n = x.q.shape[3]
+    return plan(x, default_interval(x.q.shape[2], n), chunk_length(n))
+
+
+def backward_plan(x: Inputs, every: int) -> list[Stack]:
+    """The plan of :func:`backward` for stacks of ``every`` steps."""
+    return plan(x, every, min(every, chunk_length(x.q.shape[3])))
+
+
+def part_of(stacks: list[Stack], batch: slice, heads: slice) -> list[Stack]:
+    """The plan of the batch elements ``batch`` and heads ``heads`` (steps ``1``)."""
+    part = []
+    for stack in stacks:
+        pairs = stack.pairs
+        if pairs is not None:
+            count = len(stack.bounds)
+            assert heads.start is not None
+            assert heads.stop is not None
+            pairs = pairs[batch, heads.start * count : heads.stop * count]
+        part.append(Stack(stack.bounds, pairs))
+    return part
+
+
+def forward(x: Inputs, state: _Array, y: _Array, stacks: list[Stack]) -> None:
     """The forward over the whole sequence: writes ``y`` and advances ``state`` to the end."""
-    seq, n = x.q.shape[2], x.q.shape[3]
-    every = default_interval(seq, n)
-    for t0 in range(0, seq, every):
-        bounds = chunks(x.g, t0, min(t0 + every, seq), chunk_length(n))
-        st = _stack(x, bounds, backward=True)
-        pre = _prepare(st)
+    for stack in stacks:
+        st = _stack(x, stack.bounds, backward=True)
+        pre = _prepare(st, _Kept(stack.bounds, stack.pairs, state))
         solved = _advance(st, pre, state)
         size = st.length
         out = np.matmul(pre.xe[:, :, :size], solved.entries)  # y = c * (qe @ S0 + lq @ u)
@@ -323,35 +370,35 @@ def forward(x: Inputs, state: _Array, y: _Array) -> None:
 def backward(
     x: Inputs,
     grads: GdnGrads | None,
-    every: int,
+    stacks: list[Stack],
     tick: Callable[[], None],
     record: Boundaries | None = None,
 ) -> None:
-    """Backward by chunks, ``every`` steps stacked at a time.
+    """Backward by chunks, one stack of ``stacks`` at a time.
 
-    The forward sweep keeps, for the backward sweep, the state entering every stack and the
-    pair decays: ``O(B*S*H*(L + N*N/C))`` elements for chunks of ``L`` steps and stacks of
-    ``C = every``, about the size of the inputs. The backward sweep forms the rest again, in
-    float64: each chunk's system, the state entering it, and what each step wrote.
+    The forward sweep keeps, for the backward sweep, the state entering every stack:
+    ``O(B*H*N*N*S/C)`` elements for stacks of ``C`` steps; the plan holds the pair decays,
+    ``O(B*S*H*L)`` for chunks of ``L`` steps; about the size of the inputs. The backward sweep
+    forms the rest again, in float64: each chunk's system, the state entering it, and what each
+    step wrote.
 
     With ``record``, the states entering the stacks are kept in ``record.h``, and the state's
     cotangent entering each stack and the final state are written to ``record``. Without
     ``grads`` (only with ``record``), the backward sweep steps only the state's cotangent back.
     """
     assert grads is not None or record is not None
-    b, h, s, n = x.q.shape
+    b, h, _, n = x.q.shape
     state = np.zeros((b, h, n, n), x.q.dtype) if x.state is None else x.state.copy()
-    length = min(every, chunk_length(n))
     kept = []
-    for index, t0 in enumerate(range(0, s, every)):
-        bounds = chunks(x.g, t0, min(t0 + every, s), length)
-        pre = _prepare(st := _stack(x, bounds, backward=False))
+    for index, stack in enumerate(stacks):
         if record is None:
-            entry = state.copy()
+            held = state.copy()
         else:  # h is the store of the entry states
-            entry = record.h[:, index]
-            entry[...] = state
-        kept.append(_Kept(bounds, pre.pairs, entry))
+            held = record.h[:, index]
+            held[...] = state
+        entry = _Kept(stack.bounds, stack.pairs, held)
+        pre = _prepare(st := _stack(x, stack.bounds, backward=False), entry)
+        kept.append(entry)
         _advance(st, pre, state)
         tick()
     if record is not None:
@@ -361,22 +408,22 @@ def backward(
     d_state = np.zeros((b, h, n, n), _WIDE)
     wide = _Widener()
     while kept:
-        stack = kept.pop()
-        st = _stack(x, stack.bounds, backward=True)
+        entry = kept.pop()
+        st = _stack(x, entry.bounds, backward=True)
         assert st.q is not None
         assert st.dy is not None
         rows = wide.rows(st.q, st.k)
         st = st._replace(
             v=wide("v", st.v), g=wide("g", st.g), beta=wide("beta", st.beta), dy=wide("dy", st.dy)
         )
-        pre = _prepare(st, stack, rows)
+        pre = _prepare(st, entry, rows)
         if grads is None:
             _step_back(st, pre, d_state, np.empty_like(pre.xe), x.scale)
         else:
-            entry = wide("entry", stack.entry)
-            if record is not None and entry is stack.entry:
-                entry = entry.copy()  # stepped in place below: h keeps its own
-            solved = _advance(st, pre, entry)
+            start = wide("entry", entry.entry)
+            if record is not None and start is entry.entry:
+                start = start.copy()  # stepped in place below: h keeps its own
+            solved = _advance(st, pre, start)
             _backward_stack(x, grads, st, pre, solved, d_state)
         if record is not None:
             record.dh[:, len(kept)] = d_state

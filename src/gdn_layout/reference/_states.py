@@ -118,7 +118,8 @@ def chunk_states(
         raise ValueError(f"chunk_states: method must be 'chunked' or 'recurrent', got {method!r}")
     with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
         if method == "chunked" and _chunked.suits(inputs):
-            _chunked.backward(inputs, None, every, _nothing, record)
+            stacks = _chunked.backward_plan(inputs, every)
+            _chunked.backward(inputs, None, stacks, _nothing, record)
         else:  # the step-by-step form computes the gradients too: into a scratch buffer
             _, scratch = empty(inputs.layout, compute)
             _recurrent.backward(inputs, scratch, every, _nothing, record)

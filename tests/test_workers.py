@@ -1,0 +1,194 @@
+"""``workers=``: the reference, fixtures and suites spread over threads, with the same bits."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.typing import NDArray
+
+import gdn_layout.generate
+import gdn_layout.reference as reference
+from gdn_layout import GdnBackwardLayout
+from gdn_layout.cli import main
+from gdn_layout.fixtures import draw_inputs, make_fixture, save_fixture, write_suite
+from gdn_layout.reference import backward, forward
+
+Array = NDArray[Any]
+METHODS = ("chunked", "recurrent")
+
+
+def _inputs(layout: GdnBackwardLayout, regime: str, seed: int) -> list[Any]:
+    x = draw_inputs(layout, regime=regime, seed=seed, dtype=np.float64)
+    return [x.q, x.k, x.v, x.g, x.beta, x.dy, x.state]
+
+
+def _same(a: Array, b: Array) -> bool:
+    """Equal bit for bit (the sign of a zero included)."""
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _forward_bytes(x: list[Any], **kwargs: Any) -> bytes:
+    q, k, v, g, beta, _dy, state = x
+    result = forward(q, k, v, g, beta, state, **kwargs)
+    parts = result if isinstance(result, tuple) else (result,)
+    return b"".join(part.tobytes() for part in parts)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.from_type(GdnBackwardLayout),
+    regime=st.sampled_from(gdn_layout.generate.REGIMES),
+    method=st.sampled_from(METHODS),
+    dtype=st.sampled_from((np.float32, np.float64)),
+    workers=st.integers(2, 7),
+)
+def test_any_workers_give_the_same_bits(
+    layout: GdnBackwardLayout, regime: str, method: str, dtype: Any, workers: int
+) -> None:
+    x = _inputs(layout, regime, seed=layout.seq)
+    one = backward(*x, dtype=dtype, method=method)  # type: ignore[arg-type]
+    many = backward(*x, dtype=dtype, method=method, workers=workers)  # type: ignore[arg-type]
+    assert _same(one, many)
+    assert _forward_bytes(x, dtype=dtype, method=method) == _forward_bytes(
+        x, dtype=dtype, method=method, workers=workers
+    )
+
+
+@pytest.mark.parametrize(
+    ("dims", "regime"),
+    [
+        ((1, 300, 5, 32, False, True), "qwen"),
+        ((2, 130, 3, 16, True, True), "mixed"),
+        ((3, 97, 2, 24, False, False), "extreme"),
+        ((1, 200, 4, 64, True, False), "strong"),
+    ],
+)
+@pytest.mark.parametrize("method", METHODS)
+def test_larger_cases_give_the_same_bits_on_every_count(
+    dims: tuple[int, int, int, int, bool, bool], regime: str, method: str
+) -> None:
+    b, s, h, n, per_channel, carry = dims
+    layout = GdnBackwardLayout(b, s, h, n, gate_per_channel=per_channel, carry_state=carry)
+    x = _inputs(layout, regime, seed=s)
+    for dtype in (np.float32, np.float64):
+        one = backward(*x, dtype=dtype, method=method)  # type: ignore[arg-type]
+        reference_y = _forward_bytes(x, dtype=dtype, method=method)
+        for workers in (2, 3, b * h + 1, None):
+            kwargs: dict[str, Any] = {"dtype": dtype, "method": method, "workers": workers}
+            assert _same(one, backward(*x, **kwargs)), (dtype, workers)
+            assert _forward_bytes(x, **kwargs) == reference_y, (dtype, workers)
+
+
+def test_the_groups_cover_every_batch_element_and_head_once() -> None:
+    for batch, heads in [(1, 1), (1, 16), (2, 3), (5, 2), (3, 7), (0, 4), (4, 0)]:
+        for count in range(1, 12):
+            groups = reference._groups(batch, heads, count)
+            seen = [
+                (b, h)
+                for rows, cols in groups
+                for b in range(batch)[rows]
+                for h in range(heads)[cols]
+            ]
+            assert sorted(seen) == [(b, h) for b in range(batch) for h in range(heads)]
+            assert len(groups) <= max(1, count + batch - 1)
+
+
+def test_progress_reaches_one_from_every_thread() -> None:
+    x = _inputs(GdnBackwardLayout(2, 50, 3, 8, carry_state=True), "mixed", seed=1)
+    for method in METHODS:
+        seen: list[float] = []
+        backward(*x, method=method, progress=seen.append, workers=4)  # type: ignore[arg-type]
+        assert seen == sorted(seen)
+        assert seen[-1] == 1.0
+
+
+def test_none_takes_every_core_this_process_may_use() -> None:
+    import os
+
+    assert reference.resolve_workers(None, "backward") == len(os.sched_getaffinity(0))
+    assert reference.resolve_workers(np.int64(3), "backward") == 3
+
+
+#: (value, error, what the message says it got, as a regular expression)
+BAD_WORKERS = [
+    (0, ValueError, "0"),
+    (-2, ValueError, "-2"),
+    (1.5, TypeError, r"float 1\.5"),
+    (True, TypeError, "bool True"),
+    (np.bool_(True), TypeError, r"bool (np\.)?True_?"),  # NumPy 1 and 2 spell it apart
+    ("2", TypeError, "str '2'"),
+]
+
+
+@pytest.mark.parametrize(("value", "error", "message"), BAD_WORKERS)
+def test_bad_workers_are_refused_naming_the_argument(
+    tmp_path: Path, value: object, error: type[Exception], message: str
+) -> None:
+    layout = GdnBackwardLayout(1, 4, 2, 4)
+    x = _inputs(layout, "mixed", seed=0)
+    calls: dict[str, Callable[[], object]] = {
+        "forward": lambda: forward(x[0], x[1], x[2], x[3], x[4], workers=value),  # type: ignore[call-overload]
+        "backward": lambda: backward(*x, workers=value),  # type: ignore[arg-type]
+        "make_fixture": lambda: make_fixture(layout, workers=value),  # type: ignore[arg-type]
+        "write_suite": lambda: write_suite(tmp_path / "s", workers=value),  # type: ignore[arg-type]
+    }
+    for name, call in calls.items():
+        expected = f"^{name}: workers must be a positive integer or None, got {message}$"
+        with pytest.raises(error, match=expected):
+            call()
+    assert not (tmp_path / "s").exists()
+
+
+def test_fixture_files_do_not_depend_on_workers(tmp_path: Path) -> None:
+    layout = GdnBackwardLayout(2, 70, 3, 16, gate_per_channel=True, carry_state=True)
+    digests = set()
+    for workers in (1, 2, 5, None):
+        fixture = make_fixture(layout, regime="qwen", seed=4, workers=workers)
+        path = save_fixture(tmp_path / f"w{workers}.safetensors", fixture)
+        digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
+    assert len(digests) == 1
+
+
+def test_a_suite_does_not_depend_on_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A few of the standard shapes, so that the test stays short; the suite's own order.
+    shapes = gdn_layout.generate._SUITE_SHAPES
+    monkeypatch.setattr(gdn_layout.generate, "_SUITE_SHAPES", (*shapes[:3], shapes[-1]))
+    folders = {}
+    for workers in (1, 3):
+        seen: list[float] = []
+        root = tmp_path / f"w{workers}"
+        write_suite(root, seed=100, workers=workers, progress=seen.append)
+        assert seen == sorted(seen)
+        assert seen[-1] == 1.0
+        folders[workers] = {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+    assert folders[1] == folders[3]
+    assert len(folders[1]) == 1 + 4 * 2 * 2 * len(gdn_layout.generate.REGIMES)  # and manifest
+
+
+def test_the_command_line_takes_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flags = ["fixture", "-B", "1", "-S", "30", "-H", "3", "-N", "8", "--carry-state", "-q"]
+    for workers in ("1", "3"):
+        assert (
+            main([*flags, "--workers", workers, "-o", str(tmp_path / f"{workers}.safetensors")])
+            == 0
+        )
+    assert main([*flags, "-o", str(tmp_path / "all.safetensors")]) == 0  # every core
+    files = {p.read_bytes() for p in tmp_path.iterdir()}
+    assert len(files) == 1
+    capsys.readouterr()
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(SystemExit) as exit_:
+            main([*flags, "--workers", bad, "-o", str(tmp_path / "bad.safetensors")])
+        assert exit_.value.code == 2
+        assert f"argument --workers: expected a positive integer, got '{bad}'" in (
+            capsys.readouterr().err
+        )
