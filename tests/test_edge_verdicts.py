@@ -8,17 +8,19 @@ suite caught them: a flipped ``dg`` (of order 1e-13 under extreme decay), a tran
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from gdn_layout import GdnBackwardLayout, compare, unpack
+from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
 from gdn_layout._criteria import UNIT_ROUNDOFF, term_scales
-from gdn_layout.fixtures import Fixture, load_fixture, write_suite
+from gdn_layout.fixtures import Fixture, load_fixture, make_fixture, write_suite
 from gdn_layout.reference import backward
 
 Bug = Callable[[Fixture], NDArray[Any]]
@@ -189,3 +191,34 @@ def test_scales_are_checked_like_tolerances() -> None:
         compare(zeros, zeros, layout, scales={"dg": -1})
     with pytest.raises(TypeError, match="scales must be a float, got str"):
         compare(zeros, zeros, layout, scales="big")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_dg_never_computed_fails_in_float16_and_bfloat16_too(dtype: str) -> None:
+    # Their kernels compute in float32: the terms' rounding is float32's, not the output's.
+    fx = load_fixture(
+        save_fixture(
+            Path(tempfile.mkdtemp()) / "x.safetensors",
+            make_fixture(
+                GdnBackwardLayout(1, 65, 2, 16, carry_state=True),
+                regime="strong",
+                dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16,
+            ),
+        )
+    )
+    actual = backward(*fx.inputs, dtype=np.float32).astype(fx.dtype)
+    assert compare(actual, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales).passed
+    unpack(actual, fx.layout).dg[...] = 0
+    judged = compare(actual, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales)
+    assert not judged["dg"].passed
+
+
+def test_a_verdict_agrees_with_its_ratio() -> None:
+    layout = GdnBackwardLayout(1, 1, 1, 2)
+    expected = np.zeros(layout.total_elems)
+    unpack(expected, layout).dg[...] = 5e-324
+    actual = expected.copy()
+    unpack(actual, layout).dg[...] = 3e-15
+    grad = compare(actual, expected, layout, scales={"dg": 1.0})["dg"]
+    assert grad.error_floor_ratio is not None
+    assert grad.passed == (grad.error_floor_ratio <= grad.limit)

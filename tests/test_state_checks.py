@@ -130,7 +130,7 @@ def test_h_dh_and_the_chunk_come_together() -> None:
             dh=np.zeros((1, 1, 1, 2, 2), np.float32),
             states_chunk=0,
         )
-    with pytest.raises(ValueError, match="states must be a chunk length of 1 or more"):
+    with pytest.raises(ValueError, match=r"states must be a chunk length from 1 to 9+, got 0"):
         make_fixture(GdnBackwardLayout(1, 4, 1, 2), states=0)
 
 
@@ -277,3 +277,64 @@ def test_the_command_line_writes_and_compares_states(fixture: Fixture, tmp_path:
     done = run("fixture", "--suite", tmp_path / "suite", "--states", "16")
     assert done.returncode == 2
     assert "--suite writes no states" in done.stderr
+
+
+def test_a_chunk_too_long_to_record_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"states must be a chunk length from 1 to 9+, got 10+"):
+        make_fixture(GdnBackwardLayout(1, 4, 1, 2), states=10**19)
+
+
+def test_judging_states_leaves_the_fixture_writeable() -> None:
+    fx = make_fixture(STATELESS)
+    y = np.array(fx.y)
+    assert compare_states(y, fx, "y").passed
+    fx.y[0, 0, 0, 0] = 1.0  # the fixture's own array is as it was
+
+
+TRUNCATED_STATES = """
+import os, sys
+import numpy as np
+import gdn_layout._mapping
+from gdn_layout.fixtures import FixtureError, load_fixture
+from gdn_layout.suites import compare_states
+
+gdn_layout._mapping.MAP_THRESHOLD = 0
+fx = load_fixture(sys.argv[1])
+y = np.array(fx.y)
+os.truncate(sys.argv[1], 4096)
+try:
+    compare_states(y, fx, "h")
+except FixtureError as error:
+    print("FixtureError:", error)
+"""
+
+
+def test_states_of_a_truncated_mapped_fixture_raise_instead_of_crashing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = save_fixture(tmp_path / "plain.safetensors", make_fixture(STATELESS))
+    done = subprocess.run(
+        [sys.executable, "-c", TRUNCATED_STATES, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr)
+    assert done.stdout.startswith(f"FixtureError: {path}: changed since it was loaded")
+
+
+def test_the_command_line_names_a_bad_tensor_file_in_one_line(
+    fixture: Fixture, tmp_path: Path
+) -> None:
+    path = save_fixture(tmp_path / "case.safetensors", fixture)
+    assert fixture.h is not None
+    np.save(tmp_path / "h.npy", np.zeros(fixture.h.shape, np.int32))
+    done = run("compare", "--tensor", "h", tmp_path / "h.npy", path)
+    assert done.returncode == 2
+    assert "h must have a float dtype, got int32" in done.stderr
+    assert len(done.stderr.splitlines()) == 1
+    done = run("compare", "--tensor", "h", tmp_path / "h.npy", tmp_path / "h.npy")
+    assert done.returncode == 2
+    assert "--tensor judges against a gdn-layout fixture" in done.stderr

@@ -193,7 +193,7 @@ class GradComparison:
                 + (
                     ""
                     if self.term_scale is None
-                    else f", none below {UNIT_ROUNDOFF[self.judged_dtype or ''] / 2:.3g} x "
+                    else f", none below {_least_unit(self.judged_dtype) / 2:.3g} x "
                     f"{self.term_scale:.3g}, the scale of its terms"
                 )
                 + f"); {self.mismatches} of {self.size} over the max error"
@@ -415,3 +415,9 @@ def _json_float(x: float | None) -> float | str | None:
     if x is None or math.isfinite(x):
         return x
     return str(x)  # "inf", "-inf" or "nan": strict JSON has no non-finite numbers
+
+
+def _least_unit(judged: str | None) -> float:
+    """The unit roundoff a gradient's terms round with: a float16 or bfloat16 kernel computes
+    in float32."""
+    return UNIT_ROUNDOFF["float32" if judged in ("float16", "bfloat16") else judged or ""]

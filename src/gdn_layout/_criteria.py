@@ -369,7 +369,9 @@ def calibration(
     largest error within :data:`K` times its floors, no floor below half the unit roundoff
     times the larger of rms(expected) and ``term_scale``."""
     scale = finite_rms(expected)
-    least = UNIT_ROUNDOFF[judged] / 2 * max(scale, term_scale or 0.0)
+    # A kernel stores float16 or bfloat16 but computes in float32: its terms round as float32's.
+    compute = "float32" if judged in ("float16", "bfloat16") else judged
+    least = max(UNIT_ROUNDOFF[judged] / 2 * scale, UNIT_ROUNDOFF[compute] / 2 * (term_scale or 0.0))
     return Calibration(floor_for(floors, judged, grad), scale, least, K[judged])
 
 

@@ -16,7 +16,7 @@ from . import _safetensors as safetensors
 from ._criteria import Floors
 from ._dtypes import resolve
 from ._files import open_regular
-from ._fixture import FORMAT, load_fixture
+from ._fixture import FORMAT, Fixture, load_fixture
 from ._mapping import FileStamp, held, map_file, read_all
 from ._safetensors import FixtureError, looks_like_safetensors
 from .layout import GdnBackwardLayout
@@ -26,18 +26,24 @@ __all__ = ["PackedFile", "open_packed"]
 
 class PackedFile(NamedTuple):
     """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
-    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout``, ``floors`` and ``scales``
-    are a fixture's (:attr:`Fixture.scales`), else None."""
+    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout`` and ``floors`` are a
+    fixture's (``fixture`` the fixture itself), else None."""
 
     path: str
     kind: str
     packed: NDArray[Any]
     layout: GdnBackwardLayout | None
     floors: Floors | None = None
-    scales: dict[str, float] | None = None
+    fixture: Fixture | None = None
     #: The file ``packed`` is memory-mapped from, as it was when opened; None when ``packed``
     #: is in memory (a file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD`).
     stamp: FileStamp | None = None
+
+    @property
+    def scales(self) -> dict[str, float] | None:
+        """A fixture's :attr:`Fixture.scales`, read from its arrays now (within
+        :meth:`unchanged`, for a mapped one), else None."""
+        return None if self.fixture is None else self.fixture.scales
 
     def unchanged(self) -> contextlib.AbstractContextManager[None]:
         """A context in which a memory-mapped ``packed`` is held as its file was when opened
@@ -95,7 +101,7 @@ def _read_packed(
             return PackedFile(path, "safetensors", packed, None, stamp=stamp)
         fixture = load_fixture(path)
         packed, stamp = fixture.packed, fixture.stamp
-        return PackedFile(path, kind, packed, fixture.layout, fixture.floors, fixture.scales, stamp)
+        return PackedFile(path, kind, packed, fixture.layout, fixture.floors, fixture, stamp)
     if kind == ".npy":
         if not head.startswith(b"\x93NUMPY"):
             raise ValueError(f"{path}: not a .npy file: it has no NumPy header")

@@ -452,7 +452,10 @@ def _compare_tensor(args: argparse.Namespace) -> int:
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise UsageError(f"--tensor is judged against the fixture's floors; drop {flags}")
-    expected = load_fixture(args.expected)
+    try:
+        expected = load_fixture(args.expected)
+    except FixtureError as error:
+        raise UsageError(f"--tensor judges against a gdn-layout fixture: {error}") from None
     if args.chunk == 0:
         raise UsageError("--chunk: a chunk has at least 1 step, got 0")
     shape = state_shape(expected, args.tensor, args.chunk)
@@ -463,8 +466,11 @@ def _compare_tensor(args: argparse.Namespace) -> int:
             f"{args.actual}: {flat.size} elements, but {args.tensor} of {args.expected} has "
             f"shape {shape} ({math.prod(shape)} elements)"
         )
-    with actual.unchanged():
-        result = compare_states(flat.reshape(shape), expected, args.tensor, chunk=args.chunk)
+    try:
+        with actual.unchanged():
+            result = compare_states(flat.reshape(shape), expected, args.tensor, chunk=args.chunk)
+    except (TypeError, ValueError) as error:  # the file's dtype, say: the user's to fix
+        raise UsageError(f"{args.actual}: {error}") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

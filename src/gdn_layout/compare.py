@@ -188,13 +188,15 @@ def compare(
             c = calibration(floors, judged, seg.name, e, term.get(seg.name))
             result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, bool(equal_nan))
             by_terms = c.least > UNIT_ROUNDOFF[judged] / 2 * c.scale
+            ratio = c.ratio(result.rms_ratio, result.max_abs_error)
             grads.append(
                 dataclasses.replace(
                     result,
                     floor=c.floor,
                     judged_dtype=judged,
-                    error_floor_ratio=c.ratio(result.rms_ratio, result.max_abs_error),
+                    error_floor_ratio=ratio,
                     term_scale=term[seg.name] if by_terms else None,
+                    passed=result.passed and ratio <= c.k,  # one verdict, the ratio's
                 )
             )
             continue
@@ -375,11 +377,13 @@ def compare_tensor(
         judged = "float64"
     c = calibration(floors, judged, name, e)
     result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, False)
+    ratio = c.ratio(result.rms_ratio, result.max_abs_error)
     return dataclasses.replace(
         result,
         floor=c.floor,
         judged_dtype=judged,
-        error_floor_ratio=c.ratio(result.rms_ratio, result.max_abs_error),
+        error_floor_ratio=ratio,
+        passed=result.passed and ratio <= c.k,
     )
 
 
@@ -488,7 +492,7 @@ def _compare_grad(
         mismatches += int(counted.sum())
         if finite.any():
             max_abs = max(max_abs, float(diff.max()))
-            with np.errstate(divide="ignore", invalid="ignore"):
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 rel = np.where(diff == 0, 0.0, diff / abs_e)
             if overflowed.any():
                 half = np.abs(a[overflowed] * 0.5 - e[overflowed] * 0.5)

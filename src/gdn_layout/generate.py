@@ -200,9 +200,18 @@ def make_fixture(
     """
     threads = reference.resolve_workers(workers, "make_fixture")
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
-    if states is not None and non_negative_int(states, "make_fixture: states") < 1:
-        raise ValueError(f"make_fixture: states must be a chunk length of 1 or more, got {states}")
+    if (
+        states is not None
+        and not 1 <= non_negative_int(states, "make_fixture: states") <= _MAX_CHUNK
+    ):
+        raise ValueError(
+            f"make_fixture: states must be a chunk length from 1 to {_MAX_CHUNK}, got {states}"
+        )
     return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states, threads)
+
+
+#: The longest chunk a fixture records (``states_chunk`` is read back as at most 18 digits).
+_MAX_CHUNK: Final = 10**18 - 1
 
 
 def _fixture_of(
@@ -447,8 +456,11 @@ def write_suite(
     seed = check_seed(seed, "write_suite")
     threads = reference.resolve_workers(workers, "write_suite")
     root = Path(os.path.realpath(given))  # a named folder with a parent, even for "."
-    here = os.path.realpath(os.getcwd())
-    if os.path.commonpath([root, here]) == os.fspath(root):
+    try:
+        here = os.path.realpath(os.getcwd())
+    except FileNotFoundError:  # the current folder was removed: it cannot be replaced
+        here = None
+    if here is not None and os.path.commonpath([root, here]) == os.fspath(root):
         raise ValueError(
             f"write_suite: directory {os.fspath(given)!r} is the current folder or holds it: a "
             "suite takes the place of its folder, which would leave the current one deleted; "

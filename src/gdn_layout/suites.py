@@ -228,8 +228,8 @@ class Case:
             raise ValueError("check_states: give at least one of y, h, dh, final_state")
         results = {}
         for name, actual in given.items():
-            expected, floors = _state_reference(self.fixture, name, chunk, self._states)
             with self.fixture.unchanged():
+                expected, floors = _state_reference(self.fixture, name, chunk, self._states)
                 results[name] = compare_tensor(
                     actual, expected, name, floors=floors, func="check_states"
                 )
@@ -301,8 +301,8 @@ def compare_states(
     >>> result.passed, result.worst[:3]  # batch 0, chunk 2, head 1
     (False, (0, 2, 1))
     """
-    expected, floors = _state_reference(fixture, tensor, chunk)
-    with fixture.unchanged():
+    with fixture.unchanged():  # the inputs the reference reads are mapped too
+        expected, floors = _state_reference(fixture, tensor, chunk)
         return compare_tensor(actual, expected, tensor, floors=floors)
 
 
@@ -350,8 +350,8 @@ def _state_reference(
     truth = reference_outputs(wide, size, "chunked")
     low = reference_outputs(x, size, "recurrent")
     measured = tensor_floors({tensor: low[tensor]}, {tensor: truth[tensor]})
-    expected = stored if stored is not None else truth[tensor].astype(fixture.dtype)
-    expected.flags.writeable = False
+    expected = (stored if stored is not None else truth[tensor].astype(fixture.dtype)).view()
+    expected.flags.writeable = False  # a view: the fixture's own array is left as it is
     if cache is not None:
         cache[key] = (expected, measured)
     return expected, measured

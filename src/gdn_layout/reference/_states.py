@@ -134,7 +134,8 @@ def _nothing() -> None:
 
 def _chunk_length(value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"chunk must be a positive integer, got {type(value).__name__} {value!r}")
+        kind = "bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__
+        raise TypeError(f"chunk must be a positive integer, got {kind} {value!r}")
     if value < 1:
         raise ValueError(f"chunk must be a positive integer, got {value}")
     return int(value)
