@@ -30,11 +30,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
+import pytest
 from numpy.typing import DTypeLike, NDArray
 
 from gdn_layout.regimes import draw_gate
 
-__all__ = ["BETAS", "GATES", "NORMS", "STRONG_DECAY", "Case", "Inputs"]
+__all__ = ["BETAS", "DTYPES", "GATES", "MODES", "NORMS", "STRONG_DECAY", "Case", "Inputs"]
 
 Array = NDArray[Any]
 Inputs = dict[str, Array]
@@ -43,6 +44,15 @@ STRONG_DECAY = ("const-5", "const-12", "const-20", "const-40", "const-80")
 GATES = ("uniform-1,0", *STRONG_DECAY, "uniform-30,-10", "uniform-80,-5", "qwen", "spiky", "mixed")
 NORMS = ("unit", "upto4", "raw", "key3")
 BETAS = ("uniform", "zero", "one", "mixed")
+#: ``(per_channel, carry)``: the gate and state modes, as test parameters.
+MODES = [
+    pytest.param(False, False, id="per_head-no_state"),
+    pytest.param(False, True, id="per_head-state"),
+    pytest.param(True, False, id="per_channel-no_state"),
+    pytest.param(True, True, id="per_channel-state"),
+]
+#: The reference's computation dtypes, as test parameters.
+DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="float32")]
 
 
 def _gates(

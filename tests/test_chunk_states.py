@@ -21,7 +21,7 @@ from numpy.typing import DTypeLike, NDArray
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.reference import backward, chunk_states, forward
 from oracle import oracle_chunk_states, relative_error
-from regimes import GATES, Case, Inputs
+from regimes import DTYPES, GATES, MODES, Case, Inputs
 
 Array = NDArray[Any]
 Six = tuple[Array, Array, Array, Array, Array, Array]
@@ -32,13 +32,6 @@ FLOAT32_SLACK = 1e-6
 NAMES = ("h", "dh", "final")
 ARGS = ("q", "k", "v", "g", "beta", "dy")
 
-MODES = [
-    pytest.param(False, False, id="per_head-no_state"),
-    pytest.param(False, True, id="per_head-state"),
-    pytest.param(True, False, id="per_channel-no_state"),
-    pytest.param(True, True, id="per_channel-state"),
-]
-DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="float32")]
 #: The accuracy tests' gate regimes, and the fixtures' zero, strong and extreme.
 REGIMES = ("const0", "uniform-8,-3", *GATES)
 

@@ -17,18 +17,12 @@ import pytest
 from numpy.typing import NDArray
 
 from oracle import EXTENDED, OracleResult, extended, oracle, oracle_forward, relative_error
-from regimes import Case, Inputs
+from regimes import MODES, Case, Inputs
 
 Array = NDArray[Any]
 
 EPS = float(np.finfo(EXTENDED).eps)
 GRADS = ("q", "k", "v", "g", "beta", "state")
-MODES = [
-    pytest.param(False, False, id="per_head-no_state"),
-    pytest.param(False, True, id="per_head-state"),
-    pytest.param(True, False, id="per_channel-no_state"),
-    pytest.param(True, True, id="per_channel-state"),
-]
 
 
 def loss(inputs: Inputs) -> tuple[Array, Array]:

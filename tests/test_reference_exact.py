@@ -30,7 +30,7 @@ from numpy.typing import DTypeLike, NDArray
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.reference import backward, forward
 from oracle import oracle, relative_error
-from regimes import BETAS, GATES, STRONG_DECAY, Case, Inputs
+from regimes import BETAS, DTYPES, GATES, MODES, STRONG_DECAY, Case, Inputs
 
 Array = NDArray[Any]
 
@@ -42,13 +42,6 @@ RESULTS = ("y", "final", "dq", "dk", "dv", "dg", "dbeta", "dstate")
 # regime and nears overflow: test_overflow_is_an_error covers that; random draws skip it.
 PEAK_LIMIT = {np.dtype(np.float64): 1e250, np.dtype(np.float32): 1e30}
 
-MODES = [
-    pytest.param(False, False, id="per_head-no_state"),
-    pytest.param(False, True, id="per_head-state"),
-    pytest.param(True, False, id="per_channel-no_state"),
-    pytest.param(True, True, id="per_channel-state"),
-]
-DTYPES = [pytest.param(np.float64, id="float64"), pytest.param(np.float32, id="float32")]
 # Lengths that are not multiples of any chunk (2, 4, 8, 16, 23, 32, 64), and some that are.
 ODD_LENGTHS = (1, 2, 3, 5, 31, 33, 47, 65, 70)
 

@@ -4,6 +4,8 @@ and the checks that judge them, so that a kernel wrong everywhere can be bisecte
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -310,9 +312,6 @@ except FixtureError as error:
 
 
 def test_states_of_a_truncated_mapped_fixture_raise_instead_of_crashing(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     path = save_fixture(tmp_path / "plain.safetensors", make_fixture(STATELESS))
     done = subprocess.run(
         [sys.executable, "-c", TRUNCATED_STATES, str(path)],
@@ -338,3 +337,18 @@ def test_the_command_line_names_a_bad_tensor_file_in_one_line(
     done = run("compare", "--tensor", "h", tmp_path / "h.npy", tmp_path / "h.npy")
     assert done.returncode == 2
     assert "--tensor judges against a gdn-layout fixture" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["fixture", "-o", "x.safetensors", "--states", "0"],
+        ["compare", "--tensor", "h", "--chunk", "0", "a.npy", "b.safetensors"],
+        ["verify", "suite", "--crossing", "0"],
+    ],
+)
+def test_a_chunk_of_no_steps_is_a_usage_error(argv: list[str]) -> None:
+    done = run(*argv)
+    assert done.returncode == 2
+    assert "a chunk has at least 1 step, got 0" in done.stderr
+    assert len(done.stderr.splitlines()) == 1

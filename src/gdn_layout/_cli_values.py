@@ -66,6 +66,14 @@ def dimension(text: str) -> int:
     return value
 
 
+def chunk_length(text: str) -> int:
+    """A chunk length: an integer of at least 1 step."""
+    value = dimension(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a chunk has at least 1 step, got {value}")
+    return value
+
+
 def add_file_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags that say what a .npy, plain safetensors or raw file holds."""
     group = parser.add_argument_group(

@@ -582,8 +582,7 @@ def install_folder(
             _exchange(built, target)
             temporaries.mark(built, "new")
             raise
-        temporaries.mark(built, "checked")
-        shutil.rmtree(built, ignore_errors=True)
+        _remove_checked(built, temporaries)
         return
     raise FileExistsError(f"{target}: other writers kept replacing it")  # pragma: no cover
 
@@ -607,16 +606,20 @@ def _replace_aside(
                 raise
             # Another writer's folder took the place: the old one is checked, so it goes,
             # and the next round replaces theirs.
-            temporaries.mark(old, "checked")
-            shutil.rmtree(old, ignore_errors=True)
+            _remove_checked(old, temporaries)
             return False
     except BaseException:
         if temporaries.role(old) == "old":
             _rename_noreplace(old, target)
         raise
-    temporaries.mark(old, "checked")
-    shutil.rmtree(old, ignore_errors=True)
+    _remove_checked(old, temporaries)
     return True
+
+
+def _remove_checked(folder: Path, temporaries: Temporaries) -> None:
+    """Remove a replaced folder once checked, recording first that it may go."""
+    temporaries.mark(folder, "checked")
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _require_replaceable(

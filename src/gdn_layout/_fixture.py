@@ -167,7 +167,7 @@ class Fixture:
         ):
             raise ValueError(f"Fixture: states_chunk must be at least 1, got {self.states_chunk}")
         for name, array in arrays.items():
-            expected = _expected_shape(layout, name, self.states_chunk)
+            expected = tensor_shape(layout, name, self.states_chunk)
             if array.shape != expected:
                 raise ValueError(
                     f"Fixture: {name} has shape {array.shape}, expected {expected} for {layout!r}"
@@ -283,9 +283,9 @@ class Fixture:
         return meta
 
 
-def _expected_shape(
-    layout: GdnBackwardLayout, name: str, chunk: int | None = None
-) -> tuple[int, ...]:
+def tensor_shape(layout: GdnBackwardLayout, name: str, chunk: int | None = None) -> tuple[int, ...]:
+    """The shape of a fixture's tensor ``name`` for ``layout`` (``h`` and ``dh`` of chunks of
+    ``chunk`` steps)."""
     b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
     if name == "final_state":
         return (b, h, n, n)
@@ -575,7 +575,7 @@ def _check_entries(
         entry = by_name.get(name)
         if entry is None:
             continue
-        expected = _expected_shape(layout, name, chunk)
+        expected = tensor_shape(layout, name, chunk)
         if entry.shape != expected:
             raise FixtureError(
                 f"{path}: tensor {name!r} has shape {entry.shape}, expected {expected} "

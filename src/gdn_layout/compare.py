@@ -185,19 +185,8 @@ def compare(
         e = expected[seg.offset : seg.offset + seg.length]
         given = [d.get(seg.name) for d in (rtols, atols, rms_limits)]
         if given == [None, None, None] and judged in CALIBRATED_DTYPES:
-            c = calibration(floors, judged, seg.name, e, term.get(seg.name))
-            result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, bool(equal_nan))
-            by_terms = c.least > UNIT_ROUNDOFF[judged] / 2 * c.scale
-            ratio = c.ratio(result.rms_ratio, result.max_abs_error)
             grads.append(
-                dataclasses.replace(
-                    result,
-                    floor=c.floor,
-                    judged_dtype=judged,
-                    error_floor_ratio=ratio,
-                    term_scale=term[seg.name] if by_terms else None,
-                    passed=result.passed and ratio <= c.k,  # one verdict, the ratio's
-                )
+                _calibrated(seg, a, e, floors, judged, term.get(seg.name), bool(equal_nan))
             )
             continue
         r, t, m = given
@@ -375,15 +364,30 @@ def compare_tensor(
     judged = least_precise(array.dtype, expected.dtype)
     if judged not in CALIBRATED_DTYPES:  # pragma: no cover - least_precise names one of them
         judged = "float64"
-    c = calibration(floors, judged, name, e)
-    result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, False)
+    return _calibrated(seg, a, e, floors, judged, None, False)
+
+
+def _calibrated(
+    seg: Segment,
+    a: NDArray[Any],
+    e: NDArray[Any],
+    floors: Floors | None,
+    judged: str,
+    term_scale: float | None,
+    equal_nan: bool,
+) -> GradComparison:
+    """One tensor judged by the calibrated criterion in dtype ``judged``."""
+    c = calibration(floors, judged, seg.name, e, term_scale)
+    result = _compare_grad(seg, a, e, 0.0, c.atol, c.max_rms_ratio, equal_nan)
+    by_terms = c.least > UNIT_ROUNDOFF[judged] / 2 * c.scale
     ratio = c.ratio(result.rms_ratio, result.max_abs_error)
     return dataclasses.replace(
         result,
         floor=c.floor,
         judged_dtype=judged,
         error_floor_ratio=ratio,
-        passed=result.passed and ratio <= c.k,
+        term_scale=term_scale if by_terms else None,
+        passed=result.passed and ratio <= c.k,  # one verdict, the ratio's
     )
 
 

@@ -35,7 +35,7 @@ from ._arrays import as_framework, as_packed
 from ._checks import non_negative_int
 from ._comparison import Comparison, GradComparison
 from ._criteria import Floors, Tolerance, tensor_floors
-from ._fixture import Fixture, FixtureError, GdnInputs, load_checked
+from ._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
 from .compare import compare, compare_tensor
 from .generate import make_fixture, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
@@ -61,6 +61,9 @@ MANIFEST = "manifest.json"
 STATE_TENSORS = ("y", "h", "dh", "final_state")
 #: The chunk length of ``h`` and ``dh`` when a fixture keeps none: the usual kernels' 64.
 DEFAULT_CHUNK = 64
+#: The reference outputs computed for a case, float64 and float32 step by step, by the chunk
+#: length they were computed with (None: ``y`` and, when carried, the final state alone).
+_Outputs = dict[int | None, tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]]]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -75,10 +78,8 @@ class Case:
 
     name: str
     fixture: Fixture = field(repr=False)
-    #: The expected states and their floors computed for this case, by (tensor, chunk).
-    _states: dict[tuple[str, int], tuple[NDArray[Any], Floors]] = field(
-        default_factory=dict, repr=False, init=False
-    )
+    #: The reference outputs computed for this case's states, by chunk length.
+    _states: _Outputs = field(default_factory=dict, repr=False, init=False)
 
     @property
     def layout(self) -> GdnBackwardLayout:
@@ -309,14 +310,7 @@ def compare_states(
 def state_shape(fixture: Fixture, tensor: str, chunk: int | None = None) -> tuple[int, ...]:
     """The shape of ``tensor`` (one of :data:`STATE_TENSORS`) for ``fixture``'s layout and the
     chunk length :func:`compare_states` takes for ``chunk``."""
-    size = _chunk_for(fixture, tensor, chunk)
-    layout = fixture.layout
-    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
-    if tensor == "y":
-        return layout.input_shape("y")
-    if tensor == "final_state":
-        return (b, h, n, n)
-    return (b, -(-s // size), h, n, n)
+    return tensor_shape(fixture.layout, tensor, _chunk_for(fixture, tensor, chunk))
 
 
 def _chunk_for(fixture: Fixture, tensor: str, chunk: object) -> int:
@@ -331,10 +325,10 @@ def _chunk_for(fixture: Fixture, tensor: str, chunk: object) -> int:
 
 
 def _state_reference(
-    fixture: Fixture, tensor: str, chunk: object, cache: dict[tuple[str, int], Any] | None = None
+    fixture: Fixture, tensor: str, chunk: object, cache: _Outputs | None = None
 ) -> tuple[NDArray[Any], Floors]:
     """The expected ``tensor`` of ``fixture`` and its floors: kept in the fixture where it
-    has them, else computed from its inputs (and kept in ``cache``)."""
+    has them, else computed from its inputs (once per chunk length, in ``cache``)."""
     size = _chunk_for(fixture, tensor, chunk)
     stored = getattr(fixture, tensor)
     if tensor in ("h", "dh") and size != fixture.states_chunk:
@@ -342,18 +336,20 @@ def _state_reference(
     floors = fixture.state_floors
     if stored is not None and floors is not None and tensor in floors.get("float32", {}):
         return stored, floors
-    key = (tensor, size)
-    if cache is not None and key in cache:
-        return cache[key]  # type: ignore[no-any-return]
-    x = fixture.inputs
-    wide = GdnInputs._make(None if a is None else np.asarray(a, np.float64) for a in x)
-    truth = reference_outputs(wide, size, "chunked")
-    low = reference_outputs(x, size, "recurrent")
+    chunked = tensor in ("h", "dh") or (tensor == "final_state" and not fixture.layout.carry_state)
+    states = size if chunked else None
+    cache = {} if cache is None else cache
+    if states not in cache:
+        x = fixture.inputs
+        wide = GdnInputs._make(None if a is None else np.asarray(a, np.float64) for a in x)
+        cache[states] = (
+            reference_outputs(wide, states, "chunked"),
+            reference_outputs(x, states, "recurrent"),
+        )
+    truth, low = cache[states]
     measured = tensor_floors({tensor: low[tensor]}, {tensor: truth[tensor]})
     expected = (stored if stored is not None else truth[tensor].astype(fixture.dtype)).view()
     expected.flags.writeable = False  # a view: the fixture's own array is left as it is
-    if cache is not None:
-        cache[key] = (expected, measured)
     return expected, measured
 
 

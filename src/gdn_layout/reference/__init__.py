@@ -68,6 +68,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from .._checks import kind_of
 from ..layout import GdnBackwardLayout
 from ..packing import GdnGrads, check_out, unpack
 from . import _chunked, _recurrent
@@ -429,7 +430,7 @@ def resolve_workers(value: object, func: str) -> int:
             return max(1, os.cpu_count() or 1)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(
-            f"{func}: workers must be a positive integer or None, got {_kind(value)} {value!r}"
+            f"{func}: workers must be a positive integer or None, got {kind_of(value)} {value!r}"
         )
     if value < 1:
         raise ValueError(f"{func}: workers must be a positive integer or None, got {value}")
@@ -490,8 +491,3 @@ def _part(x: Inputs, batch: slice, heads: slice) -> Inputs:
         layout=layout,
         scale=x.scale,
     )
-
-
-def _kind(value: object) -> str:
-    """The type a message names: ``bool`` for NumPy's too, whose name varies by version."""
-    return "bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__

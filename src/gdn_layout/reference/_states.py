@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
+from .._checks import kind_of
 from ..packing import empty
 from . import _chunked, _recurrent
 from ._inputs import validate
@@ -134,8 +135,7 @@ def _nothing() -> None:
 
 def _chunk_length(value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        kind = "bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__
-        raise TypeError(f"chunk must be a positive integer, got {kind} {value!r}")
+        raise TypeError(f"chunk must be a positive integer, got {kind_of(value)} {value!r}")
     if value < 1:
         raise ValueError(f"chunk must be a positive integer, got {value}")
     return int(value)
