@@ -16,12 +16,15 @@ the files in :mod:`gdn_layout.fixtures`), pictures in :mod:`gdn_layout.plot`.
 """
 
 from ._version import __version__
-from .compare import Comparison, GradComparison, assert_close, compare
+from .compare import Comparison, GradComparison, assert_close, compare, error_map
 from .fixtures import Fixture, FixtureError, load_fixture, save_fixture
+from .generate import draw_inputs, make_fixture, write_suite
 from .layout import GdnBackwardLayout, Segment
 from .packing import GdnGrads, empty, pack, unpack, zeros
+from .suites import Case, load_suite, verify_suite
 
 __all__ = [
+    "Case",
     "Comparison",
     "Fixture",
     "FixtureError",
@@ -32,10 +35,16 @@ __all__ = [
     "__version__",
     "assert_close",
     "compare",
+    "draw_inputs",
     "empty",
+    "error_map",
     "load_fixture",
+    "load_suite",
+    "make_fixture",
     "pack",
     "save_fixture",
     "unpack",
+    "verify_suite",
+    "write_suite",
     "zeros",
 ]
