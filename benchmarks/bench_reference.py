@@ -75,7 +75,7 @@ Beside it, ``chunk GF/s`` is the rate in the chunked algorithm's own matrix-prod
 
 Two more sections follow the table, each run in its own subprocess with one BLAS thread:
 
-* **fixture / truth**: :func:`gdn_layout.fixtures.make_fixture` (float64 forward and backward,
+* **fixture / truth**: :func:`gdn_layout.make_fixture` (float64 forward and backward,
   the float32 step-by-step form, the floors) over the float64 backward alone on the same
   inputs (the fixture's truth), with the time of each part; at B=1, S=4096, H=16, N=128, and
   at the real scale below unless ``--quick``.
@@ -434,8 +434,8 @@ def matmul_gflops(dtype: str, size: int = 512, repeats: int = 30) -> float:
 def fixture_worker(config: Config) -> dict[str, Any]:
     """Time ``make_fixture`` and its parts against the float64 backward (the truth)."""
     from gdn_layout import reference
-    from gdn_layout._criteria import measure_floors
-    from gdn_layout.fixtures import draw_inputs, make_fixture
+    from gdn_layout.check._floors import measure_floors
+    from gdn_layout.generate import draw_inputs, make_fixture
 
     layout = GdnBackwardLayout(
         config.batch, config.seq, config.heads, config.size, carry_state=True

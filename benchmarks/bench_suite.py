@@ -20,7 +20,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import gdn_layout.generate as generate  # noqa: E402
-from gdn_layout.fixtures import write_suite  # noqa: E402
+from gdn_layout.generate import write_suite  # noqa: E402
 
 
 def _measure(shapes: tuple[object, ...], repeat: int) -> tuple[int, int, float]:

@@ -26,8 +26,9 @@ import numpy as np
 from numpy.typing import NDArray
 
 from gdn_layout import Comparison, GdnBackwardLayout, compare, unpack
-from gdn_layout._criteria import K
-from gdn_layout.fixtures import Fixture, load_fixture, write_suite
+from gdn_layout.check._criterion import K
+from gdn_layout.files import Fixture, load_fixture
+from gdn_layout.generate import write_suite
 from gdn_layout.reference import backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

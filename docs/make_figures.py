@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from gdn_layout import GdnBackwardLayout, compare, unpack
-from gdn_layout.fixtures import make_fixture
+from gdn_layout.generate import make_fixture
 from gdn_layout.plot import plot_errors
 
 HERE = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import write_suite
+from gdn_layout.generate import write_suite
 
 #: pytester runs the gdn-layout pytest plugin on test files of its own (tests/test_suites.py).
 pytest_plugins = ["pytester"]

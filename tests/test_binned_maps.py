@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.compare import Comparison, compare
+from gdn_layout.check import Comparison, compare
 
-_ERRORMAP = importlib.import_module("gdn_layout._errormap")
+_ERRORMAP = importlib.import_module("gdn_layout.check._scan")
 
 
 def _assert_consistent(result: Comparison) -> None:

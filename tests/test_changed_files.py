@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import gdn_layout._files
-import gdn_layout._fixture
-import gdn_layout._mapping
+import gdn_layout.files._atomic
+import gdn_layout.files._fixture
+import gdn_layout.files._mapping
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import FixtureError, load_fixture, make_fixture, save_fixture
+from gdn_layout.files import FixtureError, load_fixture, save_fixture
+from gdn_layout.generate import make_fixture
 from gdn_layout.suites import MANIFEST, Case, load_suite, verify_suite
 from support import deadline
 
@@ -44,7 +45,7 @@ def fixture_path(tmp_path: Path) -> Path:
 @pytest.fixture
 def mapped(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every file is memory-mapped, however small (as files past the threshold are)."""
-    monkeypatch.setattr(gdn_layout._mapping, "MAP_THRESHOLD", 0)
+    monkeypatch.setattr(gdn_layout.files._mapping, "MAP_THRESHOLD", 0)
 
 
 def _python(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -67,12 +68,12 @@ def _python(script: str, *args: str, timeout: float = 60) -> subprocess.Complete
 _TRUNCATE_THEN_CHECK = """
     import os, sys
     import numpy as np
-    import gdn_layout._mapping
-    from gdn_layout.fixtures import FixtureError, load_fixture
+    import gdn_layout.files._mapping
+    from gdn_layout import FixtureError, load_fixture
     from gdn_layout.suites import Case
 
     path, keep = sys.argv[1], int(sys.argv[2])
-    gdn_layout._mapping.MAP_THRESHOLD = 0  # mapped, as a file past the threshold is
+    gdn_layout.files._mapping.MAP_THRESHOLD = 0  # mapped, as a file past the threshold is
     case = Case("case", load_fixture(path))
     actual = np.array(case.expected)  # a kernel that is exactly right
     os.truncate(path, keep)
@@ -110,9 +111,9 @@ def test_the_command_line_refuses_a_fixture_truncated_after_it_was_opened(
     np.save(actual, np.array(load_fixture(fixture_path).packed))
     script = """
         import os, sys
-        import gdn_layout._mapping, gdn_layout.cli as cli
+        import gdn_layout.files._mapping, gdn_layout.cli as cli
 
-        gdn_layout._mapping.MAP_THRESHOLD = 0
+        gdn_layout.files._mapping.MAP_THRESHOLD = 0
         resolve = cli._resolve_layout
 
         def truncating(sources, args):  # between opening the files and comparing them
@@ -131,11 +132,11 @@ def test_the_command_line_refuses_a_fixture_truncated_after_it_was_opened(
 _TRUNCATED_WHILE_JUDGED = """
     import os, subprocess, sys, time
     import numpy as np
-    import gdn_layout._mapping, gdn_layout.suites as suites
-    from gdn_layout.fixtures import FixtureError, load_fixture
+    import gdn_layout.files._mapping, gdn_layout.suites as suites
+    from gdn_layout import FixtureError, load_fixture
 
     path = sys.argv[1]
-    gdn_layout._mapping.MAP_THRESHOLD = 0
+    gdn_layout.files._mapping.MAP_THRESHOLD = 0
     case = suites.Case("case", load_fixture(path))
     actual = np.array(case.expected)
     real = suites.compare
@@ -303,13 +304,13 @@ def test_a_huge_sparse_file_is_refused_without_being_read(copy: Path) -> None:
 def test_load_suite_judges_the_bytes_it_hashed(copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Each file is read once: what is hashed is what the case holds.
     reads: list[str] = []
-    opened = gdn_layout._files.open_regular
+    opened = gdn_layout.files._atomic.open_regular
 
     def counting(path: Path) -> object:
         reads.append(Path(path).name)
         return opened(path)
 
-    monkeypatch.setattr(gdn_layout._fixture, "open_regular", counting)
+    monkeypatch.setattr(gdn_layout.files._fixture, "open_regular", counting)
     cases = load_suite(copy)
     names = [str(e["file"]) for e in _manifest(copy)["fixtures"]]
     assert sorted(reads) == sorted(names)
@@ -326,7 +327,7 @@ def test_load_suite_judges_the_bytes_it_hashed(copy: Path, monkeypatch: pytest.M
 _LOAD_MANY = """
     import json, os, resource, sys
     from pathlib import Path
-    from gdn_layout.fixtures import load_fixture
+    from gdn_layout import load_fixture
     from gdn_layout.suites import load_suite
 
     root, count = Path(sys.argv[1]), int(sys.argv[2])

@@ -21,7 +21,7 @@ import gdn_layout.cli
 import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
 from gdn_layout.cli import main
-from gdn_layout.fixtures import load_fixture
+from gdn_layout.files import load_fixture
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -432,7 +432,7 @@ def test_plot_errors_writes_its_file_atomically(
     fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("matplotlib")
-    files = importlib.import_module("gdn_layout._files")
+    files = importlib.import_module("gdn_layout.files._atomic")
     written: list[Path] = []
     real: Callable[..., Path] = files.atomic_write
 

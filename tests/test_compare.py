@@ -17,8 +17,8 @@ from numpy.typing import NDArray
 from gdn_layout import GdnBackwardLayout, GdnGrads, unpack
 from gdn_layout._stats import grad_stats, grads_html, grads_text
 from gdn_layout._tables import html_table
-from gdn_layout.compare import Comparison, GradComparison, assert_close, compare, error_map
-from gdn_layout.fixtures import make_fixture
+from gdn_layout.check import Comparison, assert_close, compare, error_map
+from gdn_layout.generate import make_fixture
 from gdn_layout.layout import layout_html, layout_table, layout_text
 from gdn_layout.reference import backward
 
@@ -191,7 +191,7 @@ def test_rms_ratio_neither_overflows_nor_underflows(magnitude: float) -> None:
 
 
 def test_rms_ratio_across_chunks_of_different_scale(monkeypatch: pytest.MonkeyPatch) -> None:
-    chunking = importlib.import_module("gdn_layout._errormap")
+    chunking = importlib.import_module("gdn_layout.check._scan")
     monkeypatch.setattr(chunking, "CHUNK_ELEMENTS", 4)  # one row of dq per chunk
     layout = GdnBackwardLayout(1, 3, 1, 4)
     expected = np.ones(layout.total_elems)
@@ -357,7 +357,7 @@ def test_empty_layout() -> None:
 
 
 def test_large_gradient_is_compared_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    chunking = importlib.import_module("gdn_layout._errormap")
+    chunking = importlib.import_module("gdn_layout.check._scan")
 
     layout = _layout(True, True)
     expected = _reference(layout)
@@ -483,10 +483,13 @@ def test_to_dict_is_json() -> None:
     assert dstate["worst_actual"] == "nan"
     assert dstate["nan_actual"] == 1
     assert dstate["max_rms_ratio"] is None
-    maps = {"error_map", "batch_error_map", "mismatch_map", "error_map_bins", "batch_bins"}
-    assert set(dstate) == set(GradComparison.__dataclass_fields__) - maps | {
-        "mode",
-        "axes",
+    # The JSON's keys are a public format: the figures, the criterion's fields, no maps.
+    assert set(dstate) == {
+        *("name", "shape", "axes", "actual_dtype", "expected_dtype", "size", "mode"),
+        *("rtol", "atol", "max_rms_ratio", "max_abs_error", "max_rel_error", "rms_ratio"),
+        *("mismatches", "nonfinite_mismatches", "nan_actual", "inf_actual", "nan_expected"),
+        *("inf_expected", "worst", "worst_actual", "worst_expected", "elementwise", "floor"),
+        *("judged_dtype", "error_floor_ratio", "term_scale", "passed"),
     }
 
 

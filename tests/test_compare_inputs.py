@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.compare import compare, error_map
+from gdn_layout.check import compare, error_map
 
 LAYOUT = GdnBackwardLayout(1, 2, 2, 3)
 

@@ -12,16 +12,10 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, load_fixture, save_fixture, unpack
-from gdn_layout._criteria import (
-    DEFAULT_FLOORS,
-    FLOOR_DTYPES,
-    UNIT_ROUNDOFF,
-    K,
-    decode_floors,
-    encode_floors,
-    round_to,
-)
-from gdn_layout.fixtures import Fixture, FixtureError, make_fixture
+from gdn_layout.check._criterion import DEFAULT_FLOORS, FLOOR_DTYPES, UNIT_ROUNDOFF, K
+from gdn_layout.check._floors import decode_floors, encode_floors, round_to
+from gdn_layout.files import Fixture, FixtureError
+from gdn_layout.generate import make_fixture
 from gdn_layout.reference import backward
 
 LAYOUT = GdnBackwardLayout(2, 9, 3, 8, gate_per_channel=True, carry_state=True)

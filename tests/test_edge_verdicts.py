@@ -19,8 +19,10 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
-from gdn_layout._criteria import UNIT_ROUNDOFF, term_scales
-from gdn_layout.fixtures import Fixture, load_fixture, make_fixture, write_suite
+from gdn_layout.check._criterion import UNIT_ROUNDOFF
+from gdn_layout.check._floors import term_scales
+from gdn_layout.files import Fixture, load_fixture
+from gdn_layout.generate import make_fixture, write_suite
 from gdn_layout.reference import backward
 
 Bug = Callable[[Fixture], NDArray[Any]]

@@ -23,21 +23,14 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 import gdn_layout
-import gdn_layout._fixture
-import gdn_layout._mapping
-import gdn_layout._safetensors
-import gdn_layout.fixtures
+import gdn_layout.files
+import gdn_layout.files._fixture
+import gdn_layout.files._mapping
+import gdn_layout.files._safetensors
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.fixtures import (
-    REGIMES,
-    Fixture,
-    FixtureError,
-    draw_inputs,
-    load_fixture,
-    make_fixture,
-    save_fixture,
-    write_suite,
-)
+from gdn_layout.files import Fixture, FixtureError, load_fixture, save_fixture
+from gdn_layout.generate import draw_inputs, make_fixture, write_suite
+from gdn_layout.regimes import REGIMES
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -179,7 +172,7 @@ def test_the_file_layout(saved: Path) -> None:
 
 
 def test_a_small_file_is_read_into_memory(saved: Path) -> None:
-    assert saved.stat().st_size < gdn_layout.fixtures.MAP_THRESHOLD
+    assert saved.stat().st_size < gdn_layout.files.MAP_THRESHOLD
     for mmap in (True, False):
         fixture = load_fixture(saved, mmap=mmap)
         assert not fixture.mapped
@@ -190,7 +183,7 @@ def test_a_small_file_is_read_into_memory(saved: Path) -> None:
 
 
 def test_load_memory_maps_a_large_file(saved: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gdn_layout._mapping, "MAP_THRESHOLD", saved.stat().st_size)
+    monkeypatch.setattr(gdn_layout.files._mapping, "MAP_THRESHOLD", saved.stat().st_size)
     fixture = load_fixture(saved)
     assert fixture.mapped
     fixture.check_unchanged()
@@ -333,7 +326,7 @@ def test_a_failed_tensor_write_leaves_nothing_behind(
     fixture = _fixture()
     # Three tensors are written, then the fourth name is one the fixture does not have.
     monkeypatch.setattr(
-        gdn_layout._safetensors, "data_order", lambda codes: [*sorted(codes)[:3], "nope"]
+        gdn_layout.files._safetensors, "data_order", lambda codes: [*sorted(codes)[:3], "nope"]
     )
     with pytest.raises(KeyError, match="nope"):
         save_fixture(tmp_path / "x.safetensors", fixture)

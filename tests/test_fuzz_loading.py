@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import FixtureError, load_fixture, make_fixture, save_fixture
+from gdn_layout.files import FixtureError, load_fixture, save_fixture
+from gdn_layout.generate import make_fixture
 
 #: What loading may allocate beyond the file's size (traced by tracemalloc: Python objects
 #: and NumPy buffers).

@@ -13,13 +13,7 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import (
-    FORMAT,
-    FORMAT_VERSION,
-    FixtureError,
-    load_fixture,
-    open_packed,
-)
+from gdn_layout.files import FORMAT, FORMAT_VERSION, FixtureError, load_fixture, open_packed
 from support import deadline
 
 

@@ -12,8 +12,8 @@ import pytest
 from numpy.typing import DTypeLike
 
 from gdn_layout import GdnBackwardLayout, pack, unpack
-from gdn_layout.fixtures import REGIMES
 from gdn_layout.reference import backward
+from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import make_case
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16]

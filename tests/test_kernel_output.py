@@ -19,7 +19,8 @@ from safetensors.numpy import save_file
 from gdn_layout import GdnBackwardLayout, __version__, compare, load_fixture, unpack
 from gdn_layout._arrays import as_packed
 from gdn_layout.cli import _parser, main
-from gdn_layout.fixtures import FixtureError, make_fixture, open_packed, save_fixture
+from gdn_layout.files import FixtureError, open_packed, save_fixture
+from gdn_layout.generate import make_fixture
 
 LAYOUT = GdnBackwardLayout(1, 5, 2, 4, carry_state=True)
 
@@ -256,7 +257,7 @@ def test_a_npy_that_is_not_floating_is_the_users_error(
 
 
 def test_error_map_reads_any_array_as_compare_does(case: Path) -> None:
-    from gdn_layout.compare import error_map
+    from gdn_layout.check import error_map
 
     class Wrapped:
         def __init__(self, array: np.ndarray) -> None:

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import Fixture, draw_inputs, save_fixture
+from gdn_layout.files import Fixture, save_fixture
+from gdn_layout.generate import draw_inputs
 
 #: ((B, S, H, N, per channel, carry state), dtype, regime, seed, SHA-256 of the file)
 PINNED = [

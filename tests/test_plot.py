@@ -25,7 +25,7 @@ from matplotlib.figure import Figure, SubFigure
 from matplotlib.text import Text
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.compare import Comparison, compare
+from gdn_layout.check import Comparison, compare
 from gdn_layout.plot import Picture, plot_errors, plot_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

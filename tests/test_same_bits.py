@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout._criteria import FLOOR_DTYPES, _figures, measure_floors, round_to
+from gdn_layout.check._criterion import FLOOR_DTYPES
+from gdn_layout.check._floors import _figures, measure_floors, round_to
 from gdn_layout.reference import backward, forward
 
 Array = NDArray[Any]

@@ -14,7 +14,8 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, load_fixture, save_fixture
-from gdn_layout.fixtures import Fixture, FixtureError, make_fixture
+from gdn_layout.files import Fixture, FixtureError
+from gdn_layout.generate import make_fixture
 from gdn_layout.reference import chunk_states, forward
 from gdn_layout.suites import STATE_TENSORS, compare_states, make_case
 from support import run
@@ -296,11 +297,11 @@ def test_judging_states_leaves_the_fixture_writeable() -> None:
 TRUNCATED_STATES = """
 import os, sys
 import numpy as np
-import gdn_layout._mapping
-from gdn_layout.fixtures import FixtureError, load_fixture
+import gdn_layout.files._mapping
+from gdn_layout import FixtureError, load_fixture
 from gdn_layout.suites import compare_states
 
-gdn_layout._mapping.MAP_THRESHOLD = 0
+gdn_layout.files._mapping.MAP_THRESHOLD = 0
 fx = load_fixture(sys.argv[1])
 y = np.array(fx.y)
 os.truncate(sys.argv[1], 4096)

@@ -11,8 +11,9 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, unpack
-from gdn_layout.fixtures import REGIMES, Fixture
+from gdn_layout.files import Fixture
 from gdn_layout.reference import backward
+from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import Case, make_case
 
 generate = importlib.import_module("gdn_layout.generate")

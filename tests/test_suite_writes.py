@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from gdn_layout.fixtures import write_suite
+from gdn_layout.generate import write_suite
 from gdn_layout.suites import verify_suite
 from support import run
 
 generate = importlib.import_module("gdn_layout.generate")
-files = importlib.import_module("gdn_layout._files")
+files = importlib.import_module("gdn_layout.files._atomic")
 remove_abandoned = files.remove_abandoned
 
 
@@ -162,7 +162,7 @@ def test_the_command_line_keeps_a_folders_own_files(tmp_path: Path) -> None:
 _STOPPED = textwrap.dedent(
     """
     import os, shutil, signal, sys
-    import gdn_layout._files as files
+    import gdn_layout.files._atomic as files
     import gdn_layout.generate as generate
 
     cases = list(generate._suite_cases())[:3]
@@ -375,7 +375,7 @@ _KILLED_AFTER_EXCHANGE = textwrap.dedent(
     """
     import os, signal, sys
     from pathlib import Path
-    import gdn_layout._files as files
+    import gdn_layout.files._atomic as files
     import gdn_layout.generate as generate
 
     generate._SUITE_SHAPES = generate._SUITE_SHAPES[:1]

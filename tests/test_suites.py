@@ -11,7 +11,7 @@ import pytest
 
 from gdn_layout import GdnBackwardLayout, load_fixture
 from gdn_layout.cli import main
-from gdn_layout.fixtures import FixtureError
+from gdn_layout.files import FixtureError
 from gdn_layout.reference import backward
 from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, verify_suite
 

@@ -17,7 +17,8 @@ import gdn_layout.generate
 import gdn_layout.reference as reference
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.cli import main
-from gdn_layout.fixtures import draw_inputs, make_fixture, save_fixture, write_suite
+from gdn_layout.files import save_fixture
+from gdn_layout.generate import draw_inputs, make_fixture, write_suite
 from gdn_layout.reference import backward, forward
 
 Array = NDArray[Any]

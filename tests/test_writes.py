@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.fixtures import load_fixture, make_fixture, save_fixture, write_suite
+from gdn_layout.files import load_fixture, save_fixture
+from gdn_layout.generate import make_fixture, write_suite
 from support import deadline
 
-files = importlib.import_module("gdn_layout._files")
-codec = importlib.import_module("gdn_layout._safetensors")
+files = importlib.import_module("gdn_layout.files._atomic")
+codec = importlib.import_module("gdn_layout.files._safetensors")
 generate = importlib.import_module("gdn_layout.generate")
 
 LAYOUT = GdnBackwardLayout(1, 3, 2, 4)
@@ -32,10 +33,10 @@ LAYOUT = GdnBackwardLayout(1, 3, 2, 4)
 _KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
-    import gdn_layout._files as files
-    import gdn_layout._safetensors as codec
+    import gdn_layout.files._atomic as files
+    import gdn_layout.files._safetensors as codec
     from gdn_layout import GdnBackwardLayout
-    from gdn_layout.fixtures import make_fixture, save_fixture
+    from gdn_layout import make_fixture, save_fixture
 
     if sys.argv[2] == "named":
         files._open_unnamed = lambda folder, **_: None  # as where O_TMPFILE is not available

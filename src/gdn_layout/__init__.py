@@ -1,11 +1,23 @@
 """The packed-gradient layout of RLX's ``GatedDeltaNetBackward``, in NumPy.
 
-The layout and its views (:class:`GdnBackwardLayout`, :func:`unpack`, :func:`pack`,
-:func:`empty`, :func:`zeros`), the comparison of a kernel's packed gradient with a reference
-(:func:`compare`, :func:`assert_close`) and fixture files (:func:`load_fixture`,
-:func:`save_fixture`) are here; the float64 reference forward and backward are in
-:mod:`gdn_layout.reference`, fixture generation in :mod:`gdn_layout.generate` (gathered with
-the files in :mod:`gdn_layout.fixtures`), pictures in :mod:`gdn_layout.plot`.
+What a kernel engineer calls is here; each name has one home module:
+
+========================  ==================================================================
+module                    concern
+========================  ==================================================================
+:mod:`~.layout`           :class:`GdnBackwardLayout` and its :class:`Segment` s
+:mod:`~.packing`          :func:`unpack`, :func:`pack`, :func:`empty`, :func:`zeros`,
+                          :class:`GdnGrads`
+:mod:`~.check`            :func:`compare`, :func:`assert_close`, :func:`error_map`,
+                          :class:`Comparison`, :class:`GradComparison`, ``Criterion``
+:mod:`~.files`            :class:`Fixture`, :func:`load_fixture`, :func:`save_fixture`,
+                          :class:`FixtureError`, kernel-output files (``open_packed``)
+:mod:`~.generate`         :func:`draw_inputs`, :func:`make_fixture`, :func:`write_suite`
+:mod:`~.suites`           :func:`load_suite`, :func:`verify_suite`, :class:`Case`
+:mod:`~.reference`        the float64 reference forward, backward and chunk states
+:mod:`~.regimes`          the gate regimes inputs are drawn in
+:mod:`~.plot`             pictures (``gdn-layout[plot]``)
+========================  ==================================================================
 
 >>> import numpy as np
 >>> import gdn_layout as gl
@@ -16,8 +28,8 @@ the files in :mod:`gdn_layout.fixtures`), pictures in :mod:`gdn_layout.plot`.
 """
 
 from ._version import __version__
-from .compare import Comparison, GradComparison, assert_close, compare, error_map
-from .fixtures import Fixture, FixtureError, load_fixture, save_fixture
+from .check import Comparison, GradComparison, assert_close, compare, error_map
+from .files import Fixture, FixtureError, load_fixture, save_fixture
 from .generate import draw_inputs, make_fixture, write_suite
 from .layout import GdnBackwardLayout, Segment
 from .packing import GdnGrads, empty, pack, unpack, zeros

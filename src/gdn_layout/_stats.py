@@ -7,23 +7,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
-from numpy.typing import ArrayLike, NDArray
+from numpy.typing import ArrayLike
 
+from ._norms import CHUNK_ELEMENTS, Norm
 from ._tables import fmt_float, html_table, text_table
 
-__all__ = [
-    "CHUNK_ELEMENTS",
-    "GradStats",
-    "Norm",
-    "grad_stats",
-    "grads_html",
-    "grads_text",
-    "rms_ratio_of",
-]
-
-#: Elements converted to float64 at a time, so that statistics of a huge buffer never hold a
-#: float64 copy of all of it.
-CHUNK_ELEMENTS = 1 << 20
+__all__ = ["GradStats", "grad_stats", "grads_html", "grads_text"]
 
 
 class GradStats(NamedTuple):
@@ -114,7 +103,7 @@ def _named_arrays(grads: Any) -> Iterable[tuple[str, Any]]:
 def _stats(name: str, array: np.ndarray[Any, Any]) -> GradStats:
     flat = array.reshape(-1)
     count = nan = inf = 0
-    total = squares = 0.0
+    total, norm = 0.0, Norm()
     low, high = math.inf, -math.inf
     for start in range(0, flat.size, CHUNK_ELEMENTS):
         chunk = flat[start : start + CHUNK_ELEMENTS].astype(np.float64)
@@ -125,7 +114,7 @@ def _stats(name: str, array: np.ndarray[Any, Any]) -> GradStats:
         if values.size:
             count += values.size
             total += float(values.sum())
-            squares += float(np.dot(values, values))
+            norm.add(np.abs(values))
             low = min(low, float(values.min()))
             high = max(high, float(values.max()))
     if count == 0:
@@ -137,59 +126,7 @@ def _stats(name: str, array: np.ndarray[Any, Any]) -> GradStats:
         low,
         high,
         total / count,
-        math.sqrt(squares / count),
+        norm.rms(count),
         nan,
         inf,
     )
-
-
-# -- norms accumulated chunk by chunk ------------------------------------------------------
-
-
-class Norm:
-    """A Euclidean norm accumulated chunk by chunk, scaled as LAPACK's ``nrm2`` is, so that
-    squaring neither overflows for huge values nor underflows for tiny ones. The norm is
-    ``scale * sqrt(sumsq)``, kept in that form: the norm itself may be past the largest float
-    even when the ratio of two norms is not."""
-
-    def __init__(self, scale: float = 0.0, sumsq: float = 1.0) -> None:
-        self.scale = scale
-        self.sumsq = sumsq
-
-    def add(self, x: NDArray[np.float64]) -> None:
-        """Add the finite values ``x``."""
-        peak = float(x.max(initial=0.0))
-        if peak == 0.0:
-            return
-        scaled = x / peak
-        self.merge(Norm(peak, float(np.vdot(scaled, scaled))))
-
-    def merge(self, other: Norm) -> None:
-        """Add the values another norm was accumulated from."""
-        if other.scale == 0.0:
-            return
-        if other.scale > self.scale:
-            self.sumsq = other.sumsq + self.sumsq * (self.scale / other.scale) ** 2
-            self.scale = other.scale
-        else:
-            self.sumsq += other.sumsq * (other.scale / self.scale) ** 2
-
-    def over(self, other: Norm) -> float:
-        """``norm(self) / norm(other)``, finite whenever the true ratio is."""
-        if other.scale == 0.0:
-            # A zero reference leaves no scale: any error at all is infinitely large against it.
-            return 0.0 if self.scale == 0.0 else math.inf
-        with np.errstate(over="ignore"):
-            return float(np.float64(self.scale) / other.scale) * math.sqrt(self.sumsq / other.sumsq)
-
-
-def rms_ratio_of(norm_diff: Norm, norm_half: Norm, norm_exp: Norm) -> float:
-    """``rms(a - e) / rms(e)`` from the norms of the differences, of the differences past the
-    largest float (halved), and of the reference."""
-    # Both norms are over the same elements, so their ratio is the ratio of the RMS values.
-    if norm_half.scale == 0.0:
-        return norm_diff.over(norm_exp)
-    # Some |a - e| are past the largest float: work with every difference halved.
-    halved = Norm(norm_diff.scale * 0.5, norm_diff.sumsq)
-    halved.merge(norm_half)
-    return 2.0 * halved.over(norm_exp)

@@ -36,14 +36,14 @@ from ._cli_values import (
     tolerance,
 )
 from ._dtypes import is_floating, resolve
-from ._fixture import FixtureError, load_fixture, save_fixture
 from ._limits import human_bytes, impossible_arrays, memory_refusal
-from ._packed import PackedFile, open_packed
 from ._process import escaping_output, report, sigterm_as_exit
 from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
-from .compare import compare
+from .check import compare
+from .files._fixture import FixtureError, load_fixture, save_fixture
+from .files._outputs import PackedFile, open_packed
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack

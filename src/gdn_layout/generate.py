@@ -23,9 +23,10 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import reference
 from ._checks import non_negative_int, not_a_layout
-from ._criteria import measure_floors, tensor_floors
-from ._files import Temporaries, atomic_write, install_folder, open_regular, remove_abandoned
-from ._fixture import (
+from ._version import __version__
+from .check._floors import measure_floors, tensor_floors
+from .files._atomic import Temporaries, atomic_write, install_folder, open_regular, remove_abandoned
+from .files._fixture import (
     FORMAT,
     FORMAT_VERSION,
     Fixture,
@@ -34,8 +35,7 @@ from ._fixture import (
     resolve_dtype,
     save_fixture,
 )
-from ._safetensors import dtype_code
-from ._version import __version__
+from .files._safetensors import dtype_code
 from .layout import GdnBackwardLayout
 from .regimes import REGIMES, draw_gate
 

@@ -8,7 +8,7 @@ depends on a GUI backend, nothing is ever shown in a window and no state is left
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack
->>> from gdn_layout.compare import compare
+>>> from gdn_layout import compare
 >>> layout = GdnBackwardLayout(batch=1, seq=16, heads=4, state_size=8)
 >>> expected = np.ones(layout.total_elems)
 >>> actual = expected.copy()
@@ -35,8 +35,7 @@ from numpy.typing import DTypeLike, NDArray
 
 from ._checks import not_a_layout, require_matplotlib
 from ._dtypes import resolve
-from ._tables import fmt_float
-from .compare import Comparison, GradComparison
+from .check import Comparison, GradComparison
 from .layout import GdnBackwardLayout, layout_caption
 
 if TYPE_CHECKING:
@@ -175,7 +174,7 @@ def plot_errors(
 ) -> Picture:
     """A heatmap per gradient of ``|a - e|`` over (head, sequence position), errors marked.
 
-    Takes the :class:`~gdn_layout.compare.Comparison` that :func:`~gdn_layout.compare.compare`
+    Takes the :class:`~gdn_layout.Comparison` that :func:`~gdn_layout.compare`
     returns (``comparison.plot(...)`` calls this) and returns a :class:`Picture`, which a
     notebook displays. Each panel shows heads down and sequence position across (key row ``i``
     across for ``dstate``, which has no sequence axis), so a chunk-boundary bug shows as a
@@ -305,22 +304,7 @@ def _heatmap(
         reduced.insert(0, f"b={first}..{last} (binned)")
     over = f"max |a-e| over {', '.join(reduced)}" if reduced else "|a-e|"
     outlined = grad.elementwise  # judged by its RMS ratio alone: no per-element verdict
-    ratio = f"error/floor {fmt_float(grad.error_floor_ratio)} > {grad.limit:g}"
-    if not grad.passed and outlined and grad.mismatches:
-        head = f"{grad.name} FAIL: {grad.mismatches} of {grad.size} out"
-        if grad.worst is not None:
-            head += f", worst [{', '.join(map(str, grad.worst))}]"
-        if grad.floor is not None:  # the calibrated verdict on a line of its own
-            head += f"\n{ratio}"
-    elif not grad.passed and grad.nonfinite_mismatches:
-        n = grad.nonfinite_mismatches
-        head = f"{grad.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
-    elif not grad.passed and grad.floor is not None:
-        head = f"{grad.name} FAIL: {ratio}"
-    elif not grad.passed:
-        head = f"{grad.name} FAIL: rms ratio {fmt_float(grad.rms_ratio)} > {grad.max_rms_ratio:.3g}"
-    else:
-        head = f"{grad.name} ok: max |a-e| {fmt_float(grad.max_abs_error)}"
+    head = grad.judged_by.title(grad)
     ax.set_title(f"{head}\n{over}", fontsize=8)
     # A binned map's cell holds a block of positions: the axes count cells, and say so.
     across_bin, down_bin = grad.error_map_bins
@@ -481,7 +465,7 @@ def _saved(figure: _FigureT, path: str | os.PathLike[str] | None) -> _FigureT:
     if isinstance(path, str | os.PathLike):
         from pathlib import Path
 
-        from ._files import atomic_write
+        from .files._atomic import atomic_write
 
         target = Path(path)
         suffix = target.suffix.lower().lstrip(".")

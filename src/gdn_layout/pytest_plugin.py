@@ -81,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if suite is not None and spec is not None:
         raise pytest.UsageError("--gdn-suite and --gdn-layout: give one of them")
-    from ._fixture import FixtureError
+    from .files._fixture import FixtureError
 
     try:
         if suite is not None:

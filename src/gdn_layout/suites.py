@@ -33,10 +33,11 @@ from numpy.typing import DTypeLike, NDArray
 
 from ._arrays import as_framework, as_packed
 from ._checks import non_negative_int
-from ._comparison import Comparison, GradComparison
-from ._criteria import Floors, Tolerance, tensor_floors
-from ._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
-from .compare import compare, compare_tensor
+from .check import compare, compare_tensor
+from .check._criterion import Floors, Tolerance
+from .check._floors import tensor_floors
+from .check._records import Comparison, GradComparison
+from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
 from .generate import make_fixture, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .packing import unpack
@@ -106,7 +107,7 @@ class Case:
     ) -> Any:
         """:attr:`inputs` as new tensors of ``framework``, ``"torch"`` or ``"jax"``, in the
         framework's ``dtype`` (or its name; default: the fixture's own, bfloat16 included): a
-        :class:`~gdn_layout.fixtures.GdnInputs` of tensors (``state`` None when not carried).
+        :class:`~gdn_layout.files.GdnInputs` of tensors (``state`` None when not carried).
 
         Each is a copy, since a fixture's arrays are read-only; ``requires_grad`` is torch's.
 
@@ -418,7 +419,7 @@ def verify_suite(
     that the manifest does not list is a problem too. The size is checked first, so that a
     file of the wrong size is never read; each file is opened once, as :func:`load_fixture`
     opens it (a FIFO or a device is refused, not opened), read into memory when smaller than
-    :data:`~gdn_layout.fixtures.MAP_THRESHOLD`, hashed, and checked from the bytes hashed.
+    :data:`~gdn_layout.files.MAP_THRESHOLD`, hashed, and checked from the bytes hashed.
     No file stays open.
 
     Raises
@@ -466,7 +467,7 @@ def load_suite(
     still a problem.
 
     Each file is read once: the fixture of a case holds the very bytes whose SHA-256 matched
-    the manifest. Files smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD` are held in
+    the manifest. Files smaller than :data:`~gdn_layout.files.MAP_THRESHOLD` are held in
     memory (no descriptor stays open per case, and nothing done to the files later changes
     the cases); larger ones are memory-mapped, and :meth:`Case.compare` refuses to judge
     against one whose file changed since (see :meth:`Fixture.check_unchanged`).

@@ -14,26 +14,19 @@ from typing import IO, Any, BinaryIO, Final, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from .._checks import non_negative_int
+from .._dtypes import resolve
+from .._version import __version__
+from ..check._criterion import Floors
+from ..check._floors import decode_floors, encode_floors, term_scales
+from ..layout import GdnBackwardLayout
+from ..packing import GdnGrads, unpack
+from ..regimes import REGIMES
 from . import _mapping
 from . import _safetensors as safetensors
-from ._checks import non_negative_int
-from ._criteria import Floors, decode_floors, encode_floors, term_scales
-from ._dtypes import resolve
-from ._files import atomic_write, open_regular
-from ._mapping import (
-    MAP_THRESHOLD,
-    FileStamp,
-    buffered,
-    check_digest,
-    held,
-    map_file,
-    read_all,
-)
+from ._atomic import atomic_write, open_regular
+from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, held, map_file, read_all
 from ._safetensors import Entry, FixtureError, dtype_code
-from ._version import __version__
-from .layout import GdnBackwardLayout
-from .packing import GdnGrads, unpack
-from .regimes import REGIMES
 
 __all__ = [
     "FORMAT",
@@ -112,7 +105,7 @@ class Fixture:
     regime: str | None = field(default=None, kw_only=True)
     seed: int | None = field(default=None, kw_only=True)
     compute_dtype: str | None = field(default=None, kw_only=True)
-    #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.compare`):
+    #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.check`):
     #: ``{dtype: {gradient: (rms, max)}}``, or None.
     floors: Floors | None = field(default=None, kw_only=True)
     #: The state after the last step, ``[B, H, N, N]`` (see :func:`make_fixture`), or None.
@@ -238,7 +231,7 @@ class Fixture:
     @property
     def scales(self) -> dict[str, float]:
         """The scale of the terms that form each gradient where it can be far below them,
-        ``{"dg": ...}`` (see :func:`gdn_layout._criteria.term_scales`): pass it to
+        ``{"dg": ...}`` (see :func:`gdn_layout.check._floors.term_scales`): pass it to
         :func:`~gdn_layout.compare` as ``scales=``, so that a ``dg`` that is 0 or tiny is
         judged against the rounding of its terms. Computed from ``q, k`` and the expected
         ``dq, dk`` on each access."""

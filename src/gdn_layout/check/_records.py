@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from numpy.typing import NDArray
 
-from ._criteria import UNIT_ROUNDOFF, K
-from ._tables import fmt_float, html_table, text_table
-from .layout import GdnBackwardLayout, gradient_axes, layout_caption
+from .._tables import fmt_float, html_table, text_table
+from ..layout import GdnBackwardLayout, gradient_axes, layout_caption
+from ._criterion import Criterion, Mode
 
 if TYPE_CHECKING:
-    from ._picture import Picture
+    from .._picture import Picture
 
 __all__ = ["Comparison", "GradComparison"]
 
@@ -33,11 +33,10 @@ class GradComparison:
         The two buffers' dtype names.
     size
         Number of elements.
-    rtol, atol
-        The elementwise tolerances used for ``mismatches`` (for the calibrated criterion,
-        ``rtol=0`` and ``atol`` the largest error allowed).
-    max_rms_ratio
-        The RMS criterion, or None when the gradient is judged elementwise.
+    judged_by
+        The :class:`~gdn_layout.check.Criterion` the gradient was judged by; ``rtol``,
+        ``atol``, ``max_rms_ratio``, ``mode``, ``criterion``, ``limit``, ``elementwise``,
+        ``floor``, ``judged_dtype`` and ``term_scale`` are read off it.
     max_abs_error
         Max ``|a - e|`` over pairs that are both finite (0.0 when none); NaN when a
         non-finite mismatch involves a NaN, else Inf when there is one (as are
@@ -87,15 +86,10 @@ class GradComparison:
     batch_bins
         How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
         is so large that a map per batch element would pass 2**20 cells.
-    elementwise
-        Whether ``rtol``/``atol`` applied (with ``max_rms_ratio`` too when it is set).
-    floor, judged_dtype, error_floor_ratio
-        The calibrated criterion's ``(rms, max)`` floors (relative to ``rms(expected)``), the
-        dtype they are for, and the larger of the RMS error and the largest error, each over
-        its floor as an error; None when the gradient was judged by explicit tolerances.
-    term_scale
-        The scale of the terms that form the gradient, when it was above ``rms(expected)``
-        and so set the floors' least error (half the unit roundoff times it); else None.
+    error_floor_ratio
+        The calibrated criterion's figure: the larger of the RMS error and the largest error,
+        each over its floor as an error; None when the gradient was judged by explicit
+        tolerances.
     """
 
     name: str
@@ -103,9 +97,7 @@ class GradComparison:
     actual_dtype: str
     expected_dtype: str
     size: int
-    rtol: float
-    atol: float
-    max_rms_ratio: float | None
+    judged_by: Criterion
     max_abs_error: float
     max_rel_error: float
     rms_ratio: float
@@ -124,27 +116,55 @@ class GradComparison:
     mismatch_map: NDArray[np.int64] = field(compare=False, repr=False)
     error_map_bins: tuple[int, int] = field(default=(1, 1), compare=False, repr=False)
     batch_bins: int = field(default=1, compare=False, repr=False)
-    elementwise: bool = True
-    floor: tuple[float, float] | None = None
-    judged_dtype: str | None = None
     error_floor_ratio: float | None = None
-    term_scale: float | None = None
 
     @property
-    def mode(self) -> Literal["elementwise", "rms", "both", "calibrated"]:
+    def mode(self) -> Mode:
         """How ``passed`` was judged: ``"calibrated"`` against the floors, ``"rms"`` by
         ``max_rms_ratio`` alone, ``"both"`` by it and ``rtol``/``atol``, else
         ``"elementwise"``."""
-        if self.floor is not None:
-            return "calibrated"
-        if self.max_rms_ratio is None:
-            return "elementwise"
-        return "both" if self.elementwise else "rms"
+        return self.judged_by.mode
+
+    @property
+    def rtol(self) -> float:
+        """The elementwise relative tolerance (0 for the calibrated criterion)."""
+        return self.judged_by.rtol
+
+    @property
+    def atol(self) -> float:
+        """The elementwise absolute tolerance (calibrated: the largest error allowed)."""
+        return self.judged_by.atol
+
+    @property
+    def max_rms_ratio(self) -> float | None:
+        """The RMS criterion, or None when the gradient is judged elementwise."""
+        return self.judged_by.max_rms_ratio
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether ``rtol``/``atol`` applied (with ``max_rms_ratio`` too when it is set)."""
+        return self.judged_by.counts_elements
+
+    @property
+    def floor(self) -> tuple[float, float] | None:
+        """The calibrated ``(rms, max)`` floors, relative to ``rms(expected)``; else None."""
+        return self.judged_by.floor
+
+    @property
+    def judged_dtype(self) -> str | None:
+        """The dtype the calibrated floors are for; else None."""
+        return self.judged_by.dtype
+
+    @property
+    def term_scale(self) -> float | None:
+        """The scale of the terms that form the gradient, when it was above
+        ``rms(expected)`` and so set the floors' least error; else None."""
+        return self.judged_by.term_scale
 
     @property
     def limit(self) -> float:
         """The calibrated criterion's bound on :attr:`error_floor_ratio` (see ``K``)."""
-        return K.get(self.judged_dtype or "", math.nan)
+        return self.judged_by.limit
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -154,12 +174,7 @@ class GradComparison:
     @property
     def criterion(self) -> str:
         """The pass criterion in words, e.g. ``"rtol=1e-05 atol=1e-08"``."""
-        if self.floor is not None:
-            return f"error/floor<={self.limit:g} ({self.judged_dtype})"
-        if self.max_rms_ratio is None:
-            return f"rtol={self.rtol:.3g} atol={self.atol:.3g}"
-        rms = f"rms ratio<={self.max_rms_ratio:.3g}"
-        return f"rtol={self.rtol:.3g} atol={self.atol:.3g} {rms}" if self.elementwise else rms
+        return self.judged_by.words
 
     @property
     def exact(self) -> bool:
@@ -180,34 +195,11 @@ class GradComparison:
         """One line: the worst element, its values and why the gradient passes or fails."""
         if self.worst is None:
             return f"{self.name}: empty"
-        a, e = self.worst_actual, self.worst_expected
-        head = f"{self.where()}: actual {_value(a)} expected {_value(e)}"
-        facts = []
-        if self.floor is not None:
-            ratio = self.error_floor_ratio
-            verb = "<=" if ratio is not None and ratio <= self.limit else ">"
-            facts.append(
-                f"error/floor {fmt_float(ratio)} {verb} {self.limit:g} "
-                f"(floors for {self.judged_dtype}: rms ratio {self.floor[0]:.3g}, "
-                f"max error {self.floor[1]:.3g} x rms(expected)"
-                + (
-                    ""
-                    if self.term_scale is None
-                    else f", none below {_least_unit(self.judged_dtype) / 2:.3g} x "
-                    f"{self.term_scale:.3g}, the scale of its terms"
-                )
-                + f"); {self.mismatches} of {self.size} over the max error"
-            )
-        elif self.max_rms_ratio is None or self.elementwise:
-            assert e is not None
-            allowed = self.atol + self.rtol * abs(e) if math.isfinite(e) else 0.0
-            facts.append(
-                f"{self.mismatches} of {self.size} out of tolerance "
-                f"(|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|; here {allowed:.3g})"
-            )
-        if self.floor is None and self.max_rms_ratio is not None:
-            verb = "<=" if self.rms_ratio <= self.max_rms_ratio else ">"
-            facts.append(f"rms ratio {self.rms_ratio:.3g} {verb} {self.max_rms_ratio:.3g}")
+        head = (
+            f"{self.where()}: actual {_value(self.worst_actual)} "
+            f"expected {_value(self.worst_expected)}"
+        )
+        facts = self.judged_by.facts(self)
         if self.nonfinite_mismatches:
             n = self.nonfinite_mismatches
             facts.append(f"{n} non-finite mismatch{'' if n == 1 else 'es'}")
@@ -389,7 +381,7 @@ class Comparison:
 
         Needs ``gdn-layout[plot]``; a notebook displays the returned picture.
         """
-        from .plot import plot_errors  # deferred: plot builds on this module
+        from ..plot import plot_errors  # deferred: plot builds on this module
 
         return plot_errors(self, **options)
 
@@ -415,9 +407,3 @@ def _json_float(x: float | None) -> float | str | None:
     if x is None or math.isfinite(x):
         return x
     return str(x)  # "inf", "-inf" or "nan": strict JSON has no non-finite numbers
-
-
-def _least_unit(judged: str | None) -> float:
-    """The unit roundoff a gradient's terms round with: a float16 or bfloat16 kernel computes
-    in float32."""
-    return UNIT_ROUNDOFF["float32" if judged in ("float16", "bfloat16") else judged or ""]

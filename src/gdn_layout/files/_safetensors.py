@@ -19,9 +19,9 @@ from typing import IO, Any, Final, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-from ._checks import MAX_NBYTES, array_can_exist
-from ._dtypes import BF16_HINT, bfloat16, itemsize
-from ._files import NotRegularFileError, open_regular
+from .._checks import MAX_NBYTES, array_can_exist
+from .._dtypes import BF16_HINT, bfloat16, itemsize
+from ._atomic import NotRegularFileError, open_regular
 
 __all__ = [
     "DTYPE_NAMES",

@@ -11,15 +11,15 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
+from .._dtypes import resolve
+from ..check._criterion import Floors
+from ..layout import GdnBackwardLayout
 from . import _mapping
 from . import _safetensors as safetensors
-from ._criteria import Floors
-from ._dtypes import resolve
-from ._files import open_regular
+from ._atomic import open_regular
 from ._fixture import FORMAT, Fixture, load_fixture
 from ._mapping import FileStamp, held, map_file, read_all
 from ._safetensors import FixtureError, looks_like_safetensors
-from .layout import GdnBackwardLayout
 
 __all__ = ["PackedFile", "open_packed"]
 
@@ -36,7 +36,7 @@ class PackedFile(NamedTuple):
     floors: Floors | None = None
     fixture: Fixture | None = None
     #: The file ``packed`` is memory-mapped from, as it was when opened; None when ``packed``
-    #: is in memory (a file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD`).
+    #: is in memory (a file smaller than :data:`~gdn_layout.files.MAP_THRESHOLD`).
     stamp: FileStamp | None = None
 
     @property
@@ -55,7 +55,7 @@ class PackedFile(NamedTuple):
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     """Read a packed buffer from a fixture, a safetensors file, a .npy or a raw file.
 
-    A file smaller than :data:`~gdn_layout.fixtures.MAP_THRESHOLD` is read into memory
+    A file smaller than :data:`~gdn_layout.files.MAP_THRESHOLD` is read into memory
     (:func:`~gdn_layout.load_fixture` says how), a larger one is memory-mapped, and so is a
     .npy file (by :func:`numpy.load`); a mapped buffer's file is stamped, so that
     :meth:`PackedFile.unchanged` can hold it, or tell that it changed, while it is judged.
@@ -173,7 +173,7 @@ def _plain_safetensors(path: Path) -> tuple[NDArray[Any], FileStamp | None]:
 
 def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:
     """The whole file as read-only bytes: read into memory when it is smaller than
-    :data:`~gdn_layout.fixtures.MAP_THRESHOLD`, else memory-mapped, with its stamp."""
+    :data:`~gdn_layout.files.MAP_THRESHOLD`, else memory-mapped, with its stamp."""
     try:
         with safetensors.reading(path), open_regular(path) as file:
             status = os.fstat(file.fileno())

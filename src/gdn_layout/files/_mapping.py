@@ -172,7 +172,7 @@ def read_all(file: BinaryIO, size: int, path: Path) -> NDArray[np.uint8]:
 
 
 def buffered(file: BinaryIO) -> io.BufferedIOBase:
-    """``file`` as what :func:`~gdn_layout._files.open_regular` returns: with ``readinto``."""
+    """``file`` as what ``files._atomic.open_regular`` returns: with ``readinto``."""
     return cast(io.BufferedIOBase, file)
 
 

@@ -1,4 +1,4 @@
-"""Fixture files for ``GatedDeltaNetBackward``: inputs, output and packed gradient, in safetensors.
+"""The files: fixtures (inputs, output and packed gradient, in safetensors) and kernel outputs.
 
 A fixture is one `safetensors <https://github.com/huggingface/safetensors>`_ file, the format
 RLX memory-maps its weights from, holding the tensors ``q, k, v, g, beta``, ``state`` (only
@@ -19,7 +19,7 @@ order. Its ``__metadata__`` (string values only) records:
 ``floors``
     the precision floors of each gradient for float32, float16 and bfloat16, as JSON
     ``{dtype: {gradient: [rms, max]}}``, measured by :func:`make_fixture`; what
-    :func:`~gdn_layout.compare` judges a kernel against (see :mod:`gdn_layout.compare`).
+    :func:`~gdn_layout.compare` judges a kernel against (see :mod:`gdn_layout.check`).
     Files without it load as before.
 ``states_chunk``, ``state_floors``
     with tensors ``h`` and ``dh`` (the state entering each chunk of ``states_chunk`` steps, and
@@ -27,9 +27,10 @@ order. Its ``__metadata__`` (string values only) records:
     (``[B, H, N, N]``, kept whenever the state is carried): the floors of those and of ``y``,
     as ``floors`` are of the gradients (see :func:`make_fixture`'s ``states``).
 
-The record and its files are in :mod:`gdn_layout._fixture`, the format in
-:mod:`gdn_layout._safetensors` and generation in :mod:`gdn_layout.generate`; this module
-gathers them under one name.
+The record and its files are in ``files._fixture``, the format in ``files._safetensors``,
+atomic writes in ``files._atomic``, memory maps and leases in ``files._mapping`` and the
+kernel-output formats :func:`open_packed` reads in ``files._outputs``; generation is in
+:mod:`gdn_layout.generate`.
 
 Every tensor has one dtype: ``F64``, ``F32``, ``F16`` or ``BF16`` (bfloat16 needs ml_dtypes:
 ``pip install gdn-layout[bfloat16]``). Neither safetensors nor ml_dtypes is needed otherwise;
@@ -38,7 +39,8 @@ the format is read and written here with NumPy alone.
 >>> import tempfile, pathlib
 >>> import numpy as np
 >>> import gdn_layout as gl
->>> from gdn_layout.fixtures import Fixture, draw_inputs, load_fixture, save_fixture
+>>> from gdn_layout.files import Fixture, load_fixture, save_fixture
+>>> from gdn_layout.generate import draw_inputs
 >>> layout = gl.GdnBackwardLayout(batch=1, seq=3, heads=2, state_size=4)
 >>> x = draw_inputs(layout, regime="mild", seed=1)
 >>> flat = np.zeros(layout.total_elems, np.float32)
@@ -73,23 +75,17 @@ from ._fixture import (
     load_fixture,
     save_fixture,
 )
-from ._packed import PackedFile, open_packed
-from .generate import draw_inputs, make_fixture, write_suite
-from .regimes import REGIMES
+from ._outputs import PackedFile, open_packed
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "MAP_THRESHOLD",
-    "REGIMES",
     "Fixture",
     "FixtureError",
     "GdnInputs",
     "PackedFile",
-    "draw_inputs",
     "load_fixture",
-    "make_fixture",
     "open_packed",
     "save_fixture",
-    "write_suite",
 ]

@@ -1,0 +1,76 @@
+"""Judge a packed gradient buffer against a reference, gradient by gradient.
+
+:func:`compare` returns a :class:`Comparison` of one :class:`GradComparison` per gradient,
+each judged by its :class:`Criterion`; :func:`assert_close` raises when one fails;
+:func:`error_map` draws one gradient's errors over (sequence position, head).
+
+Each gradient is judged on its own, by one of these criteria:
+
+calibrated (the default for float32, float16, bfloat16 and float64)
+    A correct kernel differs from the float64 truth by its precision's rounding, whose
+    *floors* a fixture stores per gradient (:attr:`~gdn_layout.Fixture.floors`; pass them as
+    ``floors=``; see :class:`Criterion`): the RMS error ratio and the largest error
+    over the gradient's RMS of the spec's step-by-step form computed in float32 (and rounded
+    to float16 or bfloat16; for float64, float32's scaled by ``2**-29``, the ratio of their
+    unit roundoffs). Judged in the less precise of the two dtypes, a gradient passes when its
+    RMS ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)`` are both
+    at most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16, 64 for
+    float64 (whose truth is itself rounded to float64), chosen from measurement
+    (``benchmarks/calibrate_tolerances.py``). No floor, as an error, is below half the unit
+    roundoff times the larger of ``rms(e)`` and the scale of the terms that form the gradient
+    (``scales=``, a fixture's :attr:`~gdn_layout.Fixture.scales`): a ``dg`` that is exactly
+    0, or far below the ``q . dq - k . dk`` a chunked kernel forms it from, is judged against
+    those terms, not against its own RMS. ``error_floor_ratio`` is the larger of the two
+    errors over their floors; ``out/size`` counts the elements over the largest error
+    allowed. Without ``floors``, the floors are defaults above every floor measured over the
+    suite's first four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``,
+    bfloat16 ``(4e-3, 5e-2)``, float64 float32's times ``2**-29``.
+elementwise (``rtol`` or ``atol`` given)
+    ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
+    not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:
+    1e-3/1e-5, float32: 1.3e-6/1e-5, float64: 1e-7/1e-7).
+RMS (``max_rms_ratio`` given)
+    ``rms(a - e) / rms(e) <= max_rms_ratio``, the figure flash-linear-attention gates its
+    kernel tests on. Given with ``rtol`` or ``atol``, both criteria apply.
+
+Errors are computed in float64 whatever the two dtypes are.
+
+Non-finite values:
+
+* A pair of equal infinities (``+inf`` against ``+inf``) matches; it has error 0.
+* NaN never matches, not even NaN in both buffers, unless ``equal_nan=True``, under which
+  NaN against NaN matches (error 0). A NaN reference is usually a bug in the reference.
+* Every other pair with a non-finite side (NaN against a number, ``inf`` against a number or
+  ``-inf``) is a *non-finite mismatch*: it is out of tolerance, has error ``inf`` in the error
+  map, and fails its gradient in both modes, since an RMS figure cannot account for it.
+* ``max_abs_error``, ``max_rel_error`` and ``rms_ratio`` are taken over the pairs in which both
+  values are finite, unless there is a non-finite mismatch: then they are NaN (a NaN is
+  involved) or Inf, so that the report shows it. NaN and Inf are counted on each side apart.
+
+>>> import numpy as np
+>>> from gdn_layout import GdnBackwardLayout, unpack
+>>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
+>>> expected = np.linspace(-1, 1, layout.total_elems)
+>>> actual = expected.astype(np.float32)
+>>> unpack(actual, layout).dk[0, 2, 1, 0] += 0.5
+>>> result = compare(actual, expected, layout)
+>>> result.passed, result.failed
+(False, ('dk',))
+>>> result["dk"].worst, result["dk"].mismatches
+((0, 2, 1, 0), 1)
+"""
+
+from ._compare import assert_close, compare, compare_tensor, error_map
+from ._criterion import Criterion, K
+from ._records import Comparison, GradComparison
+
+__all__ = [
+    "Comparison",
+    "Criterion",
+    "GradComparison",
+    "K",
+    "assert_close",
+    "compare",
+    "compare_tensor",
+    "error_map",
+]
