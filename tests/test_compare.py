@@ -449,14 +449,19 @@ def test_assert_close_message() -> None:
         "gradients differ: dk, dstate (2 of 6 failed) for "
         "B=2 S=5 H=3 N=4, per-channel gate, carried state"
     )
+    # The findings lead: one wrong element has no structural cause; the NaN is named.
+    assert lines[1] == (
+        "  likely cause: dstate has 1 NaN or Inf where the expected values are finite, "
+        "first at [1, 2, 0, 3]"
+    )
     # float64 is judged against its floors: float32's times 2**-29, as error over rms(expected).
-    assert lines[1].startswith("  dk[0, 4, 1, 3]: actual 0.51 expected 0.5; error/floor ")
-    assert "> 64 (floors for float64: " in lines[1]
-    assert "1 of 120 over the max error" in lines[1]
-    assert lines[2].startswith("  dstate[1, 2, 0, 3]: actual nan expected ")
-    assert "1 non-finite mismatch;" in lines[2]
-    assert "nan 1/0" in lines[2]
-    assert len(lines) == 3
+    assert lines[2].startswith("  dk[0, 4, 1, 3]: actual 0.51 expected 0.5; error/floor ")
+    assert "> 64 (floors for float64: " in lines[2]
+    assert "1 of 120 over the max error" in lines[2]
+    assert lines[3].startswith("  dstate[1, 2, 0, 3]: actual nan expected ")
+    assert "1 non-finite mismatch;" in lines[3]
+    assert "nan 1/0" in lines[3]
+    assert len(lines) == 4
     assert "dq" not in message
 
 
@@ -489,7 +494,7 @@ def test_to_dict_is_json() -> None:
         *("rtol", "atol", "max_rms_ratio", "max_abs_error", "max_rel_error", "rms_ratio"),
         *("mismatches", "nonfinite_mismatches", "nan_actual", "inf_actual", "nan_expected"),
         *("inf_expected", "worst", "worst_actual", "worst_expected", "elementwise", "floor"),
-        *("judged_dtype", "error_floor_ratio", "term_scale", "passed"),
+        *("judged_dtype", "error_floor_ratio", "term_scale", "passed", "findings"),
     }
 
 
@@ -501,7 +506,9 @@ def test_str_and_html_reports() -> None:
         lines[0] == "compare FAILED (dk, dstate): B=2 S=5 H=3 N=4, per-channel gate, carried state"
     )
     assert lines[1] == "float64 against float64; rtol=1e-07 atol=1e-07"
-    assert len(lines) == 2 + 2 + 6
+    # Title, shared line, header and rule, six rows, then the one finding (the NaN in dstate).
+    assert len(lines) == 2 + 2 + 6 + 1
+    assert lines[-1].startswith("likely cause: dstate has 1 NaN or Inf")
     assert len({len(line) for line in lines[2:4]}) == 1  # header and rule line up
     assert max(len(line) for line in lines) <= 100
     for name in ("dq", "dk", "dv", "dg", "dbeta", "dstate"):
@@ -510,7 +517,10 @@ def test_str_and_html_reports() -> None:
     assert re.search(r"^dq\s.*ok$", text, re.MULTILINE)
     page = result._repr_html_()
     assert page.startswith("<table")
-    assert page.endswith("</table>")
+    assert page.endswith(
+        "</table>\n<ul><li>likely cause: dstate has 1 NaN or Inf where the "
+        "expected values are finite, first at [1, 2, 0, 3]</li></ul>"
+    )
     for name in ("dq", "dk", "dv", "dg", "dbeta", "dstate"):
         assert f">{name}</td>" in page
     assert "<script" not in page

@@ -75,6 +75,7 @@ LAYERS = [
     "_limits",
     "packing",
     "check._criterion",
+    "check._findings",
     "check._floors",
     "files._atomic",
     "files._safetensors",

@@ -13,8 +13,8 @@ from .layout import GRADIENT_NAMES
 __all__ = [
     "add_file_arguments",
     "add_layout_arguments",
-    "dimension",
-    "dtype_name",
+    "count_arg",
+    "dtype_arg",
     "tolerance",
 ]
 
@@ -44,7 +44,7 @@ def _check_tolerances(text: str, values: Iterable[float], names: Iterable[str] =
         )
 
 
-def dtype_name(text: str) -> str:
+def dtype_arg(text: str) -> str:
     """A floating dtype in any common spelling (``bf16``, ``F32``, ``half``, ...), as its NumPy
     name."""
     name = canonical_name(text)
@@ -56,7 +56,7 @@ def dtype_name(text: str) -> str:
     return name
 
 
-def dimension(text: str) -> int:
+def count_arg(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -68,7 +68,7 @@ def dimension(text: str) -> int:
 
 def chunk_length(text: str) -> int:
     """A chunk length: an integer of at least 1 step."""
-    value = dimension(text)
+    value = count_arg(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"a chunk has at least 1 step, got {value}")
     return value
@@ -84,13 +84,13 @@ def add_file_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--dtype",
-        type=dtype_name,
+        type=dtype_arg,
         help="the dtype of a raw binary file (fixtures and .npy files carry their own)",
     )
-    group.add_argument("--batch", "-B", type=dimension, help="batch size B")
-    group.add_argument("--seq", "-S", type=dimension, help="sequence length S")
-    group.add_argument("--heads", "-H", type=dimension, help="heads H")
-    group.add_argument("--state-size", "-N", type=dimension, help="state (head) size N")
+    group.add_argument("--batch", "-B", type=count_arg, help="batch size B")
+    group.add_argument("--seq", "-S", type=count_arg, help="sequence length S")
+    group.add_argument("--heads", "-H", type=count_arg, help="heads H")
+    group.add_argument("--state-size", "-N", type=count_arg, help="state (head) size N")
     group.add_argument(
         "--per-channel",
         action="store_true",
@@ -121,7 +121,7 @@ def add_layout_arguments(
         ("--heads", "-H", heads, "heads H"),
         ("--state-size", "-N", state_size, "state (head) size N"),
     ):
-        group.add_argument(flag, short, type=dimension, help=f"{what} (default: {default})")
+        group.add_argument(flag, short, type=count_arg, help=f"{what} (default: {default})")
     # With flags on by default, --no-per-channel and --no-carry-state turn them off.
     action = argparse.BooleanOptionalAction if flags else "store_true"
     group.add_argument(

@@ -31,8 +31,8 @@ from ._cli_values import (
     add_file_arguments,
     add_layout_arguments,
     chunk_length,
-    dimension,
-    dtype_name,
+    count_arg,
+    dtype_arg,
     tolerance,
 )
 from ._dtypes import is_floating, resolve
@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_layout_arguments(describe, batch=1, seq=2048, heads=16, state_size=128)
     describe.add_argument(
-        "--dtype", default="float32", type=dtype_name, help="for the bytes column (%(default)s)"
+        "--dtype", default="float32", type=dtype_arg, help="for the bytes column (%(default)s)"
     )
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(run=_describe)
@@ -124,10 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_layout_arguments(fixture, batch=2, seq=64, heads=3, state_size=16)
     fixture.add_argument(
-        "--dtype", default="float32", type=dtype_name, help="of the stored tensors (%(default)s)"
+        "--dtype", default="float32", type=dtype_arg, help="of the stored tensors (%(default)s)"
     )
     fixture.add_argument(
-        "--seed", type=dimension, default=0, help="of the random inputs (%(default)s)"
+        "--seed", type=count_arg, default=0, help="of the random inputs (%(default)s)"
     )
     fixture.add_argument(
         "--gate-regime",
@@ -246,7 +246,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.add_argument("suite", metavar="SUITE", help="the suite's folder")
     verify.add_argument(
-        "--min-seq", type=dimension, metavar="S", help="only the cases of at least S steps"
+        "--min-seq", type=count_arg, metavar="S", help="only the cases of at least S steps"
     )
     verify.add_argument("--regime", choices=REGIMES, help="only the cases of this gate regime")
     verify.add_argument(
@@ -265,7 +265,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_layout_arguments(demo, batch=2, seq=64, heads=3, state_size=16, flags=True)
     demo.add_argument(
-        "--seed", type=dimension, default=0, help="of the random inputs (%(default)s)"
+        "--seed", type=count_arg, default=0, help="of the random inputs (%(default)s)"
     )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(run=_demo)

@@ -192,7 +192,8 @@ class Case:
         __tracebackhide__ = True  # pytest shows the caller's line, not this one
         result = self.compare(actual, rtol=rtol, atol=atol, max_rms_ratio=max_rms_ratio)
         if not result.passed:
-            lines = [f"case {self.name}: gradient(s) {', '.join(result.failed)} differ", ""]
+            lines = [f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"]
+            lines.extend([*(f"  {line}" for line in result.causes()), ""])
             lines.append(str(result))
             lines.append("")
             lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)

@@ -67,6 +67,7 @@ from ._records import Comparison, GradComparison
 __all__ = [
     "Comparison",
     "Criterion",
+    "Finding",
     "GradComparison",
     "K",
     "assert_close",

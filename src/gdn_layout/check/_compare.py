@@ -3,6 +3,7 @@ inputs are checked, a criterion chosen per gradient, and each gradient scanned o
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,7 @@ from ._criterion import (
     least_precise,
     per_grad,
 )
+from ._findings import Finding, Score, buffer_findings, grad_findings, size_findings
 from ._records import Comparison, GradComparison
 from ._scan import scan
 
@@ -118,6 +120,7 @@ def compare(
     rms_limits = per_grad("max_rms_ratio", max_rms_ratio)
     term = per_grad("scales", scales)
     grads = []
+    criteria: dict[str, Criterion] = {}
     for seg in layout.segments():
         a = actual[seg.offset : seg.offset + seg.length]
         e = expected[seg.offset : seg.offset + seg.length]
@@ -131,8 +134,36 @@ def compare(
                 m,
                 elementwise=m is None or r is not None or t is not None,
             )
-        grads.append(scan(seg, a, e, criterion, bool(equal_nan)))
-    return Comparison(layout, tuple(grads))
+        criteria[seg.name] = criterion
+        grad = scan(seg, a, e, criterion, bool(equal_nan))
+        if not grad.passed:  # findings cost nothing when everything passes
+            found = grad_findings(
+                seg.name,
+                a.reshape(seg.shape),
+                e.reshape(seg.shape),
+                layout,
+                _score(criteria, floors, judged),
+            )
+            grad = dataclasses.replace(grad, findings=found)
+        grads.append(grad)
+    whole: tuple[Finding, ...] = ()
+    if not all(g.passed for g in grads):
+        whole = buffer_findings(actual, expected, layout, _score(criteria, floors, judged))
+    return Comparison(layout, tuple(grads), whole)
+
+
+def _score(criteria: dict[str, Criterion], floors: Floors | None, judged: str) -> Score:
+    """Each gradient's criterion as the findings' score; a gradient of another layout is
+    judged by the calibrated criterion."""
+
+    def score(name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]) -> float:
+        criterion = criteria.get(name)
+        if criterion is None:
+            dtype = judged if judged in CALIBRATED_DTYPES else "float64"
+            criterion = Criterion.calibrated(floors, dtype, name, expected)
+        return criterion.score(actual, expected)
+
+    return score
 
 
 def assert_close(
@@ -199,7 +230,8 @@ def assert_close(
     if not result.passed:
         lines = [
             f"gradients differ: {', '.join(result.failed)} ({len(result.failed)} of "
-            f"{len(result.grads)} failed) for {layout_caption(layout)}"
+            f"{len(result.grads)} failed) for {layout_caption(layout)}",
+            *(f"  {line}" for line in result.causes()),
         ]
         lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
         raise AssertionError("\n".join(lines))
@@ -312,9 +344,11 @@ def _check_buffer(
             f"got {buffer.dtype}"
         )
     if buffer.shape != (layout.total_elems,):
+        fits = size_findings(buffer.size, layout) if buffer.ndim == 1 else ()
         raise ValueError(
             f"{func}: {which} must be 1-D with layout.total_elems = {layout.total_elems} "
             f"elements, got shape {buffer.shape}, for {layout!r}"
+            + "".join(f"; {f.text}" for f in fits)
         )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import html
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,7 @@ from numpy.typing import NDArray
 from .._tables import fmt_float, html_table, text_table
 from ..layout import GdnBackwardLayout, gradient_axes, layout_caption
 from ._criterion import Criterion, Mode
+from ._findings import Finding
 
 if TYPE_CHECKING:
     from .._picture import Picture
@@ -86,6 +89,10 @@ class GradComparison:
     batch_bins
         How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
         is so large that a map per batch element would pass 2**20 cells.
+    findings
+        What explains a failing gradient, most specific first (:class:`Finding`): a scale, a
+        transpose, a permutation, a shift, a boundary, ... or only rounding; empty when the
+        gradient passes. Not part of equality.
     error_floor_ratio
         The calibrated criterion's figure: the larger of the RMS error and the largest error,
         each over its floor as an error; None when the gradient was judged by explicit
@@ -117,6 +124,7 @@ class GradComparison:
     error_map_bins: tuple[int, int] = field(default=(1, 1), compare=False, repr=False)
     batch_bins: int = field(default=1, compare=False, repr=False)
     error_floor_ratio: float | None = None
+    findings: tuple[Finding, ...] = field(default=(), compare=False)
 
     @property
     def mode(self) -> Mode:
@@ -245,6 +253,7 @@ class GradComparison:
             "error_floor_ratio": _json_float(self.error_floor_ratio),
             "term_scale": _json_float(self.term_scale),
             "passed": self.passed,
+            "findings": [f.to_dict() for f in self.findings],
         }
 
 
@@ -258,6 +267,23 @@ class Comparison:
 
     layout: GdnBackwardLayout
     grads: tuple[GradComparison, ...]
+    #: What explains the packed buffer as a whole: another layout, or segments exchanged.
+    buffer_findings: tuple[Finding, ...] = field(default=(), compare=False)
+
+    @property
+    def findings(self) -> tuple[Finding, ...]:
+        """Every finding: the buffer's first, then each gradient's in packing order."""
+        return (*self.buffer_findings, *(f for g in self.grads for f in g.findings))
+
+    def causes(self, width: int = 0) -> list[str]:
+        """One ``"likely cause: ..."`` line per finding, wrapped to ``width`` columns when it
+        is positive."""
+        lines = [f"likely cause: {f.text}" for f in self.findings]
+        if width <= 0:
+            return lines
+        return [
+            part for line in lines for part in textwrap.wrap(line, width, subsequent_indent="  ")
+        ]
 
     @property
     def passed(self) -> bool:
@@ -290,6 +316,7 @@ class Comparison:
             "failed": list(self.failed),
             "layout": self.layout.to_dict(),
             "grads": [g.to_dict() for g in self.grads],
+            "findings": [f.to_dict() for f in self.findings],
         }
 
     def _title(self) -> str:
@@ -327,7 +354,7 @@ class Comparison:
         """
         columns = self._columns()
         if wide:
-            return f"{self._title()}\n{_render(columns)}"
+            return "\n".join([self._title(), _render(columns), *self.causes()])
         by_name = {header: cells for header, _, cells in columns}
         shared = []
         skip = set()
@@ -358,6 +385,7 @@ class Comparison:
         lines.append(_render(kept))
         if dropped:
             lines.append(f"(left out to fit {width} columns: {', '.join(dropped)}; wide shows all)")
+        lines.extend(self.causes(width))
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -368,13 +396,17 @@ class Comparison:
 
     def _repr_html_(self) -> str:
         columns = self._columns()
-        return html_table(
+        table = html_table(
             [c[0] for c in columns],
             [list(row) for row in zip(*(c[2] for c in columns), strict=True)],
             align="".join(c[1] for c in columns),
             caption=self._title(),
             row_styles=["" if g.passed else "background:#fdd" for g in self.grads],
         )
+        if not self.findings:
+            return table
+        items = "".join(f"<li>{html.escape(line)}</li>" for line in self.causes())
+        return f"{table}\n<ul>{items}</ul>"
 
     def plot(self, **options: Any) -> Picture:
         """:func:`gdn_layout.plot.plot_errors` of this comparison, with the same options.

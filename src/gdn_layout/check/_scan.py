@@ -28,7 +28,7 @@ from ..layout import Segment
 from ._criterion import Criterion
 from ._records import GradComparison
 
-__all__ = ["MAP_CELLS", "MAP_COLUMNS", "ErrorMap", "chunks", "scan"]
+__all__ = ["MAP_CELLS", "MAP_COLUMNS", "ErrorMap", "element_chunks", "scan"]
 
 _Cell = TypeVar("_Cell", bound=np.generic)
 
@@ -38,7 +38,7 @@ MAP_CELLS: Final = 1 << 20
 MAP_COLUMNS: Final = 1 << 10
 
 
-def chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+def element_chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` flat element ranges covering ``shape`` in C order: whole lines at a
     time when a line fits in a chunk, else pieces of a single line."""
     size = math.prod(shape)
@@ -133,7 +133,7 @@ def scan(
     worst_index: int | None = None
     worst_a = worst_e = 0.0
 
-    for start, stop in chunks(shape):
+    for start, stop in element_chunks(shape):
         a = actual[start:stop].astype(np.float64)
         e = expected[start:stop].astype(np.float64)
         a_nan, e_nan = np.isnan(a), np.isnan(e)

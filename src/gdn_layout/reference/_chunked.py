@@ -113,7 +113,7 @@ def default_interval(seq: int, state_size: int) -> int:
     return min(max(seq, 1), _STACK * chunk_length(state_size))
 
 
-def chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
+def chunk_bounds(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
     """Split ``[t0, t1)`` into chunks of at most ``length`` steps whose factors stay bounded.
 
     A chunk's decay factors ``exp(G_t - G_s)``, ``t >= s`` (the entry counting as a step with
@@ -320,7 +320,7 @@ def plan(x: Inputs, every: int, length: int) -> list[Stack]:
     product over all heads."""
     stacks = []
     for t0 in range(0, x.q.shape[2], every):
-        bounds = chunks(x.g, t0, min(t0 + every, x.q.shape[2]), length)
+        bounds = chunk_bounds(x.g, t0, min(t0 + every, x.q.shape[2]), length)
         pairs = None
         if x.g.shape[-1] == 1:
             gates = _gather(x.g, bounds, max(c1 - c0 for c0, c1 in bounds))

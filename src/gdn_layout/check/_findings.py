@@ -1,0 +1,1205 @@
+"""Findings: simple hypotheses that name what is wrong with a failing gradient.
+
+A comparison says *where* a gradient is wrong; a finding says *what* the bug probably is. Each
+hypothesis undoes one kind of bug (a constant factor, a head permutation, a shift along ``s``,
+...) and asks the caller's criterion whether that explains the error.
+
+**The rule.** ``score(name, actual, expected)`` is the error over the criterion's limit, at most
+1 to pass. A hypothesis *holds* when, after undoing it, the score is at most 1 or has fallen by
+at least :data:`FALLS` (100x) from the score before; and in every case it must have fallen by
+at least :data:`GAIN` (4x), so that a gradient failing by a hair is not "explained" by a fit
+that wins a few percent. A fall counts only when the undone actual ``u`` is along the expected
+``e`` (``cos^2(u, e) >= 0.99``): dividing unrelated values by their size makes their score fall
+too. A hypothesis that undoes a permutation, a shift or an axis order also tries a fitted
+constant factor on top (``c = <u, e> / <e, e>``), so that a head swap of a gradient with a
+wrong scale is still named, with its factor. An undone actual far from ``e`` times any factor
+(``cos^2 < 0.5``, looked at first on 4096 evenly spaced elements) is refused unscored.
+
+The kinds (:data:`KINDS`, in the order findings are returned: most specific first):
+
+``unwritten``
+    every element is zero (where the expected values do not all round to zero in the actual's
+    dtype), or one constant (NaN included), or looks like memory never written: at least 1%
+    of the values below ``1e-30`` where the expected ones are not, and the magnitudes spread
+    over more than 16 binades (a standard deviation of ``log2|x|``), as stale pointers (their
+    high halves read as subnormals) and freed data of another type read by ``np.empty`` are.
+    Not detected for float16, whose range has no such values.
+``nonfinite``
+    NaN or Inf where the expected value is finite: the count, the first coordinates (in step
+    order) and whether every step from one on, or up to one, has some (the backward sweep
+    carries a NaN to earlier steps).
+``layout``
+    (:func:`buffer_findings`) a gradient is found at another offset of the packed buffer:
+    where the other gate mode's layout puts it, or where another order of the segments does.
+    :func:`size_findings` names the layouts of the same ``B, S, H, N`` a wrong length fits.
+``axes``
+    the gradient holds the expected values written in another axis order (``[B, H, S, N]``
+    for ``[B, S, H, N]``...): the buffer reshaped to that order and transposed back explains it.
+``transpose``
+    the last two axes are exchanged, for a square trailing pair (``dstate``'s key and value
+    axes; ``[H, N]`` too when ``H == N``).
+``heads``, ``batch``
+    a permutation of that axis explains it: read off the matrix of ``1 - cos^2`` between
+    every actual and every expected head (``O(H * size)``).
+``shift``
+    ``actual[:, t] == expected[:, t - k]`` for ``k`` in ``+1, -1, +2, -2``, scored on the
+    steps both have.
+``scale``
+    ``actual = c * expected``, ``c`` the least-squares ``<a, e> / <e, e>``, further from 1
+    than 10 standard errors of the fit and than ``1e-3`` and 4 unit roundoffs of the actual's
+    dtype (which one dominant element's rounding reaches); named when it is -1, 2, 1/2,
+    sqrt(N), 1/sqrt(N), N or 1/N (within 1%). The factor fitted on top of another hypothesis
+    obeys the same bounds.
+``boundary``
+    from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
+    from ``t0`` on fail (or the reverse), or the failing steps all lie within one step of the
+    multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them. Either
+    way the wrong part must score at least :data:`FALLS` times the right part, and the right
+    part must pass, with at least 8 elements and some non-zero expected value in it.
+``rounding``
+    no structural hypothesis holds and the score is at most :data:`ROUNDING_MAX`: the error is
+    only too large, as rounding is. Above that, an unexplained gradient gets no finding.
+
+A gradient whose tested region passes gets no finding at all: the caller asks only about
+failing ones.
+
+**Cost and memory.** :func:`grad_findings` first scans the gradient one step (one batch element
+for ``dstate``) at a time for the ``unwritten`` and ``nonfinite`` kinds; if either holds, or
+the expected values are not all finite, nothing else is tried. The other hypotheses need the
+gradient in float64: they run on at most :data:`MAX_WHOLE_ELEMENTS` elements, all of the
+gradient when it fits, else its first batch elements that fit (then ``batch`` and the axis
+orders that move ``b`` are skipped); a gradient whose one batch element does not fit gets only
+the scanned kinds. Each hypothesis is a few passes over that region: the scale one dot
+product, the permutations one ``H x H`` (``B x B``) matrix, the boundary ``S`` per-step scores,
+the axis orders at most 23 reorderings, most refused on their sample; the caller's score is
+called a few times on the region, ``S`` times on its steps. Memory: a few float64 copies of the
+region. Once one hypothesis explains the gradient fully (score at most 1), the later ones are
+not tried.
+
+>>> import numpy as np
+>>> from gdn_layout import GdnBackwardLayout
+>>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=16)
+>>> def score(name, actual, expected):
+...     scale = max(float(np.sqrt(np.mean(expected**2))), 1e-30)
+...     return float(np.sqrt(np.mean((actual - expected) ** 2))) / scale / 1e-3
+>>> expected = np.random.default_rng(0).standard_normal((1, 4, 2, 16))
+>>> [f.text for f in grad_findings("dq", 4 * expected, expected, layout, score)]
+['dq is 4.000 x expected (a missing 1/sqrt(N) = 1/4?)']
+>>> grad_findings("dq", expected[:, :, ::-1], expected, layout, score)[0].details["pairs"]
+((0, 1),)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import types
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Final
+
+import numpy as np
+from numpy.typing import NDArray
+
+from .._checks import not_a_layout
+from ..layout import GdnBackwardLayout, Segment, gradient_axes
+
+__all__ = [
+    "FALLS",
+    "GAIN",
+    "KINDS",
+    "MAX_WHOLE_ELEMENTS",
+    "ROUNDING_MAX",
+    "Finding",
+    "Score",
+    "buffer_findings",
+    "grad_findings",
+    "size_findings",
+]
+
+#: Every kind of finding, most specific first: the order findings are returned in.
+KINDS: Final = (
+    "unwritten",
+    "nonfinite",
+    "layout",
+    "axes",
+    "transpose",
+    "heads",
+    "batch",
+    "shift",
+    "scale",
+    "boundary",
+    "rounding",
+)
+#: The most elements of a gradient the hypotheses hold in float64 at once.
+MAX_WHOLE_ELEMENTS: Final = 1 << 23
+#: An undone hypothesis holds when its score is at most 1 or fell by this factor.
+FALLS: Final = 100.0
+#: ... and in either case fell by at least this factor.
+GAIN: Final = 4.0
+#: The largest score called ``rounding`` when nothing structural holds.
+ROUNDING_MAX: Final = 10.0
+
+#: ``score(gradient_name, actual, expected)``: the error over the criterion's limit for two
+#: float64 arrays of one shape (a whole gradient or a region of it); at most 1 passes.
+Score = Callable[[str, NDArray[np.float64], NDArray[np.float64]], float]
+
+_Array = NDArray[np.float64]
+_SHIFTS: Final = (1, -1, 2, -2)
+_TINY: Final = 1e-30  # below every real gradient's value, above float32's least normal
+_HUGE: Final = 1e30
+_GARBAGE_BINADES: Final = 16.0
+_ALIGNED: Final = 0.99  # cos^2 of a fall that counts: within 10% RMS of e times a factor
+_SIMILAR: Final = 0.5  # cos^2 below which an undone actual is not even scored
+_PREVIEW: Final = 4096  # elements compared before a candidate offset is scored in full
+_RIGHT_ELEMENTS: Final = 8  # the least a boundary's right side holds: fewer pass by chance
+_FIT_ERRORS: Final = 10.0
+#: Unit roundoffs by dtype name; a factor within 4 of them of 1 can be one element's rounding.
+_UNIT_ROUNDOFF: Final = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+_LEAST_FACTOR: Final = 1e-3
+_SHOWN: Final = 5  # coordinates, steps or moves a text or a detail lists
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One hypothesis that holds.
+
+    Attributes
+    ----------
+    kind : str
+        One of :data:`KINDS`.
+    gradient : str or None
+        The gradient's name, or None for the packed buffer as a whole.
+    text : str
+        One line for a person, with the numbers.
+    details : Mapping
+        The kind's fields (``factor``, ``permutation``, ``pairs``, ``step``, ``period``,
+        ``offsets``, ``count``, ``first``, ``order``...), read-only: ints, floats, strings,
+        None (for a number that is not finite too), tuples and mappings of them.
+
+    Examples
+    --------
+    >>> f = Finding("scale", "dq", "dq is -1.000 x expected (a sign flip?)", {"factor": -1.0})
+    >>> f.to_dict()["details"]
+    {'factor': -1.0}
+    """
+
+    kind: str
+    gradient: str | None
+    text: str
+    details: Mapping[str, object] = dataclasses.field(default_factory=dict, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"Finding: kind must be one of {KINDS}, got {self.kind!r}")
+        frozen = {str(key): _frozen(value) for key, value in dict(self.details).items()}
+        object.__setattr__(self, "details", types.MappingProxyType(frozen))
+
+    def to_dict(self) -> dict[str, object]:
+        """The finding as plain JSON-ready values: tuples become lists, mappings dicts."""
+        return {
+            "kind": self.kind,
+            "gradient": self.gradient,
+            "text": self.text,
+            "details": _plain(self.details),
+        }
+
+
+def _frozen(value: object) -> object:
+    """A detail as an immutable plain value: NumPy scalars as Python's, sequences as tuples."""
+    if isinstance(value, Mapping):
+        return types.MappingProxyType({str(k): _frozen(v) for k, v in value.items()})
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None  # JSON has no Inf or NaN
+    if value is None or isinstance(value, str):
+        return value
+    raise TypeError(f"Finding: a detail must be a number, a string or None, got {value!r}")
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- the rule --------------------------------------------------------------------------------
+
+
+def _holds(base: float, undone: float, u: _Array, e: _Array) -> bool:
+    """The rule, for the score ``undone`` of ``u``, an undone actual, against ``e``."""
+    if undone * GAIN > base:
+        return False
+    if undone <= 1.0:
+        return True
+    # A base that is not finite (the score failed) can only be undone to a pass; and a fall
+    # counts only when ``u`` is along ``e`` (a fall from a mere magnitude mismatch does not).
+    return math.isfinite(base) and undone * FALLS <= base and _cos2(u, e) >= _ALIGNED
+
+
+def _cos2(u: _Array, e: _Array) -> float:
+    """``cos^2`` of the angle between ``u`` and ``e``: 1 when ``u`` is ``e`` times a factor,
+    about ``1 / size`` for unrelated values; 0 when either is zero or not finite."""
+    with np.errstate(all="ignore"):
+        ue, uu, ee = float(np.vdot(u, e)), float(np.vdot(u, u)), float(np.vdot(e, e))
+        cos2 = ue * ue / (uu * ee) if uu > 0 and ee > 0 else 0.0
+    return cos2 if math.isfinite(cos2) else 0.0
+
+
+def _scored(score: Score, name: str, actual: _Array, expected: _Array) -> float:
+    """The caller's score, a non-finite one (or an error on odd input) taken as no pass."""
+    with np.errstate(all="ignore"):
+        try:
+            value = float(score(name, actual, expected))
+        except (ArithmeticError, ValueError):
+            return math.inf
+    return value if math.isfinite(value) else math.inf
+
+
+def _f64(x: NDArray[Any]) -> _Array:
+    """``x`` in float64, copied when converted; never written to."""
+    return np.asarray(x, dtype=np.float64)
+
+
+def _fit(u: _Array, e: _Array, floor: float) -> float | None:
+    """The least-squares factor ``c`` of ``u ~ c * e`` when it differs from 1 by more than
+    ``floor`` and :data:`_FIT_ERRORS` standard errors of the fit (a fit of rounding noise does
+    not); else None."""
+    with np.errstate(all="ignore"):
+        ee = float(np.vdot(e, e))
+        c = float(np.vdot(u, e)) / ee if ee > 0 else math.nan
+        if not math.isfinite(c) or c == 0.0 or u.size < 2:
+            return None
+        resid = u - c * e
+        error = math.sqrt(float(np.vdot(resid, resid)) / ((u.size - 1) * ee))
+    return c if abs(c - 1.0) > max(_FIT_ERRORS * error, floor) else None
+
+
+def _sample(u: _Array, e: _Array) -> tuple[_Array, _Array]:
+    """At most 4096 evenly spaced elements of both (in C order): a cheap look at a reordered
+    view, which would otherwise be copied whole."""
+    if u.size <= 2 * _PREVIEW:
+        return u, e
+    at = np.linspace(0, u.size - 1, _PREVIEW).astype(np.intp)
+    return u.flat[at], e.flat[at]
+
+
+class _Context:
+    """The float64 region of one failing gradient that the hypotheses share."""
+
+    def __init__(
+        self,
+        name: str,
+        a: _Array,
+        e: _Array,
+        score: Score,
+        base: float,
+        layout: GdnBackwardLayout,
+        whole: bool,
+        dtype: np.dtype[Any],
+    ) -> None:
+        self.name, self.a, self.e, self.base, self.layout, self.whole = (
+            name,
+            a,
+            e,
+            base,
+            layout,
+            whole,
+        )
+        self._score = score
+        self._dtype = dtype
+
+    @functools.cached_property
+    def floor(self) -> float:
+        """The least ``|c - 1|`` a fitted factor must have: more than a dominant element's
+        rounding, and than the expected values' own rounding in the actual's dtype (large for
+        subnormals)."""
+        least = max(_LEAST_FACTOR, 4 * _UNIT_ROUNDOFF.get(self._dtype.name, 0.0))
+        with np.errstate(all="ignore"):
+            rounded = self.e.astype(self._dtype).astype(np.float64)
+            relative = math.sqrt(float(np.vdot(rounded - self.e, rounded - self.e))) / max(
+                math.sqrt(float(np.vdot(self.e, self.e))), 1e-300
+            )
+        return max(least, 4 * relative) if math.isfinite(relative) else least
+
+    def score(self, a: _Array, e: _Array) -> float:
+        return _scored(self._score, self.name, a, e)
+
+    def explain(self, u: _Array, e: _Array) -> tuple[float, float] | None:
+        """``(score, factor)`` when ``u`` (an undone actual) explains the error as is or
+        times a fitted constant; None when neither holds."""
+        if _cos2(*_sample(u, e)) < _SIMILAR or _cos2(u, e) < _SIMILAR:
+            return None  # far from e times any factor: no score needed to say no
+        plain = self.score(u, e)
+        if _holds(self.base, plain, u, e):
+            return plain, 1.0
+        c = _fit(u, e, self.floor)
+        if c is None:
+            return None
+        with np.errstate(all="ignore"):
+            scaled = self.score(u / c, e)
+        return (scaled, c) if _holds(self.base, scaled, u, e) else None
+
+
+# -- grad_findings ---------------------------------------------------------------------------
+
+
+def grad_findings(
+    name: str, actual: NDArray[Any], expected: NDArray[Any], layout: GdnBackwardLayout, score: Score
+) -> tuple[Finding, ...]:
+    """The hypotheses that explain a failing gradient (see the module docstring).
+
+    Parameters
+    ----------
+    name : str
+        The gradient: ``"dq"``, ``"dk"``, ``"dv"``, ``"dg"``, ``"dbeta"`` or ``"dstate"``.
+    actual : numpy.ndarray
+        The kernel's gradient, shaped as ``layout.shape(name)``, any floating dtype (float16
+        and ml_dtypes' bfloat16 included); read, never written.
+    expected : numpy.ndarray
+        The reference's gradient (converted to float64 if it is not).
+    layout : GdnBackwardLayout
+        The layout both belong to.
+    score : callable
+        ``score(name, actual, expected) -> float``, float64 arrays of one shape, a whole
+        gradient or a region of it: the error over the criterion's limit, at most 1 passing.
+
+    Returns
+    -------
+    tuple of Finding
+        Most specific first (:data:`KINDS`' order); empty when nothing holds, or when the
+        region tested passes.
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`.
+    ValueError
+        ``name`` is not a gradient of ``layout``, or a shape is not ``layout.shape(name)``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2, carry_state=True)
+    >>> def score(name, a, e):
+    ...     return float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-30) / 1e-3)
+    >>> expected = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    >>> found = grad_findings("dstate", expected.swapaxes(-1, -2), expected, layout, score)
+    >>> [f.kind for f in found]
+    ['transpose']
+    >>> grad_findings("dstate", np.zeros((1, 1, 2, 2)), expected, layout, score)[0].text
+    'dstate is all zeros: never written? (a fresh np.empty buffer often reads as zeros)'
+    """
+    shape = _checked_shape(name, layout)
+    if not isinstance(actual, np.ndarray) or actual.shape != shape:
+        got = getattr(actual, "shape", type(actual).__name__)
+        raise ValueError(f"grad_findings: actual {name} must have shape {shape}, got {got}")
+    e_all = np.asarray(expected, dtype=np.float64)
+    if e_all.shape != shape:
+        raise ValueError(
+            f"grad_findings: expected {name} must have shape {shape}, got {e_all.shape}"
+        )
+    if actual.size == 0:
+        return ()
+    scan = _scan(name, actual, e_all)
+    found = [f for f in (scan.unwritten(name), scan.nonfinite(name)) if f is not None]
+    if found or not scan.expected_finite:
+        return tuple(found)
+
+    per_batch = actual.size // shape[0]
+    if actual.size <= MAX_WHOLE_ELEMENTS:
+        rows = shape[0]
+    elif per_batch <= MAX_WHOLE_ELEMENTS:
+        rows = MAX_WHOLE_ELEMENTS // per_batch
+    else:
+        return ()
+    a, e = _f64(actual[:rows]), e_all[:rows]
+    base = _scored(score, name, a, e)
+    if base <= 1.0:
+        return ()
+    ctx = _Context(name, a, e, score, base, layout, rows == shape[0], actual.dtype)
+    for hypothesis in (_transpose, _heads, _batch, _shift, _scale, _axes, _boundary):
+        finding = hypothesis(ctx)
+        if finding is not None:
+            found.append(finding)
+            if _explains(finding):
+                break
+    if not found and base <= ROUNDING_MAX:
+        found.append(_rounding(name, base))
+    return tuple(sorted(found, key=lambda f: KINDS.index(f.kind)))
+
+
+def _explains(finding: Finding) -> bool:
+    """Whether a finding leaves the gradient passing: nothing else needs trying."""
+    score = finding.details.get("score")
+    return isinstance(score, float) and score <= 1.0
+
+
+def _checked_shape(name: str, layout: GdnBackwardLayout) -> tuple[int, ...]:
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "grad_findings")
+    if name not in layout.names:
+        raise ValueError(
+            f"grad_findings: {name!r} is not a gradient of this layout; it has "
+            f"{', '.join(layout.names)}"
+        )
+    return layout.shape(name)
+
+
+def _step_axis(name: str) -> int | None:
+    return None if name == "dstate" else 1
+
+
+def _head_axis(name: str) -> int:
+    return 1 if name == "dstate" else 2
+
+
+# -- the blockwise scan: unwritten and nonfinite ---------------------------------------------
+
+
+@dataclasses.dataclass
+class _Scan:
+    size: int
+    dtype: np.dtype[Any]
+    zeros: int = 0
+    first_value: float = 0.0
+    constant: bool = True
+    tiny: int = 0
+    wild: int = 0  # huge or non-finite
+    log_n: int = 0
+    log_sum: float = 0.0
+    log_sumsq: float = 0.0
+    bad: int = 0
+    first_bad: list[tuple[int, ...]] = dataclasses.field(default_factory=list)
+    bad_per_slab: list[int] = dataclasses.field(default_factory=list)
+    expected_finite: bool = True
+    expected_zero: bool = True
+    expected_max: float = 0.0
+    slab_axis: str = "s"
+
+    def unwritten(self, name: str) -> Finding | None:
+        if self.expected_zero or not np.asarray(self.expected_max).astype(self.dtype):
+            return None  # expected values all round to zero in this dtype: zeros are right
+        if self.zeros == self.size:
+            return Finding(
+                "unwritten",
+                name,
+                f"{name} is all zeros: never written? (a fresh np.empty buffer often reads as "
+                "zeros)",
+                {"value": 0.0, "how": "zeros"},
+            )
+        if self.constant and self.size > 1:
+            value = self.first_value
+            shown = "NaN" if math.isnan(value) else f"{value:.6g}"
+            return Finding(
+                "unwritten",
+                name,
+                f"{name} is {shown} everywhere: filled and never written?",
+                {"value": None if math.isnan(value) else value, "how": "constant"},
+            )
+        if self._garbage():
+            nonzero = self.size - self.zeros
+            return Finding(
+                "unwritten",
+                name,
+                f"{name} looks untouched from np.empty(): {self.tiny} values below {_TINY:g}, "
+                f"{self.wild} above {_HUGE:g} or not finite, {nonzero} of {self.size} non-zero "
+                "(stale memory, never written?)",
+                {"how": "empty", "tiny": self.tiny, "wild": self.wild, "nonzero": nonzero},
+            )
+        return None
+
+    def _garbage(self) -> bool:
+        if self.dtype.name == "float16":
+            return False  # its range holds neither value: not detectable
+        if self.tiny == 0 or self.tiny < 0.01 * self.size:
+            return False
+        mean = self.log_sum / max(self.log_n, 1)
+        spread = math.sqrt(max(self.log_sumsq / max(self.log_n, 1) - mean * mean, 0.0))
+        return spread > _GARBAGE_BINADES
+
+    def nonfinite(self, name: str) -> Finding | None:
+        if not self.bad:
+            return None
+        slabs = np.flatnonzero(np.asarray(self.bad_per_slab) > 0)
+        first, last, count = int(slabs[0]), int(slabs[-1]), len(self.bad_per_slab)
+        details: dict[str, object] = {
+            "count": self.bad,
+            "first": tuple(self.first_bad),
+            "spread": None,
+        }
+        where = ""
+        if self.slab_axis == "s":
+            details.update(first_step=first, last_step=last)
+            every = slabs.size == last - first + 1
+            if every and first == 0 and last == count - 1:
+                details["spread"], where = "all", "; at every step"
+            elif every and last == count - 1:
+                details["spread"], where = "later", f"; at every step from s={first} on"
+            elif every and first == 0:
+                details["spread"] = "earlier"
+                where = (
+                    f"; at every step up to s={last} (carried to earlier steps from there, as "
+                    "the backward sweep does)"
+                )
+            else:
+                where = f"; at {slabs.size} of {count} steps, from s={first} to s={last}"
+        coords = ", ".join(str(list(c)) for c in self.first_bad[:3])
+        return Finding(
+            "nonfinite",
+            name,
+            f"{name} has {self.bad} NaN or Inf where the expected values are finite, first at "
+            f"{coords}{where}",
+            details,
+        )
+
+
+def _slabs(x: NDArray[Any], axis: int) -> Iterator[tuple[int, NDArray[Any]]]:
+    """Each index along ``axis`` (0 or 1) and its view of ``x``."""
+    for i in range(x.shape[axis]):
+        yield i, x[i] if axis == 0 else x[:, i]
+
+
+def _scan(name: str, actual: NDArray[Any], expected: _Array) -> _Scan:
+    """One pass, a step (for ``dstate`` a batch element) at a time, in float64."""
+    axis = 0 if _step_axis(name) is None else 1
+    scan = _Scan(size=actual.size, dtype=actual.dtype, slab_axis="b" if axis == 0 else "s")
+    scan.first_value = float(actual.flat[0])
+    with np.errstate(all="ignore"):
+        for i, slab in _slabs(actual, axis):
+            a = _f64(slab)
+            e = expected[i] if axis == 0 else expected[:, i]
+            fin_a, fin_e = np.isfinite(a), np.isfinite(e)
+            scan.expected_finite &= bool(fin_e.all())
+            scan.expected_zero &= bool((e == 0).all())
+            if e.size and fin_e.all():
+                scan.expected_max = max(scan.expected_max, float(np.abs(e).max()))
+            scan.zeros += int(np.count_nonzero(a == 0))
+            if scan.constant:
+                same = np.isnan(a) if math.isnan(scan.first_value) else a == scan.first_value
+                scan.constant = bool(same.all())
+            mag = np.abs(a)
+            nonzero = fin_a & (mag > 0)
+            scan.tiny += int(np.count_nonzero(nonzero & (mag < _TINY) & (np.abs(e) >= 1e-20)))
+            scan.wild += int(np.count_nonzero(~fin_a | (mag > _HUGE)))
+            logs = np.log2(mag[nonzero])
+            scan.log_n += logs.size
+            scan.log_sum += float(logs.sum())
+            scan.log_sumsq += float(np.square(logs).sum())
+            bad = ~fin_a & fin_e
+            n_bad = int(np.count_nonzero(bad))
+            scan.bad += n_bad
+            scan.bad_per_slab.append(n_bad)
+            if n_bad and len(scan.first_bad) < _SHOWN:
+                for coord in np.argwhere(bad)[: _SHOWN - len(scan.first_bad)]:
+                    full = [int(c) for c in coord]
+                    full.insert(axis, i)
+                    scan.first_bad.append(tuple(full))
+    return scan
+
+
+# -- the hypotheses on the float64 region ----------------------------------------------------
+
+
+def _transpose(ctx: _Context) -> Finding | None:
+    a, e = ctx.a, ctx.e
+    if a.ndim < 2 or a.shape[-1] != a.shape[-2] or a.shape[-1] < 2:
+        return None
+    result = ctx.explain(np.swapaxes(a, -1, -2), e)
+    if result is None:
+        return None
+    axes = gradient_axes(ctx.name, a.ndim)
+    lead = ", ".join(axes[:-2])
+    x, y = axes[-2], axes[-1]
+    text = (
+        f"{ctx.name} holds its transpose: {ctx.name}[{lead}, {x}, {y}] is expected[{lead}, "
+        f"{y}, {x}]"
+    )
+    return _finding(ctx, "transpose", text, result, {"axes": (a.ndim - 2, a.ndim - 1)})
+
+
+def _finding(
+    ctx: _Context,
+    kind: str,
+    text: str,
+    result: tuple[float, float],
+    details: Mapping[str, object],
+) -> Finding:
+    score, factor = result
+    if factor != 1.0:
+        text += f", and scaled by {factor:#.4g}"
+    return Finding(
+        kind,
+        ctx.name,
+        text,
+        {**details, "factor": factor, "score": score, "score_before": ctx.base},
+    )
+
+
+def _permutation(a: _Array, e: _Array, axis: int) -> NDArray[np.intp] | None:
+    """``perm`` with ``a``'s index ``i`` along ``axis`` closest to ``e``'s ``perm[i]`` up to a
+    factor (least ``1 - cos^2``), when that is a permutation other than the identity."""
+    k = a.shape[axis]
+    am = np.moveaxis(a, axis, 0).reshape(k, -1)
+    em = np.moveaxis(e, axis, 0).reshape(k, -1)
+    with np.errstate(all="ignore"):
+        dots = am @ em.T
+        na, ne = np.einsum("ij,ij->i", am, am), np.einsum("ij,ij->i", em, em)
+        rel = 1.0 - dots**2 / np.outer(na, ne)
+    rel[~np.isfinite(rel)] = 1.0
+    perm = np.argmin(rel, axis=1)
+    # Ties go to the identity: a moved index must fit strictly better.
+    stay = np.arange(k)
+    perm = np.where(rel[stay, stay] <= rel[stay, perm], stay, perm)
+    if np.array_equal(perm, stay) or not np.array_equal(np.sort(perm), stay):
+        return None
+    return perm
+
+
+def _moves(perm: Sequence[int], one: str, many: str) -> tuple[str, tuple[tuple[int, int], ...]]:
+    """A permutation in words, and its exchanged pairs."""
+    pairs = tuple((i, int(p)) for i, p in enumerate(perm) if i < p and perm[p] == i)
+    swapped = {i for pair in pairs for i in pair}
+    words = [f"{many} {i} and {j} exchanged" for i, j in pairs]
+    words += [
+        f"{one} {i} holds {one} {p}'s values"
+        for i, p in enumerate(perm)
+        if i != p and i not in swapped
+    ]
+    shown = "; ".join(words[:_SHOWN]) + ("; ..." if len(words) > _SHOWN else "")
+    return shown, pairs
+
+
+def _axis_permutation(ctx: _Context, axis: int, one: str, many: str, kind: str) -> Finding | None:
+    a, e = ctx.a, ctx.e
+    if a.shape[axis] < 2:
+        return None
+    perm = _permutation(a, e, axis)
+    if perm is None:
+        return None
+    result = ctx.explain(np.take(a, np.argsort(perm), axis=axis), e)
+    if result is None:
+        return None
+    words, pairs = _moves(perm.tolist(), one, many)
+    text = f"{ctx.name}'s {many} are permuted: {words}"
+    details = {
+        "permutation": perm,
+        "pairs": pairs,
+        "moved": int(np.count_nonzero(perm != np.arange(perm.size))),
+    }
+    return _finding(ctx, kind, text, result, details)
+
+
+def _heads(ctx: _Context) -> Finding | None:
+    return _axis_permutation(ctx, _head_axis(ctx.name), "head", "heads", "heads")
+
+
+def _batch(ctx: _Context) -> Finding | None:
+    return (
+        _axis_permutation(ctx, 0, "batch element", "batch elements", "batch") if ctx.whole else None
+    )
+
+
+def _shift(ctx: _Context) -> Finding | None:
+    axis = _step_axis(ctx.name)
+    if axis is None:
+        return None
+    a, e = ctx.a, ctx.e
+    steps = a.shape[axis]
+    best: tuple[int, tuple[float, float]] | None = None
+    for k in _SHIFTS:
+        if steps - abs(k) < 1 or steps < 2:
+            continue
+        # actual[:, t] holds expected[:, t - k], on the steps both have.
+        if k > 0:
+            u, ref = a[:, k:], e[:, : steps - k]
+        else:
+            u, ref = a[:, :k], e[:, -k:]
+        if not np.any(ref):
+            continue
+        result = ctx.explain(u, ref)
+        if result is not None and (best is None or result[0] < best[1][0]):
+            best = (k, result)
+    if best is None:
+        return None
+    k, result = best
+    text = (
+        f"{ctx.name} is expected shifted by {k:+d} step{'s' if abs(k) > 1 else ''} along s: "
+        f"{ctx.name}[:, t] holds expected[:, t{-k:+d}]"
+    )
+    return _finding(ctx, "shift", text, result, {"step": k})
+
+
+def _scale_hint(c: float, n: int) -> tuple[str, ...]:
+    root = math.sqrt(n)
+    named = [
+        (-1.0, "-1", "a sign flip?"),
+        (2.0, "2", "counted twice?"),
+        (0.5, "1/2", "a factor 1/2 too many?"),
+        (root, "sqrt(N)", f"a missing 1/sqrt(N) = 1/{root:g}?"),
+        (1.0 / root, "1/sqrt(N)", f"1/sqrt(N) = 1/{root:g} applied twice?"),
+        (float(n), "N", f"a missing 1/N = 1/{n}?"),
+        (1.0 / n, "1/N", f"an extra 1/N = 1/{n}?"),
+    ]
+    return tuple(
+        f"{label}: {hint}"
+        for value, label, hint in named
+        if value != 1.0 and abs(c / value - 1) <= 0.01
+    )
+
+
+def _scale(ctx: _Context) -> Finding | None:
+    if _cos2(*_sample(ctx.a, ctx.e)) < _SIMILAR or _cos2(ctx.a, ctx.e) < _SIMILAR:
+        return None
+    c = _fit(ctx.a, ctx.e, ctx.floor)
+    if c is None:
+        return None
+    with np.errstate(all="ignore"):
+        undone = ctx.score(ctx.a / c, ctx.e)
+    if not _holds(ctx.base, undone, ctx.a, ctx.e):
+        return None
+    n = ctx.layout.state_size
+    hints = _scale_hint(c, n) if n > 0 else ()
+    text = f"{ctx.name} is {c:#.4g} x expected"
+    if hints:
+        text += " (" + " or ".join(h.split(": ", 1)[1] for h in hints) + ")"
+    named = tuple(h.split(": ", 1)[0] for h in hints)
+    return Finding(
+        "scale",
+        ctx.name,
+        text,
+        {"factor": c, "named": named, "score": undone, "score_before": ctx.base},
+    )
+
+
+def _axes(ctx: _Context) -> Finding | None:
+    a, e = ctx.a, ctx.e
+    shape, nd = a.shape, a.ndim
+    names = [x.upper() for x in gradient_axes(ctx.name, nd)]
+    seen = {tuple(i for i in range(nd) if shape[i] > 1)}
+    if nd >= 2 and shape[-1] == shape[-2]:
+        swap = (*range(nd - 2), nd - 1, nd - 2)
+        seen.add(tuple(i for i in swap if shape[i] > 1))  # the transpose kind's
+    best: tuple[tuple[int, ...], tuple[float, float]] | None = None
+    for order in itertools.permutations(range(nd)):
+        if not ctx.whole and order[0] != 0:
+            continue  # the region is the first batch elements: b must stay first
+        key = tuple(i for i in order if shape[i] > 1)
+        if key in seen:
+            continue
+        seen.add(key)
+        # The kernel wrote e.transpose(order) in C order: read it so and put the axes back.
+        written = tuple(shape[i] for i in order)
+        u = a.reshape(written).transpose(np.argsort(order))
+        result = ctx.explain(u, e)
+        if result is not None and (best is None or result[0] < best[1][0]):
+            best = (order, result)
+    if best is None:
+        return None
+    order, result = best
+    got = ", ".join(names[i] for i in order)
+    text = f"{ctx.name} holds its values in the order [{got}], not [{', '.join(names)}]"
+    return _finding(ctx, "axes", text, result, {"order": tuple(names[i] for i in order)})
+
+
+def _boundary(ctx: _Context) -> Finding | None:
+    axis = _step_axis(ctx.name)
+    if axis is None or ctx.a.shape[axis] < 2:
+        return None
+    a, e = ctx.a, ctx.e
+    steps = a.shape[axis]
+    per = np.array([ctx.score(a[:, t], e[:, t]) for t in range(steps)])
+    fail = per > 1.0
+    failing = np.flatnonzero(fail)
+    if failing.size == 0 or failing.size == steps:
+        return None
+    lo, hi = int(failing[0]), int(failing[-1])
+    every = np.arange(steps)
+    sides: list[tuple[str, int, NDArray[np.intp], NDArray[np.intp]]] = []
+    if hi == steps - 1 and lo > 0:
+        sides.append(("from", lo, every[:lo], every[lo:]))
+    if lo == 0 and hi < steps - 1:
+        sides.append(("before", hi + 1, every[hi + 1 :], every[: hi + 1]))
+    for side, t0, right, wrong in sides:
+        # One wrong step is one wrong place, not a side of a boundary.
+        if wrong.size < 2 or np.count_nonzero(fail[wrong]) < 0.9 * wrong.size:
+            continue
+        contrast = _contrast(ctx, right, wrong)
+        if contrast is None:
+            continue
+        if side == "from":
+            text = f"{ctx.name} is right before step {t0} and wrong from step {t0} on (S={steps})"
+            if t0 >= 8 and t0 & (t0 - 1) == 0:
+                text += f": the second chunk, with chunks of {t0}?"
+        else:
+            text = f"{ctx.name} is wrong before step {t0} and right from step {t0} on (S={steps})"
+        zeros = not np.any(a[:, wrong])
+        if zeros:
+            text += "; all zeros there"
+        details = {
+            "step": t0,
+            "side": side,
+            "count": int(failing.size),
+            "zeros": zeros,
+            **contrast,
+        }
+        return Finding("boundary", ctx.name, text, details)
+    return _period(ctx, fail, failing)
+
+
+def _contrast(
+    ctx: _Context, right: NDArray[np.intp], wrong: NDArray[np.intp]
+) -> dict[str, float] | None:
+    """The scores of the right and the wrong steps, when they are far apart."""
+    e_right = ctx.e[:, right]
+    if e_right.size < _RIGHT_ELEMENTS or not np.any(e_right):
+        return None  # too little, or nothing, to be right about
+    s_right = ctx.score(ctx.a[:, right], e_right)
+    s_wrong = ctx.score(ctx.a[:, wrong], ctx.e[:, wrong])
+    if s_right > 1.0 or s_wrong <= 1.0 or s_wrong < FALLS * s_right:
+        return None
+    return {"score_right": s_right, "score_wrong": s_wrong}
+
+
+def _period(ctx: _Context, fail: NDArray[np.bool_], failing: NDArray[np.intp]) -> Finding | None:
+    steps = fail.size
+    if failing.size * 2 > steps:
+        return None
+    for period in range(steps // 2, 3, -1):
+        multiples = np.arange(period, steps, period)
+        if multiples.size < 2:
+            continue
+        phase = failing % period
+        offset = np.where(phase > period // 2, phase - period, phase)
+        if np.any(np.abs(offset) > 1):
+            continue
+        hit = np.isin(multiples, failing - offset)
+        if np.count_nonzero(hit) < 0.75 * multiples.size:
+            continue
+        contrast = _contrast(ctx, np.flatnonzero(~fail), failing)
+        if contrast is None:
+            return None
+        offsets = tuple(sorted({int(o) for o in offset}))
+        shown = ", ".join(str(int(t)) for t in failing[:_SHOWN]) + (
+            ", ..." if failing.size > _SHOWN else ""
+        )
+        text = (
+            f"{ctx.name} is wrong only near multiples of {period} steps (steps {shown}; "
+            f"offsets {', '.join(f'{o:+d}' for o in offsets)}): a chunk size of {period}?"
+        )
+        details = {
+            "period": period,
+            "offsets": offsets,
+            "count": int(failing.size),
+            "steps": tuple(int(t) for t in failing[:_SHOWN]),
+            **contrast,
+        }
+        return Finding("boundary", ctx.name, text, details)
+    return None
+
+
+def _rounding(name: str, base: float) -> Finding:
+    return Finding(
+        "rounding",
+        name,
+        f"{name}'s error is {base:.3g} x the limit with no structure found: only its size "
+        "fails, as rounding's does (a chunked float32 form typically reaches about 10x its "
+        "floor)",
+        {"score": base},
+    )
+
+
+# -- the packed buffer -----------------------------------------------------------------------
+
+
+def buffer_findings(
+    actual_flat: NDArray[Any],
+    expected_flat: NDArray[Any],
+    layout: GdnBackwardLayout,
+    score: Score,
+) -> tuple[Finding, ...]:
+    """The ``layout`` finding of a packed buffer: gradients found at other offsets.
+
+    Each gradient that fails at its own offset is looked for where the layout of the other
+    gate mode puts it and at every offset another order of the segments can give it (the sums
+    of the other segments' lengths); an offset holds it when the hypothesis rule of the module
+    docstring does. A candidate is scored only when its first 4096 elements are within 50% (RMS)
+    of the expected ones, and on at most :data:`MAX_WHOLE_ELEMENTS` of it (its first batch
+    elements), so the cost is a few passes over the buffer.
+
+    Parameters
+    ----------
+    actual_flat : numpy.ndarray
+        The kernel's 1-D packed buffer, ``layout.total_elems`` long, any floating dtype.
+    expected_flat : numpy.ndarray
+        The reference's packed buffer, float64.
+    layout : GdnBackwardLayout
+        The layout both should have.
+    score : callable
+        As for :func:`grad_findings`.
+
+    Returns
+    -------
+    tuple of Finding
+        One ``layout`` finding (gradient None) when some gradient sits elsewhere, else empty.
+        Its details: ``offsets`` (where each gradient was found), ``expected_offsets``,
+        ``moved``, ``order`` (the gradients by found offset), ``pairs`` (exchanged ones),
+        ``layout`` (the other layout's fields, when it explains every move), ``missing``
+        (failing gradients found nowhere).
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`.
+    ValueError
+        A buffer is not 1-D of ``layout.total_elems`` elements.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout, pack, unpack
+    >>> layout = GdnBackwardLayout(batch=1, seq=3, heads=2, state_size=4)
+    >>> expected = np.random.default_rng(1).standard_normal(layout.total_elems)
+    >>> g = unpack(expected, layout)
+    >>> swapped = pack(g.dk, g.dq, g.dv, g.dg, g.dbeta)
+    >>> def score(name, a, e):
+    ...     return float(np.abs(a - e).max() / np.abs(e).max() / 1e-3)
+    >>> buffer_findings(swapped, expected, layout, score)[0].text
+    'dq and dk are exchanged (dq at 24, dk at 0)'
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "buffer_findings")
+    total = layout.total_elems
+    for what, flat in (("actual_flat", actual_flat), ("expected_flat", expected_flat)):
+        if not isinstance(flat, np.ndarray) or flat.shape != (total,):
+            got = getattr(flat, "shape", type(flat).__name__)
+            raise ValueError(f"buffer_findings: {what} must have shape ({total},), got {got}")
+    expected_f = np.asarray(expected_flat, dtype=np.float64)
+    segments = layout.segments()
+    other = dataclasses.replace(layout, gate_per_channel=not layout.gate_per_channel)
+    found: dict[str, int] = {}
+    missing: list[str] = []
+    for seg in segments:
+        region = _segment_region(seg.length, seg.shape)
+        if region is None:
+            continue
+        count, shape = region
+        e = expected_f[seg.offset : seg.offset + count].reshape(shape)
+        base, _ = _segment_score(score, seg.name, actual_flat, seg.offset, count, e, check=False)
+        if base <= 1.0:
+            found[seg.name] = seg.offset
+            continue
+        best: tuple[float, int] | None = None
+        for offset in _candidates(seg.name, seg.length, segments, other, total):
+            s, a = _segment_score(score, seg.name, actual_flat, offset, count, e, check=True)
+            if a is not None and _holds(base, s, a, e) and (best is None or s < best[0]):
+                best = (s, offset)
+        if best is None:
+            missing.append(seg.name)
+        else:
+            found[seg.name] = best[1]
+    expected_at = {seg.name: seg.offset for seg in segments}
+    moved = [name for name in found if found[name] != expected_at[name]]
+    if not moved:
+        return ()
+    return (_layout_finding(layout, other, found, expected_at, moved, missing),)
+
+
+def _segment_region(length: int, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
+    """The leading part of a segment the hypotheses read: its first batch elements."""
+    if length == 0:
+        return None
+    if length <= MAX_WHOLE_ELEMENTS:
+        return length, shape
+    per_batch = length // shape[0]
+    rows = MAX_WHOLE_ELEMENTS // per_batch
+    return (rows * per_batch, (rows, *shape[1:])) if rows else None
+
+
+def _segment_score(
+    score: Score,
+    name: str,
+    flat: NDArray[Any],
+    offset: int,
+    count: int,
+    e: _Array,
+    check: bool,
+) -> tuple[float, _Array | None]:
+    """The score of ``count`` elements of ``flat`` from ``offset`` read as ``e``, and them in
+    float64; with ``check``, a candidate that is not finite or is far off in its first
+    elements is refused unscored (``inf, None``)."""
+    part = flat[offset : offset + count]
+    if check:
+        # A cheap look at the first elements before a full score.
+        head = _f64(part[:_PREVIEW])
+        ref = e.reshape(-1)[: head.size]
+        with np.errstate(all="ignore"):
+            if not np.isfinite(head).all():
+                return math.inf, None
+            norm = float(np.sqrt(np.mean(ref * ref)))
+            if norm > 0 and float(np.sqrt(np.mean((head - ref) ** 2))) > 0.5 * norm:
+                return math.inf, None
+    a = _f64(part).reshape(e.shape)
+    if check and not np.isfinite(a).all():
+        return math.inf, None
+    return _scored(score, name, a, e), a
+
+
+def _candidates(
+    name: str,
+    length: int,
+    segments: Sequence[Segment],
+    other: GdnBackwardLayout,
+    total: int,
+) -> list[int]:
+    """Where else a segment may sit: the other gate mode's offset, and every sum of the other
+    segments' lengths (its offset in some order of the segments)."""
+    here = next(seg.offset for seg in segments if seg.name == name)
+    rest = [seg.length for seg in segments if seg.name != name]
+    offsets = {
+        sum(subset) for r in range(len(rest) + 1) for subset in itertools.combinations(rest, r)
+    }
+    if name in other.names:
+        offsets.add(other.segment(name).offset)
+    return sorted(o for o in offsets if o != here and o + length <= total)
+
+
+def _layout_finding(
+    layout: GdnBackwardLayout,
+    other: GdnBackwardLayout,
+    found: dict[str, int],
+    expected_at: dict[str, int],
+    moved: list[str],
+    missing: list[str],
+) -> Finding:
+    order = tuple(sorted(found, key=lambda n: (found[n], layout.names.index(n))))
+    pairs = tuple(
+        (x, y)
+        for i, x in enumerate(moved)
+        for y in moved[i + 1 :]
+        if found[x] == expected_at[y] and found[y] == expected_at[x]
+    )
+    in_pairs = {n for pair in pairs for n in pair}
+    where = ", ".join(f"{n} at {found[n]} (expected {expected_at[n]})" for n in moved)
+    details: dict[str, object] = {
+        "offsets": dict(found),
+        "expected_offsets": dict(expected_at),
+        "moved": tuple(moved),
+        "order": order,
+        "pairs": pairs,
+        "layout": None,
+        "missing": tuple(missing),
+    }
+    if all(n in other.names and other.segment(n).offset == found[n] for n in moved):
+        mode = "per-channel" if other.gate_per_channel else "per-head"
+        details["layout"] = other.to_dict()
+        text = (
+            f"the buffer is packed as the {mode}-gate layout "
+            f"(gate_per_channel={other.gate_per_channel}): {where}"
+        )
+    elif in_pairs == set(moved):
+        text = "; ".join(
+            f"{x} and {y} are exchanged ({x} at {found[x]}, {y} at {found[y]})" for x, y in pairs
+        )
+    else:
+        text = (
+            f"the segments sit in the order {', '.join(order)} (expected "
+            f"{', '.join(layout.names)}): {where}"
+        )
+    if missing:
+        text += f"; {', '.join(missing)} found nowhere"
+    return Finding("layout", None, text, details)
+
+
+def size_findings(elems: int, layout: GdnBackwardLayout) -> tuple[Finding, ...]:
+    """What a packed buffer of ``elems`` elements, where ``layout`` wants another number, fits.
+
+    The layouts of the same ``B, S, H, N`` in the other gate and state modes with that many
+    elements; else a buffer that ends where a gradient starts; else twice or half the length
+    (values of one size read as another).
+
+    Parameters
+    ----------
+    elems : int
+        The buffer's length.
+    layout : GdnBackwardLayout
+        The layout it should have.
+
+    Returns
+    -------
+    tuple of Finding
+        One ``layout`` finding (gradient None), or none when nothing fits or the length is
+        right. Its details: ``elems``, ``expected``, ``layouts`` (the fields of each layout
+        that fits), ``ends_before`` (a gradient's name or None), ``factor`` (2, 0.5 or None).
+
+    Raises
+    ------
+    TypeError
+        ``layout`` is not a :class:`GdnBackwardLayout`.
+
+    Examples
+    --------
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=4, carry_state=True)
+    >>> layout.total_elems
+    144
+    >>> size_findings(112, layout)[0].text
+    '112 elements: the layout without dstate (carry_state=False)'
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "size_findings")
+    elems = int(elems)
+    total = layout.total_elems
+    if elems == total:
+        return ()
+    fits: list[GdnBackwardLayout] = []
+    words: list[str] = []
+    for per_channel in (False, True):
+        for carry in (False, True):
+            alt = dataclasses.replace(layout, gate_per_channel=per_channel, carry_state=carry)
+            if alt == layout or alt.total_elems != elems:
+                continue
+            fits.append(alt)
+            diffs = []
+            if per_channel != layout.gate_per_channel:
+                gate = "a per-channel gate" if per_channel else "a per-head gate"
+                diffs.append(f"with {gate} (gate_per_channel={per_channel})")
+            if carry != layout.carry_state:
+                diffs.append(f"{'with' if carry else 'without'} dstate (carry_state={carry})")
+            words.append("the layout " + " and ".join(diffs))
+    ends_before = None
+    if not fits:
+        for seg in layout.segments()[1:]:
+            if seg.offset == elems:
+                ends_before = seg.name
+                lost = layout.names[layout.names.index(seg.name) :]
+                words.append(f"the buffer ends where {seg.name} starts ({', '.join(lost)} missing)")
+                break
+    factor = None
+    if total and elems == 2 * total:
+        factor = 2.0
+        words.append(f"twice the {total} of the layout: 4-byte values read as 2-byte ones?")
+    elif total and 2 * elems == total:
+        factor = 0.5
+        words.append(f"half the {total} of the layout: 2-byte values read as 4-byte ones?")
+    if not words:
+        return ()
+    details = {
+        "elems": elems,
+        "expected": total,
+        "layouts": tuple(alt.to_dict() for alt in fits),
+        "ends_before": ends_before,
+        "factor": factor,
+    }
+    return (Finding("layout", None, f"{elems} elements: {'; or '.join(words)}", details),)

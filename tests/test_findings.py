@@ -1,0 +1,641 @@
+"""The findings core: each hypothesis named on its own and in combination, never on correct
+kernels or on unrelated data."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numpy.typing import NDArray
+
+from gdn_layout import GdnBackwardLayout, pack, unpack
+from gdn_layout.check import _findings as findings
+from gdn_layout.check._findings import (
+    KINDS,
+    Finding,
+    Score,
+    buffer_findings,
+    grad_findings,
+    size_findings,
+)
+from gdn_layout.generate import draw_inputs
+from gdn_layout.reference import backward
+from gdn_layout.regimes import REGIMES
+
+Array = NDArray[np.float64]
+STRUCTURAL = set(KINDS) - {"rounding"}
+
+#: (rms limit, max limit) of the calibrated-like criterion, by dtype.
+LIMITS = {
+    "float32": (16 * 6e-5, 16 * 2e-4),
+    "float16": (8 * 1e-3, 8 * 1e-2),
+    "bfloat16": (8 * 4e-3, 8 * 5e-2),
+}
+
+
+def scorer(dtype: str = "float32", tighter: float = 1.0) -> Score:
+    rms_limit, max_limit = (limit / tighter for limit in LIMITS[dtype])
+
+    def score(name: str, a: Array, e: Array) -> float:
+        ref = float(np.sqrt(np.mean(e * e))) if e.size else 0.0
+        ref = ref if ref > 0 else 1e-30
+        d = a - e
+        if not d.size:
+            return 0.0
+        rms = float(np.sqrt(np.mean(d * d))) / ref / rms_limit
+        worst = float(np.abs(d).max()) / ref / max_limit
+        return max(rms, worst)
+
+    return score
+
+
+SCORE = scorer()
+
+#: Layouts covering both gate modes, both state modes, and H = 1, S = 1, N = 1.
+LAYOUTS = {
+    "head": GdnBackwardLayout(2, 8, 3, 4),
+    "head-state": GdnBackwardLayout(2, 8, 3, 4, carry_state=True),
+    "channel": GdnBackwardLayout(2, 8, 3, 4, gate_per_channel=True),
+    "channel-state": GdnBackwardLayout(2, 8, 3, 4, gate_per_channel=True, carry_state=True),
+    "H1": GdnBackwardLayout(2, 6, 1, 4, carry_state=True),
+    "S1": GdnBackwardLayout(2, 1, 3, 4, carry_state=True),
+    "N1": GdnBackwardLayout(2, 6, 3, 1, carry_state=True),
+}
+
+
+@functools.cache
+def truth(layout: GdnBackwardLayout, regime: str = "mixed", seed: int = 0) -> Array:
+    x = draw_inputs(layout, regime=regime, seed=seed, dtype=np.float64)
+    return backward(*x)
+
+
+def views(flat: NDArray[Any], layout: GdnBackwardLayout) -> dict[str, NDArray[Any]]:
+    """Each gradient's view of a packed buffer, by name."""
+    return {name: view for name, view in unpack(flat, layout)._asdict().items() if view is not None}
+
+
+def grads(layout: GdnBackwardLayout) -> dict[str, Array]:
+    return views(truth(layout), layout)
+
+
+def kinds(found: tuple[Finding, ...]) -> list[str]:
+    return [f.kind for f in found]
+
+
+def only(found: tuple[Finding, ...], kind: str) -> Finding:
+    assert kinds(found) == [kind], [f.text for f in found]
+    return found[0]
+
+
+def cases(
+    predicate: Callable[[GdnBackwardLayout, str], bool] = lambda layout, name: True,
+) -> list[Any]:
+    return [
+        pytest.param(layout, name, id=f"{key}-{name}")
+        for key, layout in LAYOUTS.items()
+        for name in layout.names
+        if predicate(layout, name)
+    ]
+
+
+# -- each kind on its own --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("layout", "name"), cases())
+@pytest.mark.parametrize("factor", [2.0, -1.0, 0.5, 1.37])
+def test_scale(layout: GdnBackwardLayout, name: str, factor: float) -> None:
+    e = grads(layout)[name]
+    found = only(grad_findings(name, factor * e, e, layout, SCORE), "scale")
+    assert found.gradient == name
+    assert found.details["factor"] == pytest.approx(factor)
+    assert f"{factor:#.4g}" in found.text
+    if factor != 1.37:
+        assert found.details["named"]
+
+
+@pytest.mark.parametrize(
+    ("factor", "named", "words"),
+    [
+        (4.0, ("sqrt(N)",), "a missing 1/sqrt(N) = 1/4?"),
+        (0.25, ("1/sqrt(N)",), "applied twice"),
+        (16.0, ("N",), "1/N = 1/16"),
+        (-1.0, ("-1",), "sign flip"),
+    ],
+)
+def test_scale_names_the_factors_of_n(factor: float, named: tuple[str], words: str) -> None:
+    layout = GdnBackwardLayout(1, 4, 2, 16)
+    e = grads(layout)["dq"]
+    found = only(grad_findings("dq", factor * e, e, layout, SCORE), "scale")
+    assert found.details["named"] == named
+    assert words in found.text
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"),
+    cases(lambda layout, name: layout.shape(name)[-1] == layout.shape(name)[-2] > 1),
+)
+def test_transpose(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    found = only(grad_findings(name, e.swapaxes(-1, -2), e, layout, SCORE), "transpose")
+    assert found.details["factor"] == 1.0
+    if name == "dstate":
+        assert "dstate[b, h, i, j] is expected[b, h, j, i]" in found.text
+
+
+def test_transpose_of_a_square_head_and_state_pair() -> None:
+    layout = GdnBackwardLayout(1, 3, 4, 4)  # H == N: [H, N] is a square trailing pair
+    e = grads(layout)["dq"]
+    assert kinds(grad_findings("dq", e.swapaxes(-1, -2), e, layout, SCORE)) == ["transpose"]
+
+
+def test_no_transpose_with_n_1() -> None:
+    layout = LAYOUTS["N1"]
+    e = grads(layout)["dstate"]
+    assert grad_findings("dstate", e.swapaxes(-1, -2).copy(), e, layout, SCORE) == ()
+
+
+def _head_axis(name: str) -> int:
+    return 1 if name == "dstate" else 2
+
+
+@pytest.mark.parametrize(("layout", "name"), cases(lambda layout, name: layout.heads > 1))
+def test_heads_exchanged(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    perm = [1, 0, 2]
+    found = only(
+        grad_findings(name, np.take(e, perm, axis=_head_axis(name)), e, layout, SCORE), "heads"
+    )
+    assert found.details["pairs"] == ((0, 1),)
+    assert found.details["permutation"] == (1, 0, 2)
+    assert "heads 0 and 1 exchanged" in found.text
+
+
+def test_heads_in_a_cycle() -> None:
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dv"]
+    found = only(grad_findings("dv", e[:, :, [2, 0, 1]], e, layout, SCORE), "heads")
+    assert found.details["permutation"] == (2, 0, 1)
+    assert found.details["pairs"] == ()
+    assert "head 0 holds head 2's values" in found.text
+
+
+def test_no_heads_with_h_1() -> None:
+    layout = LAYOUTS["H1"]
+    e = grads(layout)["dv"]
+    # The only permutation of one head is the identity: a wrong dv is something else.
+    assert "heads" not in kinds(grad_findings("dv", e[:, ::-1].copy(), e, layout, SCORE))
+
+
+@pytest.mark.parametrize(("layout", "name"), cases(lambda layout, name: layout.batch > 1))
+def test_batch_exchanged(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    found = only(grad_findings(name, e[::-1], e, layout, SCORE), "batch")
+    assert found.details["pairs"] == ((0, 1),)
+    assert "batch elements 0 and 1 exchanged" in found.text
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"), cases(lambda layout, name: name != "dstate" and layout.seq >= 4)
+)
+@pytest.mark.parametrize("step", [1, -1, 2, -2])
+def test_shift(layout: GdnBackwardLayout, name: str, step: int) -> None:
+    e = grads(layout)[name]
+    a = np.zeros_like(e)
+    if step > 0:
+        a[:, step:] = e[:, :-step]
+    else:
+        a[:, :step] = e[:, -step:]
+    found = only(grad_findings(name, a, e, layout, SCORE), "shift")
+    assert found.details["step"] == step
+    assert f"by {step:+d} step" in found.text
+
+
+def test_no_shift_with_s_1() -> None:
+    layout = LAYOUTS["S1"]
+    e = grads(layout)["dq"]
+    assert "shift" not in kinds(grad_findings("dq", 0.3 * e + 1.0, e, layout, SCORE))
+
+
+def _noisy(e: Array, where: Any, seed: int = 1) -> Array:
+    a = e.copy()
+    rng = np.random.default_rng(seed)
+    part = a[where]
+    a[where] = part + 0.1 * np.abs(part).mean() * rng.standard_normal(part.shape)
+    return a
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"), cases(lambda layout, name: name != "dstate" and layout.seq >= 6)
+)
+def test_boundary_wrong_from_a_step_on(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    found = only(grad_findings(name, _noisy(e, np.s_[:, 4:]), e, layout, SCORE), "boundary")
+    assert (found.details["step"], found.details["side"]) == (4, "from")
+    assert "wrong from step 4 on" in found.text
+
+
+def test_boundary_wrong_before_a_step_and_zeros() -> None:
+    layout = LAYOUTS["channel"]
+    e = grads(layout)["dk"]
+    a = e.copy()
+    a[:, :5] = 0.0
+    found = only(grad_findings("dk", a, e, layout, SCORE), "boundary")
+    assert (found.details["step"], found.details["side"], found.details["zeros"]) == (
+        5,
+        "before",
+        True,
+    )
+    assert "all zeros there" in found.text
+
+
+@pytest.mark.parametrize("name", ["dq", "dv", "dg"])
+def test_boundary_near_multiples_of_a_chunk(name: str) -> None:
+    layout = GdnBackwardLayout(1, 32, 2, 4, gate_per_channel=name == "dg")
+    e = grads(layout)[name]
+    a = _noisy(e, np.s_[:, [7, 8, 15, 16, 23, 24]])
+    found = only(grad_findings(name, a, e, layout, SCORE), "boundary")
+    assert found.details["period"] == 8
+    assert found.details["offsets"] == (-1, 0)
+    assert "chunk size of 8" in found.text
+
+
+@pytest.mark.parametrize(
+    ("layout", "name", "order"),
+    [
+        (LAYOUTS["head"], "dq", (0, 2, 1, 3)),
+        (LAYOUTS["head-state"], "dbeta", (0, 2, 1)),
+        (LAYOUTS["channel"], "dg", (0, 2, 1, 3)),
+        (LAYOUTS["head"], "dv", (1, 0, 2, 3)),
+        (LAYOUTS["head-state"], "dstate", (1, 0, 2, 3)),
+        (LAYOUTS["S1"], "dk", (0, 1, 3, 2)),
+    ],
+)
+def test_axes(layout: GdnBackwardLayout, name: str, order: tuple[int, ...]) -> None:
+    e = grads(layout)[name]
+    a = e.transpose(order).reshape(e.shape)  # written in C order as e.transpose(order)
+    found = only(grad_findings(name, a, e, layout, SCORE), "axes")
+    letters = "BHIJ" if name == "dstate" else "BSHN"
+    assert found.details["order"] == tuple(letters[i] for i in order)
+
+
+@pytest.mark.parametrize(("layout", "name"), cases())
+def test_unwritten_zeros_and_constants(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    zero = only(grad_findings(name, np.zeros_like(e), e, layout, SCORE), "unwritten")
+    assert zero.details["how"] == "zeros"
+    if e.size > 1:
+        const = only(grad_findings(name, np.full_like(e, 0.5), e, layout, SCORE), "unwritten")
+        assert (const.details["how"], const.details["value"]) == ("constant", 0.5)
+        poisoned = grad_findings(name, np.full_like(e, np.nan), e, layout, SCORE)
+        assert kinds(poisoned) == ["unwritten", "nonfinite"]
+        assert poisoned[0].details["value"] is None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
+def test_unwritten_stale_memory(dtype: Any) -> None:
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dstate"]
+    rng = np.random.default_rng(5)
+    itemsize = np.dtype(dtype).itemsize
+    # Random bits, as freed data of another type reads.
+    bits = rng.integers(0, 256, e.size * itemsize, dtype=np.uint8)
+    random = bits.view(dtype).reshape(e.shape)
+    found = grad_findings("dstate", random, e, layout, SCORE)
+    assert kinds(found)[0] == "unwritten"
+    assert set(kinds(found)) <= {"unwritten", "nonfinite"}
+    assert found[0].details["how"] == "empty"
+
+
+@pytest.mark.parametrize("pointer", [0x00007F3A_75A3B2C0, 0x00007F3A_12345670])
+def test_unwritten_stale_pointers(pointer: int) -> None:
+    # What np.empty returned in practice: heap pointers read as float32 pairs, and zeros.
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dstate"]
+    words = np.zeros(e.size // 2, dtype=np.uint64)
+    words[::3] = pointer + 16 * np.arange(words[::3].size, dtype=np.uint64)
+    stale = words.view(np.float32).reshape(e.shape)
+    found = only(grad_findings("dstate", stale, e, layout, SCORE), "unwritten")
+    assert "np.empty()" in found.text
+
+
+@pytest.mark.parametrize(
+    ("layout", "name"), cases(lambda layout, name: name != "dstate" and layout.seq >= 6)
+)
+def test_nonfinite_spreading_to_earlier_steps(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    a = e.copy()
+    a[0, :4] = np.nan  # as a backward sweep carries a NaN from step 3 down
+    a[1, 2, 0] = np.inf
+    found = only(grad_findings(name, a, e, layout, SCORE), "nonfinite")
+    assert found.details["count"] == a[0, :4].size + a[1, 2, 0].size
+    assert found.details["spread"] == "earlier"
+    assert found.details["last_step"] == 3
+    assert found.to_dict()["details"]["first"][0] == [0] * e.ndim  # type: ignore[index]
+    assert "up to s=3" in found.text
+
+
+def test_nonfinite_one_element_and_dstate() -> None:
+    layout = LAYOUTS["channel-state"]
+    e = grads(layout)["dstate"]
+    a = e.copy()
+    a[1, 2, 0, 3] = np.nan
+    found = only(grad_findings("dstate", a, e, layout, SCORE), "nonfinite")
+    assert found.details["first"] == ((1, 2, 0, 3),)
+    assert found.details["spread"] is None
+    dq = grads(layout)["dq"]
+    b = dq.copy()
+    b[:, 5:] = np.inf
+    assert only(grad_findings("dq", b, dq, layout, SCORE), "nonfinite").details["spread"] == (
+        "later"
+    )
+
+
+@pytest.mark.parametrize(("layout", "name"), cases())
+def test_rounding(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    rng = np.random.default_rng(3)
+    rms = float(np.sqrt(np.mean(e * e)))
+    a = e + 3 * LIMITS["float32"][0] * rms * rng.standard_normal(e.shape)
+    found = grad_findings(name, a, e, layout, SCORE)
+    if SCORE(name, a, e) <= 1.0:  # a one-element gradient whose noise happened to be small
+        assert found == ()
+        return
+    assert only(found, "rounding").details["score"] == pytest.approx(SCORE(name, a, e))
+    assert "x the limit" in found[0].text
+
+
+def test_a_passing_gradient_has_no_finding() -> None:
+    layout = LAYOUTS["head"]
+    e = grads(layout)["dq"]
+    assert grad_findings("dq", e.astype(np.float32), e, layout, SCORE) == ()
+
+
+# -- the packed buffer -----------------------------------------------------------------------
+
+
+def _packed(layout: GdnBackwardLayout, order: list[str]) -> Array:
+    g = grads(layout)
+    return np.concatenate([g[name].reshape(-1) for name in order])
+
+
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_layout_exchanged_segments(key: str) -> None:
+    layout = LAYOUTS[key]
+    names = list(layout.names)
+    order = [names[1], names[0], *names[2:]]
+    found = only(buffer_findings(_packed(layout, order), truth(layout), layout, SCORE), "layout")
+    assert found.gradient is None
+    assert found.details["pairs"] == (("dq", "dk"),)
+    assert found.details["offsets"]["dq"] == layout.dk_offset  # type: ignore[index]
+    assert "dq and dk are exchanged" in found.text
+
+
+def test_layout_dg_and_dbeta_exchanged_with_a_per_head_gate() -> None:
+    layout = LAYOUTS["head-state"]
+    order = ["dq", "dk", "dv", "dbeta", "dg", "dstate"]
+    found = only(buffer_findings(_packed(layout, order), truth(layout), layout, SCORE), "layout")
+    assert found.details["pairs"] == (("dg", "dbeta"),)
+
+
+def test_layout_another_order() -> None:
+    layout = LAYOUTS["channel-state"]  # dg is as long as dq; dbeta is shorter
+    order = ["dq", "dk", "dv", "dbeta", "dg", "dstate"]
+    found = only(buffer_findings(_packed(layout, order), truth(layout), layout, SCORE), "layout")
+    assert found.details["order"] == tuple(order)
+    assert found.to_dict()["details"]["moved"] == ["dg", "dbeta"]  # type: ignore[index]
+    assert "in the order dq, dk, dv, dbeta, dg, dstate" in found.text
+
+
+def test_layout_of_the_other_gate_mode() -> None:
+    # A per-channel gate's dg, but dbeta and dstate where a per-head gate puts them.
+    layout = LAYOUTS["channel-state"]
+    other = GdnBackwardLayout(2, 8, 3, 4, gate_per_channel=False, carry_state=True)
+    expected = truth(layout)
+    g = views(expected, layout)
+    actual = expected.copy()
+    actual[other.dbeta_offset : other.dbeta_offset + layout.beta_elems] = g["dbeta"].reshape(-1)
+    actual[other.dstate_offset : other.dstate_offset + layout.state_elems] = g["dstate"].ravel()
+    actual[other.dstate_offset + layout.state_elems :] = 0.0
+    found = only(buffer_findings(actual, expected, layout, SCORE), "layout")
+    assert found.details["layout"] == other.to_dict()
+    assert found.details["offsets"]["dbeta"] == other.dbeta_offset  # type: ignore[index]
+    assert found.details["missing"] == ("dg",)
+    assert "per-head-gate layout" in found.text
+
+
+def test_layout_nothing_moved_and_nonfinite_buffers() -> None:
+    layout = LAYOUTS["head-state"]
+    expected = truth(layout)
+    assert buffer_findings(expected.astype(np.float32), expected, layout, SCORE) == ()
+    broken = expected.copy()
+    broken[::7] = np.nan
+    assert buffer_findings(broken, expected, layout, SCORE) == ()
+
+
+def test_size_findings() -> None:
+    layout = GdnBackwardLayout(1, 4, 2, 4, carry_state=True)
+    without = GdnBackwardLayout(1, 4, 2, 4)
+    found = only(size_findings(without.total_elems, layout), "layout")
+    assert (
+        found.text
+        == f"{without.total_elems} elements: the layout without dstate (carry_state=False)"
+    )
+    assert found.details["layouts"] == (without.to_dict(),)
+    channel = GdnBackwardLayout(1, 4, 2, 4, gate_per_channel=True, carry_state=True)
+    text = size_findings(channel.total_elems, layout)[0].text
+    assert "with a per-channel gate (gate_per_channel=True)" in text
+    both = size_findings(GdnBackwardLayout(1, 4, 2, 4, gate_per_channel=True).total_elems, layout)
+    assert "per-channel gate (gate_per_channel=True) and without dstate" in both[0].text
+    ends = only(size_findings(layout.dbeta_offset, layout), "layout")
+    assert ends.details["ends_before"] == "dbeta"
+    assert size_findings(2 * layout.total_elems, layout)[0].details["factor"] == 2.0
+    assert size_findings(layout.total_elems, layout) == ()
+    assert size_findings(layout.total_elems + 1, layout) == ()
+
+
+# -- combinations ----------------------------------------------------------------------------
+
+
+def test_a_scale_on_dq_and_a_head_swap_on_dv_are_named_apart() -> None:
+    layout = LAYOUTS["head-state"]
+    expected = truth(layout)
+    g = views(expected, layout)
+    actual = pack(
+        2.0 * g["dq"], g["dk"], g["dv"][:, :, [1, 0, 2]], g["dg"], g["dbeta"], g["dstate"]
+    )
+    a = views(actual, layout)
+    assert buffer_findings(actual, expected, layout, SCORE) == ()
+    by_name = {name: grad_findings(name, a[name], g[name], layout, SCORE) for name in g}
+    assert kinds(by_name["dq"]) == ["scale"]
+    assert kinds(by_name["dv"]) == ["heads"]
+    assert all(not by_name[name] for name in ("dk", "dg", "dbeta", "dstate"))
+
+
+def test_a_head_swap_with_a_factor_is_one_finding() -> None:
+    layout = LAYOUTS["channel"]
+    e = grads(layout)["dk"]
+    found = only(grad_findings("dk", -0.5 * e[:, :, [1, 0, 2]], e, layout, SCORE), "heads")
+    assert found.details["factor"] == pytest.approx(-0.5)
+    assert "scaled by -0.5000" in found.text
+
+
+# -- correct kernels and unrelated data: nothing structural ---------------------------------
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("method", ["chunked", "recurrent"])
+@pytest.mark.parametrize("key", ["head-state", "channel-state", "N1"])
+def test_correct_float32_kernels_have_no_structural_finding(
+    regime: str, method: str, key: str
+) -> None:
+    layout = LAYOUTS[key]
+    x = draw_inputs(layout, regime=regime, seed=7, dtype=np.float64)
+    expected = backward(*x)
+    actual = backward(*x, dtype=np.float32, method=method)  # type: ignore[arg-type]
+    a, e = views(actual, layout), views(expected, layout)
+    # Strict criteria make the rounding fail, so that every hypothesis is tried on it.
+    for tighter in (1.0, 1e3):
+        score = scorer("float32", tighter)
+        for name in layout.names:
+            found = set(kinds(grad_findings(name, a[name], e[name], layout, score)))
+            assert not found & STRUCTURAL, (name, tighter, found)
+        assert buffer_findings(actual, expected, layout, score) == ()
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_correct_half_precision_kernels_have_no_structural_finding(regime: str, dtype: str) -> None:
+    layout = LAYOUTS["channel-state"]
+    expected = truth(layout, regime, 2)
+    low = expected.astype(np.float16 if dtype == "float16" else ml_dtypes.bfloat16)
+    a, e = views(low, layout), views(expected, layout)
+    for tighter in (1.0, 1e3):
+        score = scorer(dtype, tighter)
+        for name in layout.names:
+            before = a[name].copy()
+            found = set(kinds(grad_findings(name, a[name], e[name], layout, score)))
+            assert not found & STRUCTURAL, (name, tighter, found)
+            assert np.array_equal(a[name], before)  # never modified
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16])
+def test_half_precision_inputs_are_read(dtype: Any) -> None:
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dv"]
+    found = grad_findings("dv", (2 * e).astype(dtype), e, layout, scorer(np.dtype(dtype).name))
+    assert kinds(found) == ["scale"]
+    assert found[0].details["factor"] == pytest.approx(2.0, rel=1e-2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    key=st.sampled_from(sorted(LAYOUTS)),
+    spread=st.sampled_from([1e-3, 1.0, 1e3]),
+    real=st.booleans(),
+)
+def test_unrelated_data_has_no_structural_finding(
+    seed: int, key: str, spread: float, real: bool
+) -> None:
+    # Expected values random or a real gradient; actual values random, of any magnitude.
+    layout = LAYOUTS[key]
+    rng = np.random.default_rng(seed)
+    for name in layout.names:
+        shape = layout.shape(name)
+        e = grads(layout)[name] if real else rng.standard_normal(shape)
+        a = spread * rng.standard_normal(shape)
+        found = grad_findings(name, a, e, layout, SCORE)
+        assert not set(kinds(found)) & STRUCTURAL, [f.text for f in found]
+    flat_a = rng.standard_normal(layout.total_elems)
+    flat_e = rng.standard_normal(layout.total_elems)
+    assert buffer_findings(flat_a, flat_e, layout, SCORE) == ()
+
+
+# -- the interface ---------------------------------------------------------------------------
+
+
+def test_findings_are_read_only_and_json_ready() -> None:
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dv"]
+    found = grad_findings("dv", e[:, :, [1, 0, 2]], e, layout, SCORE)[0]
+    with pytest.raises(TypeError):
+        found.details["pairs"] = ()  # type: ignore[index]
+    data = found.to_dict()
+    assert json.loads(json.dumps(data, allow_nan=False)) == data
+    assert data["details"]["pairs"] == [[0, 1]]  # type: ignore[index]
+    assert hash(found) == hash(Finding(found.kind, found.gradient, found.text))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        Finding("typo", None, "")
+
+
+def test_bad_arguments() -> None:
+    layout = LAYOUTS["head"]
+    e = grads(layout)["dq"]
+    with pytest.raises(TypeError, match="GdnBackwardLayout"):
+        grad_findings("dq", e, e, "layout", SCORE)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a gradient"):
+        grad_findings("dstate", e, e, layout, SCORE)
+    with pytest.raises(ValueError, match="shape"):
+        grad_findings("dq", e[:1], e, layout, SCORE)
+    with pytest.raises(ValueError, match="shape"):
+        buffer_findings(truth(layout)[:-1], truth(layout), layout, SCORE)
+
+
+def test_expected_values_not_finite() -> None:
+    layout = LAYOUTS["head"]
+    e = grads(layout)["dq"].copy()
+    e[0, 0, 0, 0] = np.nan
+    assert grad_findings("dq", 2 * e, e, layout, SCORE) == ()
+    a = 2 * e
+    a[1, 1, 1, 1] = np.inf
+    assert kinds(grad_findings("dq", a, e, layout, SCORE)) == ["nonfinite"]
+
+
+def test_a_second_chunk_is_named() -> None:
+    layout = GdnBackwardLayout(1, 24, 2, 4)
+    e = grads(layout)["dq"]
+    found = only(grad_findings("dq", _noisy(e, np.s_[:, 8:]), e, layout, SCORE), "boundary")
+    assert "chunks of 8" in found.text
+
+
+def test_a_score_that_fails_is_no_pass() -> None:
+    layout = LAYOUTS["head"]
+    e = grads(layout)["dq"]
+
+    def broken(name: str, a: Array, e: Array) -> float:
+        raise FloatingPointError
+
+    assert grad_findings("dq", 2 * e, e, layout, broken) == ()
+
+
+def test_large_gradients_are_tested_on_their_first_batch_elements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = GdnBackwardLayout(4, 4, 3, 4)
+    e = grads(layout)["dq"]
+    per_batch = e.size // 4
+    monkeypatch.setattr(findings, "MAX_WHOLE_ELEMENTS", 2 * per_batch)
+    assert kinds(grad_findings("dq", e[:, :, [1, 0, 2]], e, layout, SCORE)) == ["heads"]
+    # The batch permutation needs all of the batch: it is skipped.
+    assert "batch" not in kinds(grad_findings("dq", e[::-1], e, layout, SCORE))
+    monkeypatch.setattr(findings, "MAX_WHOLE_ELEMENTS", per_batch // 2)
+    assert grad_findings("dq", 2 * e, e, layout, SCORE) == ()
+    assert kinds(grad_findings("dq", np.zeros_like(e), e, layout, SCORE)) == ["unwritten"]
+
+
+def test_findings_come_most_specific_first() -> None:
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dstate"]
+    a = np.full_like(e, np.nan)
+    found = grad_findings("dstate", a, e, layout, SCORE)
+    assert [KINDS.index(k) for k in kinds(found)] == sorted(KINDS.index(k) for k in kinds(found))
+    assert math.isfinite(findings.FALLS)
+    assert findings.FALLS >= findings.GAIN
