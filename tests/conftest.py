@@ -6,8 +6,10 @@ sizes included; registered here so that every test module draws from the same on
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import strategies as st
 
@@ -26,6 +28,21 @@ def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
     paths = write_suite(root, seed=100, progress=fractions.append)
     assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
     return root, paths
+
+
+@pytest.fixture
+def suite_copied(suite: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line's ``fixture --suite suite`` copies the session's suite (seed 100, not 0:
+    the seeds change a few header bytes, not the size shown) rather than compute all of it a
+    second time; a ``verify suite`` after it checks the copy against its manifest."""
+    import gdn_layout.cli
+
+    def write_suite(directory: str, **options: object) -> list[Path]:
+        assert (directory, options["seed"], options["dtype"]) == ("suite", 0, np.float32)
+        shutil.copytree(suite[0], directory)
+        return [Path(directory) / path.name for path in suite[1]]
+
+    monkeypatch.setattr(gdn_layout.cli, "write_suite", write_suite)
 
 
 st.register_type_strategy(

@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,18 +92,8 @@ def test_describe_prints_the_table_the_readme_shows() -> None:
     assert result.stdout == block
 
 
-def test_readme_console_sessions_print_what_the_readme_shows(
-    tmp_path: Path, suite: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # `fixture --suite suite` copies the session's suite (seed 100, not 0: the seeds change
-    # a few header bytes, not the size shown) rather than compute all of it a second time;
-    # `verify suite` then checks the copy against its manifest.
-    def write_suite(directory: str, **options: object) -> list[Path]:
-        assert (directory, options["seed"], options["dtype"]) == ("suite", 0, np.float32)
-        shutil.copytree(suite[0], directory)
-        return [Path(directory) / path.name for path in suite[1]]
-
-    monkeypatch.setattr(gdn_layout.cli, "write_suite", write_suite)
+@pytest.mark.usefixtures("suite_copied")
+def test_readme_console_sessions_print_what_the_readme_shows(tmp_path: Path) -> None:
     blocks = re.findall(r"```console\n(.*?)```", README.read_text(), re.DOTALL)
     sessions = [re.split(r"^\$ ", block, flags=re.MULTILINE)[1:] for block in blocks]
     commands = [entry for session in sessions for entry in session]

@@ -8,13 +8,11 @@ import contextlib
 import doctest
 import io
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-import gdn_layout.cli
 from gdn_layout import load_fixture, unpack
 from gdn_layout.cli import main
 
@@ -57,17 +55,8 @@ def _make_kernel_npy(folder: Path) -> None:
 @pytest.mark.parametrize(
     "path", [page for page in PAGES if CONSOLE.search(page.read_text())], ids=lambda p: p.name
 )
-def test_console_sessions(
-    path: Path, tmp_path: Path, suite: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # As in tests/test_cli.py: `fixture --suite suite` copies the session's suite (seed 100,
-    # not 0: the seeds change a few header bytes, not the size shown).
-    def write_suite(directory: str, **options: object) -> list[Path]:
-        assert (directory, options["seed"], options["dtype"]) == ("suite", 0, np.float32)
-        shutil.copytree(suite[0], directory)
-        return [Path(directory) / p.name for p in suite[1]]
-
-    monkeypatch.setattr(gdn_layout.cli, "write_suite", write_suite)
+@pytest.mark.usefixtures("suite_copied")
+def test_console_sessions(path: Path, tmp_path: Path) -> None:
     sessions = [
         re.split(r"^\$ ", block, flags=re.MULTILINE)[1:]
         for block in CONSOLE.findall(path.read_text())
