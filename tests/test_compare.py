@@ -627,3 +627,41 @@ def test_an_exact_gradient_has_no_worst_element_in_the_table() -> None:
     rows = {line.split()[0]: line for line in str(report).splitlines()[3:]}
     assert "[" not in rows["dq"].split(")", 1)[1]
     assert "[0, 1, 0, 1]" in rows["dv"]
+
+
+def test_a_buffer_of_another_layouts_size_names_that_layout() -> None:
+    layout = _layout(True, True)
+    without = GdnBackwardLayout(
+        layout.batch, layout.seq, layout.heads, layout.state_size, gate_per_channel=True
+    )
+    short = np.zeros(without.total_elems)
+    with pytest.raises(ValueError, match=r"the layout without dstate \(carry_state=False\)"):
+        compare(short, np.zeros(layout.total_elems), layout)
+
+
+def test_findings_are_in_the_json() -> None:
+    layout = _layout(True, True)
+    expected = _reference(layout)
+    actual = expected.copy()
+    unpack(actual, layout).dq[...] *= 4.0
+    result = compare(actual, expected, layout)
+    data = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert [f["kind"] for f in data["findings"]] == ["scale"]
+    assert data["grads"][0]["findings"] == data["findings"]
+    assert data["findings"][0]["gradient"] == "dq"
+    assert result["dq"].findings[0].details["factor"] == pytest.approx(4.0)
+
+
+def test_findings_lead_a_cases_failure() -> None:
+    from gdn_layout.suites import make_case
+
+    case = make_case(_layout(True, True), seed=1)
+    actual = np.array(case.fixture.packed, np.float32)
+    grads = unpack(actual, case.layout)
+    assert grads.dstate is not None
+    grads.dstate[...] = grads.dstate.swapaxes(-1, -2).copy()
+    with pytest.raises(AssertionError) as info:
+        case.check(actual)
+    lines = str(info.value).splitlines()
+    assert lines[0].endswith("gradient(s) dstate differ")
+    assert lines[1].startswith("  likely cause: dstate holds its transpose")
