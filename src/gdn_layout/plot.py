@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import warnings
 from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
 
 import numpy as np
@@ -64,6 +65,15 @@ _NARROW = 0.07
 #: Size of one heatmap panel, in inches, and the resolution of every picture.
 _PANEL = (4.2, 3.0)
 _DPI = 100
+#: What a panel can draw: ``|a - e|``, the signed error, or ``actual / expected``.
+_KINDS = ("error", "signed", "ratio")
+#: The diverging colour map of the signed error and the ratio: blue below, red above centre.
+_DIVERGING = "coolwarm"
+#: A dashed line where a boundary finding puts its step, or the ends of its run of steps.
+_FINDING_COLOUR = "darkorange"
+_FINDING_LABEL = "boundary finding"
+#: A ratio cell whose expected values are all zero: no ratio, a neutral grey.
+_NO_RATIO = "0.6"
 
 
 def __getattr__(name: str) -> Any:
@@ -170,6 +180,7 @@ def plot_errors(
     only_failed: bool | None = None,
     chunk: SupportsIndex | None = None,
     log: bool = True,
+    kind: str = "error",
     path: str | os.PathLike[str] | None = None,
 ) -> Picture:
     """A heatmap per gradient of ``|a - e|`` over (head, sequence position), errors marked.
@@ -196,6 +207,17 @@ def plot_errors(
     * ``chunk``: draws a light line every ``chunk`` sequence positions, so that errors can be
       read against a kernel's chunk boundaries; tick labels then fall on chunk multiples.
     * ``log`` colours on a log scale (zero error gets the lowest colour).
+    * ``kind``: ``"error"`` (the default) draws ``|a - e|``; ``"signed"`` the signed
+      ``a - e`` of largest magnitude in each cell, and ``"ratio"`` ``<a, e> / <e, e>`` in each
+      cell, from a failing gradient's :attr:`~GradComparison.signed_error_map` and
+      :attr:`~GradComparison.ratio_map` (a passing one's panel says it has none). A scale
+      bug is then one flat colour (the factor), a sign flip a ratio of -1, and ``dstate`` is a
+      tile of ``i x j`` per head (over the batch), where a transpose is a mirrored pattern.
+      Both colour about their centre (0, or a ratio of 1); over the batch a cell shows the
+      batch element with the largest error (``"signed"``) or the median ratio (``"ratio"``).
+    * A ``boundary`` finding (:attr:`GradComparison.findings`) is drawn as dashed orange
+      lines: before the step it names, around the run of steps it finds wrong, or at every
+      multiple of its period.
     * A large map is binned (see :attr:`GradComparison.error_map_bins`): a cell then holds
       the largest error of a block of positions, its outline and marks stand for that whole
       block, the axis labels say "binned" and count cells, and chunk lines are drawn only
@@ -239,6 +261,10 @@ def plot_errors(
     chunk = _index("chunk", chunk)
     if chunk is not None and chunk < 1:
         raise ValueError(f"plot_errors: chunk must be None or at least 1, got {chunk}")
+    if kind not in _KINDS:
+        raise ValueError(
+            f"plot_errors: kind must be one of {', '.join(map(repr, _KINDS))}, got {kind!r}"
+        )
     if only_failed is None:
         only_failed = names is None and not result.passed
     failing = [n for n in chosen if not result[n].passed]
@@ -258,7 +284,16 @@ def plot_errors(
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
     marks: dict[str, Artist] = {}
     for ax, name in zip(axes, chosen, strict=False):
-        marks.update(_heatmap(fig, ax, result[name], batch, chunk, log))
+        grad = result[name]
+        if kind == "error":
+            marks.update(_heatmap(fig, ax, grad, batch, chunk, log))
+        elif grad.signed_error_map is None or grad.ratio_map is None:
+            _no_map(ax, grad, kind)
+        elif name == "dstate":
+            marks.update(_state_tiles(fig, ax, grad, kind, log))
+        else:
+            marks.update(_heatmap(fig, ax, grad, batch, chunk, log, kind))
+        marks.update(_boundaries(ax, grad))
     for ax in axes[len(chosen) :]:
         fig.delaxes(ax)
     if marks:
@@ -281,19 +316,21 @@ def _heatmap(
     batch: int | None,
     chunk: int | None,
     log: bool,
+    kind: str = "error",
 ) -> dict[str, Artist]:
-    """Draw one panel; returns the legend entries of the marks it drew, by label."""
-    from matplotlib.colors import LogNorm, Normalize
+    """Draw one panel of ``kind`` over (head, position); returns the legend entries of the
+    marks it drew, by label."""
     from matplotlib.patches import Patch
     from matplotlib.ticker import NullLocator
 
     is_state = grad.name == "dstate"
+    errors = grad.error_map if batch is None else grad.batch_error_map[batch // grad.batch_bins]
     if batch is None:
-        data = grad.error_map.T  # heads down, sequence (or key row) across
         out = grad.mismatch_map.sum(axis=0).T
     else:  # a binned batch keeps one map for batch_bins elements
-        data = grad.batch_error_map[batch // grad.batch_bins].T
         out = grad.mismatch_map[batch // grad.batch_bins].T
+    bad = ~np.isfinite(errors.T)  # a non-finite mismatch: inf in the error map
+    data = errors.T if kind == "error" else _cause_cells(grad, batch, kind).T
     # The axes a cell reduces over: the gradient's own, less the map's two and the batch's.
     reduced = [a for a in grad.axes if a not in ("b", "h", "i" if is_state else "s")]
     if batch is None:
@@ -302,10 +339,10 @@ def _heatmap(
         first = batch // grad.batch_bins * grad.batch_bins
         last = min(first + grad.batch_bins, grad.shape[0]) - 1
         reduced.insert(0, f"b={first}..{last} (binned)")
-    over = f"max |a-e| over {', '.join(reduced)}" if reduced else "|a-e|"
+    what = _WHAT[kind]
+    over = f"{what} over {', '.join(reduced)}" if reduced else what.removeprefix("max ")
     outlined = grad.elementwise  # judged by its RMS ratio alone: no per-element verdict
-    head = grad.judged_by.title(grad)
-    ax.set_title(f"{head}\n{over}", fontsize=8)
+    ax.set_title(f"{grad.judged_by.title(grad)}\n{over}", fontsize=8)
     # A binned map's cell holds a block of positions: the axes count cells, and say so.
     across_bin, down_bin = grad.error_map_bins
     ax.set_xlabel(
@@ -318,33 +355,12 @@ def _heatmap(
         ax.set_yticks([])
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return {}
-    finite = np.isfinite(data)
-    positive = data[finite & (data > 0)]
-    norm: Normalize
-    if log and positive.size:
-        high = float(positive.max())
-        low = float(positive.min())
-        # Two decades at least, so that the colour bar has labelled major ticks.
-        low = min(low, high / 100)
-        values = np.where(finite, np.maximum(data, low), np.nan)
-        norm = LogNorm(vmin=low, vmax=high)
-    else:
-        high = float(data[finite].max()) if finite.any() else 0.0
-        values = np.where(finite, data, np.nan)
-        norm = Normalize(vmin=0.0, vmax=high if high > 0 else 1.0)
-    from matplotlib import colormaps
-
-    cmap = colormaps[_COLOUR_MAP].with_extremes(bad=_BAD_COLOUR)
-    image = ax.imshow(
-        np.ma.masked_invalid(values),
-        aspect="auto",
-        interpolation="nearest",
-        cmap=cmap,
-        norm=norm,
-    )
-    bar = fig.colorbar(image, ax=ax, label=over.split(" over ")[0])
+    image = _image(ax, data, kind, log)
+    bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=_extend(image, data, kind))
+    _signed_ticks(bar, image)
     bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
     heads, across = data.shape
+    lines = "white" if kind == "error" else "black"  # seen on viridis, and on coolwarm's centre
     _integer_ticks(ax, "x", across, None if is_state or across_bin > 1 else chunk)
     _integer_ticks(ax, "y", heads, None)
     marks: dict[str, Artist] = {}
@@ -354,18 +370,225 @@ def _heatmap(
     if chunk is not None and not is_state and across_bin <= chunk < positions:
         edges = np.arange(chunk, min(positions, grad.shape[1]), chunk) / across_bin - 0.5
         marks[f"chunk boundary (every {chunk})"] = ax.vlines(
-            edges, -0.5, heads - 0.5, colors="white", linewidths=0.8, alpha=0.6
+            edges,
+            -0.5,
+            heads - 0.5,
+            colors=lines,
+            linewidths=0.8,
+            alpha=0.6,
+            label=f"chunk boundary (every {chunk})",
         )
     # A non-finite cell is out of tolerance too, but its fill says more than an outline.
-    if outlined and (out[finite] > 0).any():
-        marks.update(_outline(ax, (out > 0) & finite))
-    if not finite.all():
-        rows, cols = np.nonzero(~finite)
+    if outlined and (out[~bad] > 0).any():
+        marks.update(_outline(ax, (out > 0) & ~bad))
+    if kind == "ratio" and np.isnan(data).any():
+        marks["expected all zero (no ratio)"] = Patch(
+            facecolor=_NO_RATIO, label="expected all zero (no ratio)"
+        )
+    if bad.any():
+        rows, cols = np.nonzero(bad)
         if rows.size <= _MAX_MARKERS:
             # A square of fixed size on each as well: a cell can be narrower than a pixel.
             ax.scatter(cols, rows, s=20, marker="s", c=_BAD_COLOUR, edgecolors="black", lw=0.5)
         marks["NaN or Inf mismatch"] = Patch(
             facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
+        )
+    return marks
+
+
+#: What a panel's cells hold, by kind.
+_WHAT = {"error": "max |a-e|", "signed": "a-e at the max |a-e|", "ratio": "<a,e>/<e,e>"}
+#: The colour bar's label, by kind.
+_BAR = {"error": "max |a-e|", "signed": "a-e", "ratio": "<a,e>/<e,e>"}
+
+
+def _cause_cells(grad: GradComparison, batch: int | None, kind: str) -> NDArray[np.float64]:
+    """A failing gradient's signed-error or ratio cells, ``[S, H]`` (or ``[N, H]``): of one
+    batch element, or over the batch (the largest error's sign; the median ratio)."""
+    maps = grad.signed_error_map if kind == "signed" else grad.ratio_map
+    assert maps is not None  # drawn only for a gradient that failed
+    if batch is not None:
+        cells: NDArray[np.float64] = maps[batch // grad.batch_bins]
+        return cells
+    if kind == "ratio":
+        with warnings.catch_warnings():  # a cell with no ratio in any batch element stays NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            median: NDArray[np.float64] = np.nanmedian(maps, axis=0)
+        return median
+    size = np.where(np.isnan(maps), np.inf, np.abs(maps))
+    largest: NDArray[np.float64] = np.take_along_axis(maps, size.argmax(axis=0)[None], axis=0)[0]
+    return largest
+
+
+def _image(ax: Axes, data: NDArray[np.float64], kind: str, log: bool) -> Any:
+    """``data`` drawn on ``ax`` in the colours of ``kind``: viridis for an error, log-scaled
+    when ``log``; coolwarm about 0 for a signed error (symmetric-log when ``log``) and about
+    1 for a ratio (its 1st to 99th percentile)."""
+    from matplotlib import colormaps
+    from matplotlib.colors import LogNorm, Normalize, SymLogNorm, TwoSlopeNorm
+
+    finite = np.isfinite(data)
+    norm: Normalize
+    if kind == "error":
+        cmap = colormaps[_COLOUR_MAP].with_extremes(bad=_BAD_COLOUR)
+        positive = data[finite & (data > 0)]
+        if log and positive.size:
+            high = float(positive.max())
+            low = min(float(positive.min()), high / 100)  # two decades: labelled major ticks
+            values = np.where(finite, np.maximum(data, low), np.nan)
+            norm = LogNorm(vmin=low, vmax=high)
+        else:
+            high = float(data[finite].max()) if finite.any() else 0.0
+            values = np.where(finite, data, np.nan)
+            norm = Normalize(vmin=0.0, vmax=high if high > 0 else 1.0)
+    elif kind == "signed":
+        cmap = colormaps[_DIVERGING].with_extremes(bad=_BAD_COLOUR)
+        high = float(np.abs(data[finite]).max()) if finite.any() else 0.0
+        high = high if high > 0 else 1.0
+        values = np.where(finite, data, np.nan)
+        norm = (
+            SymLogNorm(linthresh=high / 1000, vmin=-high, vmax=high)
+            if log
+            else Normalize(vmin=-high, vmax=high)
+        )
+    else:
+        cmap = colormaps[_DIVERGING].with_extremes(bad=_NO_RATIO)
+        low, high = np.percentile(data[finite], (1, 99)) if finite.any() else (1.0, 1.0)
+        values = np.where(finite, data, np.nan)
+        norm = TwoSlopeNorm(1.0, vmin=min(float(low), 1 - 1e-3), vmax=max(float(high), 1 + 1e-3))
+    return ax.imshow(
+        np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm
+    )
+
+
+def _signed_ticks(bar: Any, image: Any) -> None:
+    """A symmetric-log colour bar's ticks: 0 and three decades each side, none crowding 0."""
+    from matplotlib.colors import SymLogNorm
+
+    norm = image.norm
+    if not isinstance(norm, SymLogNorm) or norm.vmax is None:
+        return
+    top = math.floor(math.log10(norm.vmax))
+    decades = [10.0**k for k in range(top, top - 3, -1)]
+    bar.set_ticks([*decades, 0.0, *(-d for d in decades)])
+
+
+def _extend(image: Any, data: NDArray[np.float64], kind: str) -> str:
+    """Which ends of a ratio's colour bar hold values beyond its range (its outliers)."""
+    if kind != "ratio":
+        return "neither"
+    finite = data[np.isfinite(data)]
+    norm = image.norm
+    below = bool(finite.size and finite.min() < norm.vmin)
+    above = bool(finite.size and finite.max() > norm.vmax)
+    return {(False, False): "neither", (True, False): "min", (False, True): "max"}.get(
+        (below, above), "both"
+    )
+
+
+def _state_tiles(
+    fig: Figure, ax: Axes, grad: GradComparison, kind: str, log: bool
+) -> dict[str, Artist]:
+    """``dstate``'s signed error or ratio as one ``i x j`` tile per head (over the batch),
+    heads in rows of a near-square grid: a transpose is a pattern mirrored about each tile's
+    diagonal."""
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import NullLocator
+
+    maps = grad.signed_error_map if kind == "signed" else grad.ratio_map
+    assert maps is not None
+    heads, side = maps.shape[0], maps.shape[1]
+    cols = math.ceil(math.sqrt(heads))
+    rows = math.ceil(heads / cols)
+    binned = side < grad.shape[2]
+    ax.set_title(
+        f"{grad.judged_by.title(grad)}\n{_WHAT[kind]} over b; a tile of i x j per head", fontsize=8
+    )
+    ax.set_xlabel("value column j, per head" + (" (binned)" if binned else ""))
+    ax.set_ylabel("key row i, per head" + (" (binned)" if binned else ""))
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlim(-0.5, cols * (side + 1) - 1.5)
+    ax.set_ylim(rows * (side + 1) - 1.5, -0.5)
+    if maps.size == 0:
+        ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
+        return {}
+    probe = _image(ax, maps.reshape(-1, side * side) if heads else maps, kind, log)
+    norm, cmap = probe.norm, probe.cmap
+    probe.remove()
+    image: Any = None
+    for h in range(heads):
+        top, left = divmod(h, cols)
+        y0, x0 = top * (side + 1), left * (side + 1)
+        image = ax.imshow(
+            np.ma.masked_invalid(maps[h]),
+            extent=(x0 - 0.5, x0 + side - 0.5, y0 + side - 0.5, y0 - 0.5),
+            interpolation="nearest",
+            cmap=cmap,
+            norm=norm,
+        )
+        ax.text(x0, y0, f"h={h}", fontsize=6, va="top", ha="left", color="black")
+    ax.set_aspect("auto")
+    bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=_extend(image, maps, kind))
+    _signed_ticks(bar, image)
+    bar.ax.yaxis.set_minor_locator(NullLocator())
+    marks: dict[str, Artist] = {}
+    if kind == "signed" and np.isnan(maps).any():
+        marks["NaN or Inf mismatch"] = Patch(
+            facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
+        )
+    if kind == "ratio" and np.isnan(maps).any():
+        marks["expected all zero (no ratio)"] = Patch(
+            facecolor=_NO_RATIO, label="expected all zero (no ratio)"
+        )
+    return marks
+
+
+def _no_map(ax: Axes, grad: GradComparison, kind: str) -> None:
+    """The panel of a passing gradient, which keeps no signed-error or ratio map."""
+    ax.set_title(f"{grad.judged_by.title(grad)}", fontsize=8)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(
+        0.5,
+        0.5,
+        f"passed: no {kind} map\n(kept for failing gradients)",
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize=8,
+    )
+
+
+def _boundaries(ax: Axes, grad: GradComparison) -> dict[str, Artist]:
+    """The steps a ``boundary`` finding names, as dashed lines across the panel."""
+    if grad.name == "dstate" or not ax.images:
+        return {}
+    across_bin = grad.error_map_bins[0]
+    marks: dict[str, Artist] = {}
+    bottom = ax.get_ylim()[0]  # below the last head
+    for finding in grad.findings:
+        if finding.kind != "boundary":
+            continue
+        step, period = finding.details.get("step"), finding.details.get("period")
+        first, last = finding.details.get("first"), finding.details.get("last")
+        if isinstance(step, int):
+            steps = [step]
+        elif isinstance(first, int) and isinstance(last, int):
+            steps = [first, last + 1]  # the run of wrong steps
+        elif isinstance(period, int):
+            steps = list(range(period, grad.shape[1], period))
+        else:
+            continue
+        edges = np.asarray(steps) / across_bin - 0.5
+        marks[_FINDING_LABEL] = ax.vlines(
+            edges,
+            -0.5,
+            bottom,
+            colors=_FINDING_COLOUR,
+            linewidths=1.2,
+            linestyles="--",
+            label=_FINDING_LABEL,
         )
     return marks
 

@@ -25,7 +25,7 @@ from ._criterion import (
 )
 from ._findings import Finding, Score, buffer_findings, grad_findings, size_findings
 from ._records import Comparison, GradComparison
-from ._scan import scan
+from ._scan import cause_maps, scan
 
 __all__ = ["assert_close", "compare", "compare_tensor", "error_map"]
 
@@ -136,7 +136,7 @@ def compare(
             )
         criteria[seg.name] = criterion
         grad = scan(seg, a, e, criterion, bool(equal_nan))
-        if not grad.passed:  # findings cost nothing when everything passes
+        if not grad.passed:  # findings and cause maps cost nothing when everything passes
             found = grad_findings(
                 seg.name,
                 a.reshape(seg.shape),
@@ -144,7 +144,10 @@ def compare(
                 layout,
                 _score(criteria, floors, judged),
             )
-            grad = dataclasses.replace(grad, findings=found)
+            signed, ratio = cause_maps(seg, a, e)
+            grad = dataclasses.replace(
+                grad, findings=found, signed_error_map=signed, ratio_map=ratio
+            )
         grads.append(grad)
     whole: tuple[Finding, ...] = ()
     if not all(g.passed for g in grads):

@@ -53,9 +53,13 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
 ``boundary``
     from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
     from ``t0`` on fail (or the reverse), or the failing steps all lie within one step of the
-    multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them. Either
-    way the wrong part must score at least :data:`FALLS` times the right part, and the right
-    part must pass, with at least 8 elements and some non-zero expected value in it.
+    multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them, or they
+    fill at least 3/4 of one run of 3 or more steps, at most half the sequence, with right
+    steps on both sides (a state not carried across a step: its error fades with the decay
+    on either side; the step is named when the error starts or stops by :data:`FALLS` from
+    one step to the next). Each way the wrong part must score at least :data:`FALLS` times
+    the right part, and the right part must pass, with at least 8 elements and some non-zero
+    expected value in it.
 ``rounding``
     no structural hypothesis holds and the score is at most :data:`ROUNDING_MAX`: the error is
     only too large, as rounding is. Above that, an unexplained gradient gets no finding.
@@ -855,7 +859,52 @@ def _boundary(ctx: _Context) -> Finding | None:
             **contrast,
         }
         return Finding("boundary", ctx.name, text, details)
-    return _period(ctx, fail, failing)
+    return _period(ctx, fail, failing) or _window(ctx, per, fail, failing)
+
+
+def _window(
+    ctx: _Context, per: NDArray[np.float64], fail: NDArray[np.bool_], failing: NDArray[np.intp]
+) -> Finding | None:
+    """Wrong only in one run of steps, right on both sides: what a state that is not carried
+    across a step does, its error fading with the decay on either side of it. The step is
+    named when the error starts or stops there abruptly (by :data:`FALLS` from one step to
+    the next)."""
+    steps = fail.size
+    lo, hi = int(failing[0]), int(failing[-1])
+    run = hi - lo + 1
+    if run < 3 or run * 2 > steps or np.count_nonzero(fail[lo : hi + 1]) < 0.75 * run:
+        return None
+    every = np.arange(steps)
+    inside = (every >= lo) & (every <= hi)
+    contrast = _contrast(ctx, every[~inside], every[inside])
+    if contrast is None:
+        return None
+    worst = int(lo + np.argmax(per[lo : hi + 1]))
+    # An abrupt edge next to the worst of the run, not the end of a fading tail.
+    near = per[worst] / FALLS
+    step: int | None = None
+    if lo > 0 and per[lo] >= max(near, FALLS * per[lo - 1]):
+        step = lo
+    elif hi < steps - 1 and per[hi] >= max(near, FALLS * per[hi + 1]):
+        step = hi + 1
+    text = (
+        f"{ctx.name} is wrong only from step {lo} to step {hi} (S={steps}), worst at step "
+        f"{worst}, and right elsewhere"
+    )
+    if step is None:
+        text += ": a state not carried across a step there?"
+    else:
+        text += f"; it jumps at step {step}: a state not carried across step {step}?"
+    details = {
+        "step": step,
+        "side": "window",
+        "first": lo,
+        "last": hi,
+        "worst": worst,
+        "count": int(failing.size),
+        **contrast,
+    }
+    return Finding("boundary", ctx.name, text, details)
 
 
 def _contrast(

@@ -89,6 +89,13 @@ class GradComparison:
     batch_bins
         How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
         is so large that a map per batch element would pass 2**20 cells.
+    signed_error_map, ratio_map
+        A failing gradient's maps of its cause (None when it passes): in each cell of
+        ``batch_error_map``, the signed ``a - e`` of largest magnitude (NaN for a non-finite
+        mismatch) and ``<a, e> / <e, e>`` (NaN where every ``e`` is zero), so that a constant
+        factor is one colour. ``dstate``'s are ``[H, N, N]`` over (head, key row ``i``, value
+        column ``j``), over the batch, so that a transpose is a mirrored pattern; binned along
+        ``i`` and ``j`` past 2**20 cells. For plots; not part of equality or ``to_dict``.
     findings
         What explains a failing gradient, most specific first (:class:`Finding`): a scale, a
         transpose, a permutation, a shift, a boundary, ... or only rounding; empty when the
@@ -125,6 +132,8 @@ class GradComparison:
     batch_bins: int = field(default=1, compare=False, repr=False)
     error_floor_ratio: float | None = None
     findings: tuple[Finding, ...] = field(default=(), compare=False)
+    signed_error_map: NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
+    ratio_map: NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
 
     @property
     def mode(self) -> Mode:

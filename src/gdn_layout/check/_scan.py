@@ -28,7 +28,7 @@ from ..layout import Segment
 from ._criterion import Criterion
 from ._records import GradComparison
 
-__all__ = ["MAP_CELLS", "MAP_COLUMNS", "ErrorMap", "element_chunks", "scan"]
+__all__ = ["MAP_CELLS", "MAP_COLUMNS", "ErrorMap", "cause_maps", "element_chunks", "scan"]
 
 _Cell = TypeVar("_Cell", bound=np.generic)
 
@@ -88,23 +88,29 @@ class ErrorMap:
     def update(self, start: int, values: NDArray[np.float64], out: NDArray[np.bool_]) -> None:
         """Fold the errors ``values`` and the out-of-tolerance flags ``out`` of the chunk that
         starts at flat index ``start`` into the maps."""
-        if start % self.line == 0 and values.size % self.line == 0:
-            peaks = values.reshape(-1, self.line).max(axis=1)
-            outs = out.reshape(-1, self.line).sum(axis=1)
-            lines = np.arange(start // self.line, start // self.line + peaks.size, dtype=np.int64)
-        else:  # a piece of one long line
-            peaks = values.max(keepdims=True)
-            outs = out.sum(keepdims=True)
-            lines = np.array([start // self.line], dtype=np.int64)
-        if self.bins == (1, 1, 1):  # the cells in C order are the lines
-            cells = lines
-        else:
-            rest, col = np.divmod(lines, self.width)
-            batch, row = np.divmod(rest, self.period)
-            block = batch // self.bins[0] * self.cells.shape[1] + row // self.bins[1]
-            cells = block * self.cols + col // self.bins[2]
+        whole = self.whole_lines(start, values.size)
+        peaks = values.reshape(-1, self.line).max(axis=1) if whole else values.max(keepdims=True)
+        outs = out.reshape(-1, self.line).sum(axis=1) if whole else out.sum(keepdims=True)
+        cells = self.cells_of(start, peaks.size)
         np.maximum.at(self.cells.reshape(-1), cells, peaks)
         np.add.at(self.counts.reshape(-1), cells, outs)
+
+    def whole_lines(self, start: int, size: int) -> bool:
+        """Whether the chunk of ``size`` elements at ``start`` is whole lines (else a piece
+        of one long line)."""
+        return start % self.line == 0 and size % self.line == 0
+
+    def cells_of(self, start: int, lines: int) -> NDArray[np.int64]:
+        """The flat cell of each of the ``lines`` lines from the one holding ``start``."""
+        first = start // self.line
+        index = np.arange(first, first + lines, dtype=np.int64)
+        if self.bins == (1, 1, 1):  # the cells in C order are the lines
+            return index
+        rest, col = np.divmod(index, self.width)
+        batch, row = np.divmod(rest, self.period)
+        block = batch // self.bins[0] * self.cells.shape[1] + row // self.bins[1]
+        cells: NDArray[np.int64] = block * self.cols + col // self.bins[2]
+        return cells
 
 
 def scan(
@@ -221,6 +227,79 @@ def scan(
         batch_bins=bins[0],
         error_floor_ratio=criterion.ratio(rms_ratio, max_abs),
     )
+
+
+def cause_maps(
+    seg: Segment, actual: NDArray[Any], expected: NDArray[Any]
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """The maps that show a failing gradient's cause: its signed error and its ratio.
+
+    In each cell, the signed error is the ``a - e`` of largest magnitude (NaN for a non-finite
+    mismatch) and the ratio is ``<a, e> / <e, e>`` over the cell's finite pairs (NaN where
+    every ``e`` is zero): a constant factor is one colour everywhere. The cells are those of
+    ``batch_error_map``, ``[B, S, H]`` binned alike; ``dstate``'s are ``[H, N, N]`` over
+    (head, key row i, value column j), over the batch, so that a transpose is a mirrored
+    pattern (binned along i and j past :data:`MAP_CELLS`). One pass of chunks, as :func:`scan`.
+    """
+    shape = seg.shape
+    if seg.name == "dstate":
+        heads, n = shape[1], shape[2]
+        fold = max(1, math.ceil(math.sqrt(heads * n * n / MAP_CELLS)))
+        side = _ceil(n, fold)
+        maps = _CauseMap((heads, side, side))
+        per_batch = heads * n * n
+        for start, stop in element_chunks(shape):
+            flat = np.arange(start, stop, dtype=np.int64) % per_batch
+            head, rest = np.divmod(flat, n * n)
+            row, col = np.divmod(rest, n)
+            cells = (head * side + row // fold) * side + col // fold
+            maps.update(cells, actual[start:stop], expected[start:stop], 1)
+        return maps.signed_and_ratio()
+    geometry = ErrorMap(shape)  # the bins of the gradient's error maps
+    maps = _CauseMap(geometry.cells.shape)
+    for start, stop in element_chunks(shape):
+        whole = geometry.whole_lines(start, stop - start)
+        line = geometry.line if whole else stop - start
+        cells = geometry.cells_of(start, (stop - start) // line)
+        maps.update(cells, actual[start:stop], expected[start:stop], line)
+    return maps.signed_and_ratio()
+
+
+class _CauseMap:
+    """Signed-error and ratio cells folded from chunks of runs of ``line`` elements."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.peak = np.full(shape, -1.0)
+        self.signed = np.zeros(shape)
+        self.dot = np.zeros(shape)
+        self.norm = np.zeros(shape)
+
+    def update(self, cells: NDArray[np.int64], a: NDArray[Any], e: NDArray[Any], line: int) -> None:
+        """Fold ``a`` against ``e``, runs of ``line`` elements into each of ``cells``."""
+        a, e = a.astype(np.float64), e.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(a == e, 0.0, a - e)  # equal infinities match
+        finite = np.isfinite(diff)
+        size = np.where(finite, np.abs(diff), np.inf).reshape(-1, line)
+        at = size.argmax(axis=1)
+        rows = np.arange(at.size)
+        peaks = size[rows, at]
+        signed = np.where(finite, diff, np.nan).reshape(-1, line)[rows, at]
+        both = np.isfinite(a) & np.isfinite(e)
+        with np.errstate(over="ignore", invalid="ignore"):
+            dots = np.where(both, a * e, 0.0).reshape(-1, line).sum(axis=1)
+            norms = np.where(both, e * e, 0.0).reshape(-1, line).sum(axis=1)
+        peak = self.peak.reshape(-1)
+        np.maximum.at(peak, cells, peaks)
+        won = peaks >= peak[cells]  # the run that holds its cell's largest error so far
+        self.signed.reshape(-1)[cells[won]] = signed[won]
+        np.add.at(self.dot.reshape(-1), cells, dots)
+        np.add.at(self.norm.reshape(-1), cells, norms)
+
+    def signed_and_ratio(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(self.norm > 0, self.dot / self.norm, np.nan)
+        return _read_only(self.signed), _read_only(ratio)
 
 
 def _read_only(cells: NDArray[_Cell]) -> NDArray[_Cell]:
