@@ -243,6 +243,24 @@ def test_compare_exit_status_follows_the_verdict(fixture_path: Path, tmp_path: P
     assert [g["name"] for g in failing] == ["dk"]
 
 
+def test_compare_names_the_cause_in_text_and_json(fixture_path: Path, tmp_path: Path) -> None:
+    fx = load_fixture(fixture_path)
+    bad = np.array(fx.packed)
+    unpack(bad, fx.layout).dq[...] *= -1
+    np.save(tmp_path / "flipped.npy", bad)
+    result = run("compare", tmp_path / "flipped.npy", fixture_path)
+    assert result.returncode == 1
+    assert result.stdout.rstrip().splitlines()[-1] == (
+        "likely cause: dq is -1.000 x expected (a sign flip?)"
+    )
+    doc = json.loads(run("compare", tmp_path / "flipped.npy", fixture_path, "--json").stdout)
+    (finding,) = doc["findings"]
+    assert finding["kind"] == "scale"
+    assert finding["gradient"] == "dq"
+    assert finding["details"]["factor"] == -1.0
+    assert finding["text"] == "dq is -1.000 x expected (a sign flip?)"
+
+
 def test_compare_rms_ratio(fixture_path: Path, tmp_path: Path) -> None:
     fx = load_fixture(fixture_path)
     noisy = np.array(fx.packed) * np.float32(1.001)

@@ -150,6 +150,12 @@ def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest
     reports = [line for line in result.outlines if line.startswith("E ") and "gradient(s)" in line]
     assert len(reports) == len(multihead)
     assert all(line.endswith("gradient(s) dv differ") for line in reports)
+    # And the line after each names the cause (as the end of the table does again).
+    lines = result.outlines
+    leads = [lines[i + 1] for i, line in enumerate(lines) if line in reports]
+    assert len(leads) == len(multihead)
+    cause = "likely cause: dv's heads are permuted: heads 0 and 1 exchanged"
+    assert all(line.startswith("E ") and line.endswith(cause) for line in leads), leads
 
 
 def test_plugin_builds_cases_from_a_layout(pytester: pytest.Pytester) -> None:
