@@ -552,8 +552,11 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_readme_picture_script(tmp_path: Path) -> None:
     script = runpy.run_path(str(ROOT / "docs" / "make_figures.py"), run_name="make_figures")
-    (path,) = script["main"](tmp_path)
-    assert path == tmp_path / "heatmap.png"
-    assert _png_size(path.read_bytes()) == (1260, 330)
-    assert _png_size((ROOT / "docs" / "heatmap.png").read_bytes()) == (1260, 330)
-    assert "](docs/heatmap.png)" in (ROOT / "README.md").read_text()
+    paths = script["main"](tmp_path)
+    sizes = {"heatmap.png": (1260, 330), "ratio.png": (840, 330), "transpose.png": (420, 330)}
+    assert paths == [tmp_path / name for name in sizes]
+    readme = (ROOT / "README.md").read_text()
+    for path, size in zip(paths, sizes.values(), strict=True):
+        assert _png_size(path.read_bytes()) == size
+        assert _png_size((ROOT / "docs" / path.name).read_bytes()) == size
+        assert f"](docs/{path.name})" in readme
