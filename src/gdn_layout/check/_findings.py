@@ -54,12 +54,13 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
     from ``t0`` on fail (or the reverse), or the failing steps all lie within one step of the
     multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them, or they
-    fill at least 3/4 of one run of 3 or more steps, at most half the sequence, with right
-    steps on both sides (a state not carried across a step: its error fades with the decay
-    on either side; the step is named when the error starts or stops by :data:`FALLS` from
-    one step to the next). Each way the wrong part must score at least :data:`FALLS` times
-    the right part, and the right part must pass, with at least 8 elements and some non-zero
-    expected value in it.
+    fill at least 3/4 of one run of 3 or more steps (32 elements or more), at most half the
+    sequence, with right steps on both sides (a state not carried across a step: its error
+    fades with the decay on either side; the step is named when the error starts or stops
+    by :data:`FALLS` from one step to the next). Each way the wrong part must score above
+    :data:`ROUNDING_MAX` (past rounding's reach: a chunked float32 form's own error steps up
+    at a chunk boundary too) and at least :data:`FALLS` times the right part, and the right
+    part must pass, with at least 8 elements and some non-zero expected value in it.
 ``rounding``
     no structural hypothesis holds and the score is at most :data:`ROUNDING_MAX`: the error is
     only too large, as rounding is. Above that, an unexplained gradient gets no finding.
@@ -157,6 +158,7 @@ _GARBAGE_BINADES: Final = 16.0
 _ALIGNED: Final = 0.99  # cos^2 of a fall that counts: within 10% RMS of e times a factor
 _SIMILAR: Final = 0.5  # cos^2 below which an undone actual is not even scored
 _PREVIEW: Final = 4096  # elements compared before a candidate offset is scored in full
+_WINDOW_ELEMENTS: Final = 32  # the least a run of wrong steps holds, both sides right
 _RIGHT_ELEMENTS: Final = 8  # the least a boundary's right side holds: fewer pass by chance
 _FIT_ERRORS: Final = 10.0
 #: Unit roundoffs by dtype name; a factor within 4 of them of 1 can be one element's rounding.
@@ -874,6 +876,8 @@ def _window(
     run = hi - lo + 1
     if run < 3 or run * 2 > steps or np.count_nonzero(fail[lo : hi + 1]) < 0.75 * run:
         return None
+    if ctx.a[:, lo : hi + 1].size < _WINDOW_ELEMENTS:
+        return None  # a few wrong elements in a row are a rounding's chance, not a boundary
     every = np.arange(steps)
     inside = (every >= lo) & (every <= hi)
     contrast = _contrast(ctx, every[~inside], every[inside])
@@ -916,7 +920,9 @@ def _contrast(
         return None  # too little, or nothing, to be right about
     s_right = ctx.score(ctx.a[:, right], e_right)
     s_wrong = ctx.score(ctx.a[:, wrong], ctx.e[:, wrong])
-    if s_right > 1.0 or s_wrong <= 1.0 or s_wrong < FALLS * s_right:
+    # Wrong past rounding's reach: a chunked float32 form's own error steps up at a chunk
+    # boundary too, within a few times its limit.
+    if s_right > 1.0 or s_wrong <= ROUNDING_MAX or s_wrong < FALLS * s_right:
         return None
     return {"score_right": s_right, "score_wrong": s_wrong}
 
