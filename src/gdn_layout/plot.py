@@ -320,7 +320,6 @@ def _heatmap(
 ) -> dict[str, Artist]:
     """Draw one panel of ``kind`` over (head, position); returns the legend entries of the
     marks it drew, by label."""
-    from matplotlib.patches import Patch
     from matplotlib.ticker import NullLocator
 
     is_state = grad.name == "dstate"
@@ -382,17 +381,13 @@ def _heatmap(
     if outlined and (out[~bad] > 0).any():
         marks.update(_outline(ax, (out > 0) & ~bad))
     if kind == "ratio" and np.isnan(data).any():
-        marks["expected all zero (no ratio)"] = Patch(
-            facecolor=_NO_RATIO, label="expected all zero (no ratio)"
-        )
+        marks.update(_patch("expected all zero (no ratio)", _NO_RATIO))
     if bad.any():
         rows, cols = np.nonzero(bad)
         if rows.size <= _MAX_MARKERS:
             # A square of fixed size on each as well: a cell can be narrower than a pixel.
             ax.scatter(cols, rows, s=20, marker="s", c=_BAD_COLOUR, edgecolors="black", lw=0.5)
-        marks["NaN or Inf mismatch"] = Patch(
-            facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
-        )
+        marks.update(_patch("NaN or Inf mismatch", _BAD_COLOUR))
     return marks
 
 
@@ -421,9 +416,19 @@ def _cause_cells(grad: GradComparison, batch: int | None, kind: str) -> NDArray[
 
 
 def _image(ax: Axes, data: NDArray[np.float64], kind: str, log: bool) -> Any:
-    """``data`` drawn on ``ax`` in the colours of ``kind``: viridis for an error, log-scaled
-    when ``log``; coolwarm about 0 for a signed error (symmetric-log when ``log``) and about
-    1 for a ratio (its 1st to 99th percentile)."""
+    """``data`` drawn on ``ax`` in the colours of ``kind`` (see :func:`_colours`)."""
+    values, cmap, norm = _colours(data, kind, log)
+    return ax.imshow(
+        np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm
+    )
+
+
+def _colours(
+    data: NDArray[np.float64], kind: str, log: bool
+) -> tuple[NDArray[np.float64], Any, Any]:
+    """The values to draw, the colour map and the norm of ``data`` of ``kind``: viridis for an
+    error, log-scaled when ``log``; coolwarm about 0 for a signed error (symmetric-log when
+    ``log``) and about 1 for a ratio (its 1st to 99th percentile)."""
     from matplotlib import colormaps
     from matplotlib.colors import LogNorm, Normalize, SymLogNorm, TwoSlopeNorm
 
@@ -456,9 +461,7 @@ def _image(ax: Axes, data: NDArray[np.float64], kind: str, log: bool) -> Any:
         low, high = np.percentile(data[finite], (1, 99)) if finite.any() else (1.0, 1.0)
         values = np.where(finite, data, np.nan)
         norm = TwoSlopeNorm(1.0, vmin=min(float(low), 1 - 1e-3), vmax=max(float(high), 1 + 1e-3))
-    return ax.imshow(
-        np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm
-    )
+    return values, cmap, norm
 
 
 def _signed_ticks(bar: Any, image: Any) -> None:
@@ -481,9 +484,7 @@ def _extend(image: Any, data: NDArray[np.float64], kind: str) -> str:
     norm = image.norm
     below = bool(finite.size and finite.min() < norm.vmin)
     above = bool(finite.size and finite.max() > norm.vmax)
-    return {(False, False): "neither", (True, False): "min", (False, True): "max"}.get(
-        (below, above), "both"
-    )
+    return "both" if below and above else "min" if below else "max" if above else "neither"
 
 
 def _state_tiles(
@@ -492,7 +493,6 @@ def _state_tiles(
     """``dstate``'s signed error or ratio as one ``i x j`` tile per head (over the batch),
     heads in rows of a near-square grid: a transpose is a pattern mirrored about each tile's
     diagonal."""
-    from matplotlib.patches import Patch
     from matplotlib.ticker import NullLocator
 
     maps = grad.signed_error_map if kind == "signed" else grad.ratio_map
@@ -513,15 +513,13 @@ def _state_tiles(
     if maps.size == 0:
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return {}
-    probe = _image(ax, maps.reshape(-1, side * side) if heads else maps, kind, log)
-    norm, cmap = probe.norm, probe.cmap
-    probe.remove()
+    values, cmap, norm = _colours(maps, kind, log)  # one scale for every head
     image: Any = None
     for h in range(heads):
         top, left = divmod(h, cols)
         y0, x0 = top * (side + 1), left * (side + 1)
         image = ax.imshow(
-            np.ma.masked_invalid(maps[h]),
+            np.ma.masked_invalid(values[h]),
             extent=(x0 - 0.5, x0 + side - 0.5, y0 + side - 0.5, y0 - 0.5),
             interpolation="nearest",
             cmap=cmap,
@@ -534,14 +532,17 @@ def _state_tiles(
     bar.ax.yaxis.set_minor_locator(NullLocator())
     marks: dict[str, Artist] = {}
     if kind == "signed" and np.isnan(maps).any():
-        marks["NaN or Inf mismatch"] = Patch(
-            facecolor=_BAD_COLOUR, edgecolor="black", linewidth=0.5, label="NaN or Inf mismatch"
-        )
+        marks.update(_patch("NaN or Inf mismatch", _BAD_COLOUR))
     if kind == "ratio" and np.isnan(maps).any():
-        marks["expected all zero (no ratio)"] = Patch(
-            facecolor=_NO_RATIO, label="expected all zero (no ratio)"
-        )
+        marks.update(_patch("expected all zero (no ratio)", _NO_RATIO))
     return marks
+
+
+def _patch(label: str, colour: str) -> dict[str, Artist]:
+    """A legend entry for the cells filled with ``colour``."""
+    from matplotlib.patches import Patch
+
+    return {label: Patch(facecolor=colour, edgecolor="black", linewidth=0.5, label=label)}
 
 
 def _no_map(ax: Axes, grad: GradComparison, kind: str) -> None:
