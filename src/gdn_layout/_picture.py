@@ -19,6 +19,11 @@ class Picture(Figure):
     IPython calls to show an object as an image (as it calls ``_repr_html_`` for a table).
     With ``%matplotlib inline`` active, IPython's own Figure printer is used instead: the
     picture still appears, once. Everything else is a Figure's: ``savefig``, ``axes``, ...
+
+    See Also
+    --------
+    plot.plot_errors : Returns one.
+    plot.plot_layout : Returns one.
     """
 
     def _repr_png_(self) -> bytes:

@@ -58,7 +58,13 @@ class UsageError(Exception):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
+
+    See Also
+    --------
+    make_fixture : What ``gdn-layout fixture`` runs.
+    compare : What ``gdn-layout compare`` runs.
+    """
     with escaping_output(), sigterm_as_exit():
         return _main(argv)
 

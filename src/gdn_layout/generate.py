@@ -87,6 +87,11 @@ def draw_inputs(
     ValueError
         ``regime`` is unknown or ``seed`` negative.
 
+    See Also
+    --------
+    make_fixture : Inputs with their outputs and gradients.
+    regimes.draw_gate : The gates alone.
+
     Examples
     --------
     >>> import gdn_layout as gl
@@ -187,6 +192,13 @@ def make_fixture(
     ------
     TypeError, ValueError
         As :func:`draw_inputs`.
+
+    See Also
+    --------
+    draw_inputs : The inputs alone.
+    save_fixture : Write it.
+    write_suite : The standard set of them.
+    reference.backward : The gradients alone.
 
     Examples
     --------
@@ -450,6 +462,12 @@ def write_suite(
         folder or holds it (the suite would take its place).
     OSError
         A file cannot be written; nothing is left in ``directory`` then.
+
+    See Also
+    --------
+    load_suite : Read it back.
+    verify_suite : Check it against its manifest.
+    make_fixture : One fixture.
     """
     given = Path(directory)
     target = resolve_dtype(dtype, "write_suite")

@@ -61,6 +61,13 @@ _CHUNK_AXES: Final = ("b", "c", "h", "i", "j")
 class Segment(NamedTuple):
     """One gradient's place in the packed buffer: ``flat[offset : offset + length]``.
 
+    See Also
+    --------
+    GdnBackwardLayout : The layout whose segments these are.
+    layout.gradient_axes : The names of a segment's axes.
+
+    Examples
+    --------
     >>> GdnBackwardLayout(1, 2, 3, 4, carry_state=True).segment("dstate").axes
     ('b', 'h', 'i', 'j')
     """
@@ -80,7 +87,12 @@ class Segment(NamedTuple):
 def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
     """The axis names of the gradient ``name`` with ``ndim`` axes (see :attr:`Segment.axes`);
     also of the states a fixture may hold: ``h`` and ``dh`` are ``("b", "c", "h", "i", "j")``
-    (``c`` the chunk), ``final_state`` is as ``dstate``, ``y`` as ``dq``."""
+    (``c`` the chunk), ``final_state`` is as ``dstate``, ``y`` as ``dq``.
+
+    See Also
+    --------
+    Segment : A gradient's place, shape and axes.
+    """
     if name in ("h", "dh"):
         return _CHUNK_AXES
     return _STATE_AXES if name in ("dstate", "final_state") else _SEQUENCE_AXES[:ndim]
@@ -93,6 +105,14 @@ class GdnBackwardLayout:
     The packed buffer holds ``dq, dk, dv, dg, dbeta`` and, with ``carry_state``, ``dstate``,
     each flattened in C order and concatenated in that order.
 
+    See Also
+    --------
+    unpack : A packed buffer as shaped views of its gradients.
+    pack : Gradients into one packed buffer.
+    layout.layout_text : The layout as a table.
+
+    Examples
+    --------
     >>> layout = GdnBackwardLayout(batch=2, seq=3, heads=4, state_size=8)
     >>> layout.total_elems
     624
@@ -432,7 +452,12 @@ class GdnBackwardLayout:
 
 
 class LayoutRow(NamedTuple):
-    """One gradient's place in a packed buffer, with its size in bytes."""
+    """One gradient's place in a packed buffer, with its size in bytes.
+
+    See Also
+    --------
+    layout.layout_table : One row per gradient.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -444,6 +469,13 @@ class LayoutRow(NamedTuple):
 def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> list[LayoutRow]:
     """One :class:`LayoutRow` ``(name, shape, offset, length, nbytes)`` per gradient.
 
+    See Also
+    --------
+    layout.LayoutRow : One row.
+    layout.layout_text : The rows as text.
+
+    Examples
+    --------
     >>> layout_table(GdnBackwardLayout(1, 2, 1, 2), dtype=np.float64)[3]
     LayoutRow(name='dg', shape=(1, 2, 1), offset=12, length=2, nbytes=16)
     """
@@ -459,6 +491,13 @@ def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> li
 def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
     """The layout as a fixed-width table with a total line, headed by its caption.
 
+    See Also
+    --------
+    layout.layout_html : The same table as HTML.
+    layout.layout_table : Its rows as records.
+
+    Examples
+    --------
     >>> print(layout_text(GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)))
     B=1 S=2 H=1 N=2, per-head gate, no state; float32
     grad   shape         offset  length  bytes
@@ -475,7 +514,13 @@ def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str
 
 
 def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
-    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``)."""
+    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``).
+
+    See Also
+    --------
+    layout.layout_text : The same table as fixed-width text.
+    plot.plot_layout : The layout as a picture.
+    """
     body, caption = _table(layout, dtype)
     styles = [""] * (len(body) - 1) + ["font-weight:bold"]
     return html_table(_HEADERS, body, align="llrrr", caption=caption, row_styles=styles)
@@ -495,6 +540,13 @@ def _table(layout: GdnBackwardLayout, dtype: DTypeLike) -> tuple[list[list[str]]
 def layout_caption(layout: GdnBackwardLayout) -> str:
     """A one-line description of a layout, short enough for a table caption.
 
+    See Also
+    --------
+    layout.layout_text : The table this captions.
+    layout.layout_html : The same table for a notebook.
+
+    Examples
+    --------
     >>> layout_caption(GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True))
     'B=2 S=5 H=3 N=8, per-channel gate, carried state'
     """

@@ -28,6 +28,11 @@ class GdnGrads(NamedTuple):
     ``dq, dk, dv`` are ``[B, S, H, N]``; ``dg`` is ``[B, S, H]`` or ``[B, S, H, N]``;
     ``dbeta`` is ``[B, S, H]``; ``dstate`` is ``[B, H, N, N]``, or None when the state is not
     carried.
+
+    See Also
+    --------
+    unpack : A packed buffer as these views.
+    pack : These gradients into a packed buffer.
     """
 
     dq: NDArray[Any]
@@ -74,6 +79,11 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
         ``flat`` is not an ndarray, or ``layout`` not a :class:`GdnBackwardLayout`.
     ValueError
         The last axis of ``flat`` is not ``layout.total_elems`` long.
+
+    See Also
+    --------
+    pack : The inverse: gradients into one buffer.
+    GdnBackwardLayout : Where each gradient sits.
 
     Examples
     --------
@@ -175,6 +185,11 @@ def pack(
     ValueError
         A shape does not match the layout, ``dstate`` does not match ``carry_state``, ``out``
         has the wrong shape or is read-only, or ``casting`` is unknown.
+
+    See Also
+    --------
+    unpack : The inverse: views of a packed buffer.
+    empty, zeros : A packed buffer to write gradients into, with no copy.
 
     Examples
     --------
@@ -321,6 +336,11 @@ def empty(
     TypeError
         ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
 
+    See Also
+    --------
+    zeros : The same, zeroed.
+    unpack : Views of a buffer that already exists.
+
     Examples
     --------
     >>> import numpy as np
@@ -356,6 +376,11 @@ def zeros(
     ------
     TypeError
         ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
+
+    See Also
+    --------
+    empty : The same, uninitialised.
+    pack : Gradients that already exist into one buffer.
 
     Examples
     --------

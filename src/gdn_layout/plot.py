@@ -114,6 +114,10 @@ def plot_layout(
     notebook displays; or, when ``ax`` is given, draws on it and returns its figure. Saves the
     figure to ``path`` when given, in the format its suffix names (PNG, SVG, PDF, ...).
     ``GdnBackwardLayout.plot()`` calls this.
+
+    See Also
+    --------
+    layout.layout_text : The layout as text.
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "plot_layout")
@@ -227,6 +231,13 @@ def plot_errors(
     4.2x3 inches each at 100 dpi, laid out so that no label is cut off. Saves to ``path`` when
     given, in the format its suffix names (PNG, SVG, PDF, ...).
 
+    See Also
+    --------
+    error_map : One gradient's map as an array.
+    compare : The comparison drawn.
+
+    Examples
+    --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout, compare, unpack
     >>> layout = GdnBackwardLayout(batch=2, seq=32, heads=2, state_size=4)

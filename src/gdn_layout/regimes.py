@@ -50,6 +50,10 @@ def draw_gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> 
     ------
     ValueError
         ``regime`` is not one of :data:`REGIMES`.
+
+    See Also
+    --------
+    draw_inputs : Every input, the gates drawn by this.
     """
     if regime not in REGIMES:
         raise ValueError(f"draw_gate: regime must be one of {REGIMES}, got {regime!r}")

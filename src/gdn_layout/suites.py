@@ -75,6 +75,11 @@ class Case:
     ``backward(*case.inputs)`` works); :attr:`rlx_inputs` puts ``state`` before ``dy``, as RLX's
     op takes them, and :meth:`inputs_as` gives them as torch or JAX tensors. ``expected`` is
     the packed float64-reference gradient, in the fixture's dtype.
+
+    See Also
+    --------
+    load_suite : A suite's cases.
+    suites.make_case : One case, computed now.
     """
 
     name: str
@@ -289,6 +294,11 @@ def compare_states(
     FixtureError
         The fixture is memory-mapped and its file changed.
 
+    See Also
+    --------
+    check.compare_tensor : The same, with floors given.
+    reference.chunk_states : The reference's states.
+
     Examples
     --------
     >>> import numpy as np
@@ -391,7 +401,13 @@ def make_case(
     name: str | None = None,
 ) -> Case:
     """A case computed now by the reference (:func:`~gdn_layout.generate.make_fixture`),
-    without a suite; its name says its layout, regime and seed unless ``name`` is given."""
+    without a suite; its name says its layout, regime and seed unless ``name`` is given.
+
+    See Also
+    --------
+    load_suite : Cases from files.
+    make_fixture : The fixture alone.
+    """
     fixture = make_fixture(layout, dtype=dtype, regime=regime, seed=seed)
     if name is None:
         gate = "channel" if layout.gate_per_channel else "scalar"
@@ -427,6 +443,12 @@ def verify_suite(
     ------
     FixtureError
         The manifest is missing or cannot be read.
+
+    See Also
+    --------
+    load_suite : The cases, checked as they load.
+    suites.suite_files : The files listed.
+    write_suite : The writer.
     """
     select = _selection(min_seq, regime, crossing, "verify_suite")
     return _examine(Path(directory), keep=False, select=select)[0]
@@ -447,6 +469,11 @@ def suite_files(
     ------
     FixtureError
         The manifest is missing or cannot be read.
+
+    See Also
+    --------
+    load_suite : The cases those files hold.
+    verify_suite : Check them.
     """
     select = _selection(min_seq, regime, crossing, "suite_files")
     return [entry["file"] for entry in _manifest_entries(Path(directory)) if select(entry)]
@@ -478,6 +505,12 @@ def load_suite(
     FixtureError
         The manifest is missing or unreadable, or a file differs from it (the message lists
         every one).
+
+    See Also
+    --------
+    write_suite : The writer.
+    verify_suite : Check its files without loading them.
+    Case : One case.
     """
     root = Path(directory)
     select = _selection(min_seq, regime, crossing, "load_suite")

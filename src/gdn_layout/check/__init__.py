@@ -62,6 +62,7 @@ Non-finite values:
 
 from ._compare import assert_close, compare, compare_tensor, error_map
 from ._criterion import Criterion, K
+from ._findings import Finding
 from ._records import Comparison, GradComparison
 
 __all__ = [

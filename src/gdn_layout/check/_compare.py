@@ -89,6 +89,13 @@ def compare(
         A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
         an unknown gradient.
 
+    See Also
+    --------
+    assert_close : The same, raising for pytest.
+    error_map : One gradient's errors over the sequence and heads.
+    check.compare_tensor : A state or ``y`` judged the same way.
+    load_suite : Fixtures to compare against.
+
     Examples
     --------
     >>> import numpy as np
@@ -206,6 +213,10 @@ def assert_close(
         A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
         an unknown gradient.
 
+    See Also
+    --------
+    compare : The same comparison, returned rather than raised.
+
     Examples
     --------
     >>> import numpy as np
@@ -273,6 +284,11 @@ def error_map(
     KeyError
         The layout has no gradient ``name``.
 
+    See Also
+    --------
+    compare : Every gradient judged.
+    plot.plot_errors : The maps drawn.
+
     Examples
     --------
     >>> import numpy as np
@@ -317,6 +333,11 @@ def compare_tensor(
         ``actual`` is not an array of a float dtype.
     ValueError
         Its shape is not ``expected``'s.
+
+    See Also
+    --------
+    compare : The gradients judged.
+    suites.compare_states : A kernel's states against a fixture's.
     """
     array = np.asarray(as_packed(actual, "actual", func))
     if not is_floating(array.dtype):

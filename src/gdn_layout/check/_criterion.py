@@ -210,6 +210,11 @@ class Criterion:
     term_scale : float or None
         Calibrated: the scale of the gradient's terms, when it set ``least``.
 
+    See Also
+    --------
+    compare : Judges each gradient by one.
+    Fixture : Its floors (``Fixture.floors``).
+
     Examples
     --------
     >>> import numpy as np

@@ -184,6 +184,11 @@ class Finding:
         ``offsets``, ``count``, ``first``, ``order``...), read-only: ints, floats, strings,
         None (for a number that is not finite too), tuples and mappings of them.
 
+    See Also
+    --------
+    GradComparison : A gradient's findings.
+    Comparison : The findings of a whole buffer.
+
     Examples
     --------
     >>> f = Finding("scale", "dq", "dq is -1.000 x expected (a sign flip?)", {"factor": -1.0})

@@ -104,6 +104,12 @@ class GradComparison:
         The calibrated criterion's figure: the larger of the RMS error and the largest error,
         each over its floor as an error; None when the gradient was judged by explicit
         tolerances.
+
+    See Also
+    --------
+    Comparison : The records of every gradient.
+    error_map : One gradient's errors over the sequence and heads.
+    plot.plot_errors : The maps drawn.
     """
 
     name: str
@@ -272,6 +278,12 @@ class Comparison:
 
     ``str(comparison)`` is a fixed-width table, ``comparison._repr_html_()`` an HTML one and
     ``comparison.to_dict()`` a JSON-safe dict. Index by name: ``comparison["dk"]``.
+
+    See Also
+    --------
+    compare : What returns one.
+    GradComparison : One gradient's record.
+    check.Finding : What explains a failure.
     """
 
     layout: GdnBackwardLayout

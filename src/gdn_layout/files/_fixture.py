@@ -59,6 +59,12 @@ class GdnInputs(NamedTuple):
     """The inputs of the op and the cotangent ``dy``, in the reference's argument order.
 
     ``backward(*inputs)`` and ``forward(*inputs[:5], state=inputs.state)`` both work.
+
+    See Also
+    --------
+    Fixture : Inputs with ``y`` and the packed gradient.
+    draw_inputs : Random inputs.
+    reference.backward : Takes them in this order.
     """
 
     q: NDArray[Any]
@@ -80,6 +86,14 @@ class Fixture:
     :func:`load_fixture` has read-only arrays (``path`` says from which file): read into
     memory, or for a large file memory-mapped (``mapped``; see :meth:`check_unchanged`).
 
+    See Also
+    --------
+    load_fixture : Read one.
+    save_fixture : Write one.
+    make_fixture : Compute one.
+
+    Examples
+    --------
     >>> import gdn_layout as gl
     >>> from gdn_layout.generate import draw_inputs
     >>> x = draw_inputs(gl.GdnBackwardLayout(1, 2, 1, 4, carry_state=True), dtype=np.float64)
@@ -353,6 +367,12 @@ def save_fixture(
         ``fixture`` is not a :class:`Fixture`.
     OSError
         The file cannot be written (a full disk, a read-only folder); the error names it.
+
+    See Also
+    --------
+    load_fixture : The reader.
+    make_fixture : A fixture to save.
+    write_suite : A whole suite of them.
     """
     if not isinstance(fixture, Fixture):
         raise TypeError(f"save_fixture: fixture must be a Fixture, got {type(fixture).__name__}")
@@ -405,6 +425,12 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
         The file does not exist.
     ImportError
         The file holds bfloat16 and ml_dtypes is not installed.
+
+    See Also
+    --------
+    save_fixture : The writer.
+    load_suite : Every fixture of a suite.
+    files.open_packed : Only the packed buffer, of any file kind.
 
     Notes
     -----

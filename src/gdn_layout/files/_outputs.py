@@ -27,7 +27,12 @@ __all__ = ["PackedFile", "open_packed"]
 class PackedFile(NamedTuple):
     """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
     plain safetensors file), ``".npy"`` or ``"raw"``; ``layout`` and ``floors`` are a
-    fixture's (``fixture`` the fixture itself), else None."""
+    fixture's (``fixture`` the fixture itself), else None.
+
+    See Also
+    --------
+    files.open_packed : What returns one.
+    """
 
     path: str
     kind: str
@@ -77,6 +82,11 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     ValueError
         The file cannot be read as a packed buffer (:class:`FixtureError` for a fixture, and
         for a path that is not a regular file or cannot be read).
+
+    See Also
+    --------
+    load_fixture : A whole fixture.
+    compare : Judge what was read.
     """
     file = Path(path)
     try:

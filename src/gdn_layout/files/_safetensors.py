@@ -82,7 +82,13 @@ _OTHER_CODES: Final = frozenset(
 
 
 class FixtureError(ValueError):
-    """A fixture file that is truncated, corrupt or inconsistent; the message names the file."""
+    """A fixture file that is truncated, corrupt or inconsistent; the message names the file.
+
+    See Also
+    --------
+    load_fixture : Raises it.
+    load_suite : Raises it for a suite's files.
+    """
 
 
 class Entry(NamedTuple):

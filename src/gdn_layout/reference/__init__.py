@@ -174,6 +174,11 @@ def forward(
         The result is not finite: finite inputs give that only when the recurrence itself
         overflows (keys far from unit norm, say); the message names the first such element.
 
+    See Also
+    --------
+    reference.backward : Its gradient.
+    reference.chunk_states : The states it passes between chunks.
+
     Examples
     --------
     >>> import numpy as np
@@ -285,6 +290,13 @@ def backward(
         As :func:`forward`; also a TypeError or ValueError for a bad ``out``,
         ``checkpoint_every``, ``progress`` or ``workers``.
 
+    See Also
+    --------
+    reference.forward : The op itself.
+    reference.chunk_states : The states a chunked kernel keeps.
+    unpack : The packed result as shaped views.
+    make_fixture : Inputs and gradients in one file.
+
     Examples
     --------
     >>> import numpy as np
@@ -366,6 +378,12 @@ def _check_result(func: str, name: str, array: _Array) -> None:
 def default_checkpoint_every(seq: int) -> int:
     """The default checkpoint interval for a sequence of ``seq`` steps: ``ceil(sqrt(seq))``.
 
+    See Also
+    --------
+    reference.backward : Takes it as ``checkpoint_every``.
+
+    Examples
+    --------
     >>> default_checkpoint_every(512), default_checkpoint_every(4096), default_checkpoint_every(0)
     (23, 64, 1)
     """
@@ -418,6 +436,13 @@ def resolve_workers(value: object, func: str) -> int:
     """The number of threads ``workers=value`` asks ``func`` for: a positive integer as
     given, or for None the cores this process may use.
 
+    See Also
+    --------
+    reference.backward : Takes ``workers``.
+    make_fixture : Takes ``workers``.
+
+    Examples
+    --------
     >>> resolve_workers(3, "backward")
     3
     >>> resolve_workers(None, "backward") >= 1

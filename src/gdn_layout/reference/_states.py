@@ -71,6 +71,11 @@ def chunk_states(
         As :func:`backward`; also a TypeError or ValueError for a ``chunk`` that is not a
         positive integer.
 
+    See Also
+    --------
+    reference.backward : The gradients.
+    suites.compare_states : Judge a kernel's states against a fixture's.
+
     Notes
     -----
     The results are those of :func:`backward` run with ``checkpoint_every=chunk``: its
