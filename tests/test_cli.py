@@ -399,7 +399,7 @@ def test_inspect_user_errors(tmp_path: Path) -> None:
 
 
 def test_bad_flag_values_are_one_line_errors() -> None:
-    assert_user_error(run("describe", "--seq", "-3"), "expected a non-negative integer, got -3")
+    assert_user_error(run("describe", "--seq", "-3"), "expected a non-negative integer, got '-3'")
     assert_user_error(run("describe", "--dtype", "int8"), "a floating dtype (bfloat16/bf16")
     assert_user_error(run("fixture", "--gate-regime", "wild", "-o", "x"), "invalid choice: 'wild'")
     assert_user_error(run("frobnicate"), "invalid choice")

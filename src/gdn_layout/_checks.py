@@ -15,7 +15,8 @@ __all__ = [
     "check_shape",
     "dimension",
     "flag",
-    "non_negative_int",
+    "integer",
+    "integer_words",
     "not_a_layout",
     "require_matplotlib",
     "shape_of",
@@ -31,28 +32,42 @@ PLOT_HINT = "pip install gdn-layout[plot]"
 USIZE_LIMIT = 1 << 64
 
 
-def non_negative_int(value: object, what: str) -> int:
-    """``value`` as a Python int: any integer, NumPy's included, but not a bool.
+def integer(
+    value: object, what: str, *, least: int = 0, most: int | None = None, or_none: bool = False
+) -> int:
+    """``value`` as a Python int from ``least`` to ``most``: any integer, NumPy's included, but
+    not a bool. ``or_none`` only says in the message that the caller also takes None.
 
-    >>> non_negative_int(np.int64(3), "seed")
+    >>> integer(np.int64(3), "seed")
     3
-    >>> non_negative_int(True, "seed")
+    >>> integer(True, "seed")
     Traceback (most recent call last):
     TypeError: seed must be a non-negative integer, got bool True
+    >>> integer(0, "workers", least=1, or_none=True)
+    Traceback (most recent call last):
+    ValueError: workers must be a positive integer or None, got 0
     """
+    expected = f"{what} must be {integer_words(least, most)}{' or None' if or_none else ''}"
     # bool is an int subclass, and operator.index accepts NumPy integers: refuse the first,
     # keep the second, and reject everything that is not an integer at all.
     if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{what} must be a non-negative integer, got bool {value!r}")
+        raise TypeError(f"{expected}, got bool {value!r}")
     try:
         index = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(
-            f"{what} must be a non-negative integer, got {type(value).__name__} {value!r}"
-        ) from None
-    if index < 0:
-        raise ValueError(f"{what} must be a non-negative integer, got {index}")
+        raise TypeError(f"{expected}, got {type(value).__name__} {value!r}") from None
+    if index < least or (most is not None and index > most):
+        raise ValueError(f"{expected}, got {index}")
     return index
+
+
+def integer_words(least: int, most: int | None = None) -> str:
+    """How a message names the integers from ``least`` to ``most``."""
+    if most is not None:
+        return f"an integer from {least} to {most}"
+    return {0: "a non-negative integer", 1: "a positive integer"}.get(
+        least, f"an integer of at least {least}"
+    )
 
 
 def kind_of(value: object) -> str:
@@ -82,7 +97,7 @@ def require_matplotlib() -> None:
 
 
 def dimension(name: str, value: object) -> int:
-    index = non_negative_int(value, name)
+    index = integer(value, name)
     if index >= USIZE_LIMIT:
         raise ValueError(f"{name} must fit in a 64-bit usize, got {index}")
     return index

@@ -7,6 +7,7 @@ import argparse
 import math
 from collections.abc import Iterable
 
+from ._checks import integer_words
 from ._dtypes import SPELLINGS, canonical_name
 from .layout import GRADIENT_NAMES
 
@@ -15,6 +16,7 @@ __all__ = [
     "add_layout_arguments",
     "count_arg",
     "dtype_arg",
+    "positive_arg",
     "tolerance",
 ]
 
@@ -57,20 +59,22 @@ def dtype_arg(text: str) -> str:
 
 
 def count_arg(text: str) -> int:
+    """A size, a seed or a count: an integer of at least 0."""
+    return _integer_arg(text, 0)
+
+
+def positive_arg(text: str) -> int:
+    """A chunk length or a number of workers: an integer of at least 1."""
+    return _integer_arg(text, 1)
+
+
+def _integer_arg(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value}")
-    return value
-
-
-def chunk_length(text: str) -> int:
-    """A chunk length: an integer of at least 1 step."""
-    value = count_arg(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"a chunk has at least 1 step, got {value}")
+        value = least - 1
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected {integer_words(least)}, got {text!r}")
     return value
 
 

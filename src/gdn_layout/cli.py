@@ -30,9 +30,9 @@ from ._checks import require_matplotlib
 from ._cli_values import (
     add_file_arguments,
     add_layout_arguments,
-    chunk_length,
     count_arg,
     dtype_arg,
+    positive_arg,
     tolerance,
 )
 from ._dtypes import is_floating, resolve
@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     fixture.add_argument(
         "--states",
-        type=chunk_length,
+        type=positive_arg,
         metavar="CHUNK",
         help="also keep the state entering each chunk of CHUNK steps and its cotangent (h, dh; "
         "the final state is kept whenever the state is carried)",
@@ -166,7 +166,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     fixture.add_argument(
         "--workers",
-        type=_workers,
+        type=positive_arg,
         default=None,
         metavar="N",
         help="threads to compute with (default: every core this process may use); the files "
@@ -237,7 +237,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.add_argument(
         "--chunk",
-        type=chunk_length,
+        type=positive_arg,
         metavar="C",
         help="the chunk length of h and dh (the fixture's, else 64)",
     )
@@ -257,7 +257,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--regime", choices=REGIMES, help="only the cases of this gate regime")
     verify.add_argument(
         "--crossing",
-        type=chunk_length,
+        type=positive_arg,
         metavar="C",
         help="only the cases that cross a boundary of a C-step chunk",
     )
@@ -277,17 +277,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.set_defaults(run=_demo)
     parser.set_defaults(subcommands=commands.choices)
     return parser
-
-
-def _workers(text: str) -> int:
-    """``--workers``: a positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:

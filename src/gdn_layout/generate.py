@@ -22,7 +22,7 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from . import reference
-from ._checks import non_negative_int, not_a_layout
+from ._checks import integer, not_a_layout
 from ._version import __version__
 from .check._floors import measure_floors, tensor_floors
 from .files._atomic import Temporaries, atomic_write, install_folder, open_regular, remove_abandoned
@@ -212,13 +212,8 @@ def make_fixture(
     """
     threads = reference.resolve_workers(workers, "make_fixture")
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
-    if (
-        states is not None
-        and not 1 <= non_negative_int(states, "make_fixture: states") <= _MAX_CHUNK
-    ):
-        raise ValueError(
-            f"make_fixture: states must be a chunk length from 1 to {_MAX_CHUNK}, got {states}"
-        )
+    if states is not None:
+        integer(states, "make_fixture: states", least=1, most=_MAX_CHUNK, or_none=True)
     return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states, threads)
 
 

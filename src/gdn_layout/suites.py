@@ -32,7 +32,7 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from ._arrays import as_framework, as_packed
-from ._checks import non_negative_int
+from ._checks import integer
 from .check import compare, compare_tensor
 from .check._criterion import Floors, Tolerance
 from .check._floors import tensor_floors
@@ -330,10 +330,7 @@ def _chunk_for(fixture: Fixture, tensor: str, chunk: object) -> int:
         raise ValueError(f"compare_states: tensor must be one of {STATE_TENSORS}, got {tensor!r}")
     if chunk is None:
         return fixture.states_chunk or DEFAULT_CHUNK
-    size = non_negative_int(chunk, "compare_states: chunk")
-    if size < 1:
-        raise ValueError(f"compare_states: chunk must be a positive integer, got {chunk}")
-    return size
+    return integer(chunk, "compare_states: chunk", least=1, or_none=True)
 
 
 def _state_reference(

@@ -14,7 +14,7 @@ from typing import IO, Any, BinaryIO, Final, NamedTuple
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from .._checks import non_negative_int
+from .._checks import integer
 from .._dtypes import resolve
 from .._version import __version__
 from ..check._criterion import Floors
@@ -168,11 +168,8 @@ class Fixture:
                     for n in ("h", "dh", "states_chunk")
                 )
             )
-        if (
-            self.states_chunk is not None
-            and non_negative_int(self.states_chunk, "Fixture: states_chunk") < 1
-        ):
-            raise ValueError(f"Fixture: states_chunk must be at least 1, got {self.states_chunk}")
+        if self.states_chunk is not None:
+            integer(self.states_chunk, "Fixture: states_chunk", least=1, or_none=True)
         for name, array in arrays.items():
             expected = tensor_shape(layout, name, self.states_chunk)
             if array.shape != expected:
@@ -303,7 +300,7 @@ def tensor_shape(layout: GdnBackwardLayout, name: str, chunk: int | None = None)
 
 def check_seed(value: object, where: str) -> int:
     """A seed as NumPy's generators take it: a non-negative integer, NumPy's included."""
-    return non_negative_int(value, f"{where}: seed")
+    return integer(value, f"{where}: seed")
 
 
 def resolve_dtype(dtype: DTypeLike, where: str) -> np.dtype[Any]:

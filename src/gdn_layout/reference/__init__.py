@@ -68,7 +68,7 @@ from typing import Any, Literal, overload
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from .._checks import kind_of
+from .._checks import integer
 from ..layout import GdnBackwardLayout
 from ..packing import GdnGrads, check_out, unpack
 from . import _chunked, _recurrent
@@ -403,14 +403,7 @@ def _check_method(method: object) -> None:
 def _checkpoint_interval(value: object, seq: int) -> int:
     if value is None:
         return default_checkpoint_every(seq)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(
-            f"checkpoint_every must be a positive integer or None, got "
-            f"{type(value).__name__} {value!r}"
-        )
-    if value < 1:
-        raise ValueError(f"checkpoint_every must be a positive integer or None, got {value}")
-    return int(value)
+    return integer(value, "checkpoint_every", least=1, or_none=True)
 
 
 def _ticker(progress: Callable[[float], object] | None, total: int) -> Callable[[], None]:
@@ -453,13 +446,7 @@ def resolve_workers(value: object, func: str) -> int:
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(
-            f"{func}: workers must be a positive integer or None, got {kind_of(value)} {value!r}"
-        )
-    if value < 1:
-        raise ValueError(f"{func}: workers must be a positive integer or None, got {value}")
-    return int(value)
+    return integer(value, f"{func}: workers", least=1, or_none=True)
 
 
 def _groups(batch: int, heads: int, count: int) -> list[tuple[slice, slice]]:

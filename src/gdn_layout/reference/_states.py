@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from .._checks import kind_of
+from .._checks import integer
 from ..packing import empty
 from . import _chunked, _recurrent
 from ._inputs import validate
@@ -139,11 +139,7 @@ def _nothing() -> None:
 
 
 def _chunk_length(value: object) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"chunk must be a positive integer, got {kind_of(value)} {value!r}")
-    if value < 1:
-        raise ValueError(f"chunk must be a positive integer, got {value}")
-    return int(value)
+    return integer(value, "chunk", least=1)
 
 
 def _check_finite(name: str, array: _Array) -> None:
