@@ -12,7 +12,8 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, load_fixture, save_fixture, unpack
-from gdn_layout.check._criterion import DEFAULT_FLOORS, FLOOR_DTYPES, UNIT_ROUNDOFF, K
+from gdn_layout._dtypes import UNIT_ROUNDOFF
+from gdn_layout.check._criterion import DEFAULT_FLOORS, FLOOR_DTYPES, K
 from gdn_layout.check._floors import decode_floors, encode_floors, round_to
 from gdn_layout.files import Fixture, FixtureError
 from gdn_layout.generate import make_fixture

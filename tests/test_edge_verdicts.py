@@ -19,7 +19,7 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
-from gdn_layout.check._criterion import UNIT_ROUNDOFF
+from gdn_layout._dtypes import UNIT_ROUNDOFF
 from gdn_layout.check._floors import term_scales
 from gdn_layout.files import Fixture, load_fixture
 from gdn_layout.generate import make_fixture, write_suite

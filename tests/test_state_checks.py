@@ -283,7 +283,9 @@ def test_the_command_line_writes_and_compares_states(fixture: Fixture, tmp_path:
 
 
 def test_a_chunk_too_long_to_record_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"states must be an integer from 1 to 9+ or None, got 10+"):
+    with pytest.raises(
+        ValueError, match=r"states must be an integer from 1 to 9+ or None, got 10+"
+    ):
         make_fixture(GdnBackwardLayout(1, 4, 1, 2), states=10**19)
 
 

@@ -26,6 +26,14 @@ SPELLINGS: Final = {
 }
 _CANONICAL: Final = {alias: name for name, aliases in SPELLINGS.items() for alias in aliases}
 _ITEMSIZE: Final = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+#: The unit roundoff of each dtype: half its machine epsilon, the largest relative error of
+#: rounding to it.
+UNIT_ROUNDOFF: Final = {
+    "bfloat16": 2.0**-8,
+    "float16": 2.0**-11,
+    "float32": 2.0**-24,
+    "float64": 2.0**-53,
+}
 
 
 def canonical_name(text: str) -> str | None:

@@ -39,6 +39,7 @@ from typing import Any, Final, Literal, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
+from .._dtypes import UNIT_ROUNDOFF
 from .._norms import Norm, finite_rms
 from .._tables import fmt_float
 from ..layout import GRADIENT_NAMES
@@ -48,7 +49,6 @@ __all__ = [
     "DEFAULT_FLOORS",
     "DEFAULT_TOLERANCES",
     "FLOOR_DTYPES",
-    "UNIT_ROUNDOFF",
     "Criterion",
     "Floors",
     "K",
@@ -80,14 +80,6 @@ CALIBRATED_DTYPES: Final = (*FLOOR_DTYPES, "float64")
 #: of one element whose floor is the least one; so its factor is 64.
 #: benchmarks/README.md has the figures.
 K: Final = {"float32": 16.0, "float16": 8.0, "bfloat16": 8.0, "float64": 64.0}
-#: The unit roundoff of each dtype (half its machine epsilon); a floor is never taken below
-#: half of it, the size of the rounding error itself.
-UNIT_ROUNDOFF: Final = {
-    "float32": 2.0**-24,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-    "float64": 2.0**-53,
-}
 #: Floors for fixtures that carry none: ``(rms, max)`` for every gradient, the largest measured
 #: over the first four regimes of the standard suite (float32 inputs), rounded up, when floors
 #: came from the chunked form; the step-by-step floors measured since are all below them.
@@ -447,14 +439,13 @@ DEFAULT_TOLERANCES: Final = {
     "float32": (1.3e-6, 1e-5),
     "float64": (1e-7, 1e-7),
 }
-#: Less precise first.
-_PRECISION_RANK: Final = ("bfloat16", "float16", "float32", "float64", "longdouble")
 
 
 def least_precise(*dtypes: np.dtype[Any]) -> str:
-    """The name of the less precise dtype; one that is not a float is taken as float64."""
-    names = [d.name if d.name in _PRECISION_RANK else "float64" for d in dtypes]
-    return min(names, key=_PRECISION_RANK.index)
+    """The name of the less precise dtype, the one of largest unit roundoff; any other dtype
+    (longdouble, an integer) is taken as float64."""
+    names = [d.name if d.name in UNIT_ROUNDOFF else "float64" for d in dtypes]
+    return max(names, key=UNIT_ROUNDOFF.__getitem__)
 
 
 def _number(what: str, value: object) -> float:

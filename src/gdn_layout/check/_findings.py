@@ -108,6 +108,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._checks import not_a_layout
+from .._dtypes import UNIT_ROUNDOFF
 from ..layout import GdnBackwardLayout, Segment, gradient_axes
 
 __all__ = [
@@ -161,8 +162,8 @@ _PREVIEW: Final = 4096  # elements compared before a candidate offset is scored 
 _WINDOW_ELEMENTS: Final = 32  # the least a run of wrong steps holds, both sides right
 _RIGHT_ELEMENTS: Final = 8  # the least a boundary's right side holds: fewer pass by chance
 _FIT_ERRORS: Final = 10.0
-#: Unit roundoffs by dtype name; a factor within 4 of them of 1 can be one element's rounding.
-_UNIT_ROUNDOFF: Final = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+#: The least ``|c - 1|`` of a scale, unless 4 unit roundoffs of the actual's dtype are more:
+#: a factor that close to 1 can be one element's rounding.
 _LEAST_FACTOR: Final = 1e-3
 _SHOWN: Final = 5  # coordinates, steps or moves a text or a detail lists
 
@@ -335,7 +336,7 @@ class _Context:
         """The least ``|c - 1|`` a fitted factor must have: more than a dominant element's
         rounding, and than the expected values' own rounding in the actual's dtype (large for
         subnormals)."""
-        least = max(_LEAST_FACTOR, 4 * _UNIT_ROUNDOFF.get(self._dtype.name, 0.0))
+        least = max(_LEAST_FACTOR, 4 * UNIT_ROUNDOFF.get(self._dtype.name, 0.0))
         with np.errstate(all="ignore"):
             rounded = self.e.astype(self._dtype).astype(np.float64)
             relative = math.sqrt(float(np.vdot(rounded - self.e, rounded - self.e))) / max(
