@@ -299,8 +299,8 @@ def test_a_chunk_that_is_not_a_positive_integer(
         ("dy", (1, 6, 2, 3), r"dy must have shape \[B, S, H, N\] of q = \(1, 6, 2, 4\), got"),
         ("beta", (1, 6, 3), r"beta must have shape \[B, S, H\] = \(1, 6, 2\), got \(1, 6, 3\)"),
         ("g", (1, 6, 2, 5), r"g must have shape \[B, S, H\] = \(1, 6, 2\) or \[B, S, H, N\]"),
-        ("state", (1, 2, 4, 5), r"state must have shape \[B, H, N, N\] = \(1, 2, 4, 4\), got"),
-        ("q", (6, 2, 4), r"q must have shape \[B, S, H, N\] \(4 dimensions\), got \(6, 2, 4\)"),
+        ("state", (1, 2, 4, 5), r"state must have shape \[B, H, N, N\] = \(1, 2, 4, 4\) of q, got"),
+        ("q", (6, 2, 4), r"q must have 4 dimensions \[B, S, H, N\], got shape \(6, 2, 4\)"),
     ],
 )
 def test_inputs_of_the_wrong_shape(name: str, shape: tuple[int, ...], message: str) -> None:

@@ -264,7 +264,8 @@ def _grads(layout: GdnBackwardLayout) -> list[Any]:
         (
             lambda: _pack(*_grads(LAYOUT)[:3], np.zeros((1, 2)), _grads(LAYOUT)[4]),
             ValueError,
-            "pack: dg must have shape [B, S, H] or [B, S, H, N], got (1, 2)",
+            "pack: dg must have shape [B, S, H] = (1, 2, 3) or [B, S, H, N] = (1, 2, 3, 4) of dq, "
+            "got (1, 2)",
         ),
         (
             lambda: _pack(*_grads(LAYOUT)[:4], np.zeros((1, 2, 4)), layout=LAYOUT),

@@ -365,7 +365,11 @@ def _call(inputs: Inputs, **kwargs: Any) -> Array:
 @pytest.mark.parametrize(
     ("name", "value", "pattern"),
     [
-        ("q", np.zeros((2, 3, 4)), r"q must have shape \[B, S, H, N\].*got \(2, 3, 4\)"),
+        (
+            "q",
+            np.zeros((2, 3, 4)),
+            r"q must have 4 dimensions \[B, S, H, N\], got shape \(2, 3, 4\)",
+        ),
         ("k", np.zeros((2, 3, 4, 4)), r"k must have shape .*\(2, 3, 4, 5\), got \(2, 3, 4, 4\)"),
         ("v", np.zeros((2, 3, 4, 6)), r"v must have shape .*\(2, 3, 4, 5\), got \(2, 3, 4, 6\)"),
         ("dy", np.zeros((1, 3, 4, 5)), r"dy must have shape .*\(2, 3, 4, 5\), got \(1, 3, 4, 5\)"),
@@ -377,7 +381,7 @@ def _call(inputs: Inputs, **kwargs: Any) -> Array:
         (
             "g",
             np.zeros((2, 3, 4, 4)),
-            r"g must .*\[B, S, H, N\] = \(2, 3, 4, 5\), got \(2, 3, 4, 4",
+            r"g must .*\[B, S, H, N\] = \(2, 3, 4, 5\) of q, got \(2, 3, 4, 4",
         ),
         ("beta", np.zeros((2, 3, 4, 5)), r"beta must have shape \[B, S, H\] = \(2, 3, 4\), got"),
         ("state", np.zeros((2, 4, 5, 4)), r"state must have shape \[B, H, N, N\] = \(2, 4, 5, 5\)"),

@@ -427,18 +427,21 @@ class GdnBackwardLayout:
             raise ValueError(
                 f"{first[0]} must have 4 dimensions [B, S, H, N], got shape {first_shape}"
             )
+        b, s, h, n = first_shape
         gate_shape = shape_of(*gate)
-        if len(gate_shape) not in (3, 4):
+        if gate_shape not in ((b, s, h), (b, s, h, n)):
             raise ValueError(
-                f"{gate[0]} must have shape [B, S, H] or [B, S, H, N], got {gate_shape}"
+                f"{gate[0]} must have shape [B, S, H] = {(b, s, h)} or [B, S, H, N] = "
+                f"{(b, s, h, n)} of {first[0]}, got {gate_shape}"
             )
-        layout = cls(
-            *first_shape, gate_per_channel=len(gate_shape) == 4, carry_state=state[1] is not None
+        if state[1] is not None and (state_shape := shape_of(*state)) != (b, h, n, n):
+            raise ValueError(
+                f"{state[0]} must have shape [B, H, N, N] = {(b, h, n, n)} of {first[0]}, "
+                f"got {state_shape}"
+            )
+        return cls(
+            b, s, h, n, gate_per_channel=len(gate_shape) == 4, carry_state=state[1] is not None
         )
-        check_shape(gate[0], gate_shape, layout.shape("dg"), layout)
-        if state[1] is not None:
-            check_shape(state[0], shape_of(*state), layout.shape("dstate"), layout)
-        return layout
 
     def plot(self, **options: Any) -> Picture:
         """:func:`gdn_layout.plot.plot_layout` of this layout, with the same options."""

@@ -223,7 +223,7 @@ def pack(
         layout = _LAYOUTS.get(key)
         if layout is None:
             try:
-                layout = _infer_layout(arrays)
+                layout = GdnBackwardLayout.from_grads(*arrays)
             except (TypeError, ValueError) as error:
                 raise type(error)(f"pack: {error}") from None
             if len(_LAYOUTS) >= 64:
@@ -302,14 +302,6 @@ def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:
 
 
 _LAYOUTS: dict[tuple[tuple[int, ...], int, bool], GdnBackwardLayout] = {}
-
-
-def _infer_layout(arrays: list[NDArray[Any]]) -> GdnBackwardLayout:
-    dq, dg = arrays[0], arrays[3]
-    if dq.ndim == 4 and dg.ndim in (3, 4):
-        batch, seq, heads, state_size = dq.shape
-        return GdnBackwardLayout(batch, seq, heads, state_size, dg.ndim == 4, len(arrays) == 6)
-    return GdnBackwardLayout.from_grads(*arrays)
 
 
 def empty(

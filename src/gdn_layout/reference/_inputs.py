@@ -34,7 +34,6 @@ _SHAPES = {
     "v": "[B, S, H, N] of q",
     "dy": "[B, S, H, N] of q",
     "beta": "[B, S, H]",
-    "state": "[B, H, N, N]",
 }
 
 
@@ -94,22 +93,12 @@ def validate(
         named.append(("dy", dy))
     arrays = {name: _as_floating(name, value) for name, value in named}
 
-    qa = arrays["q"]
-    if qa.ndim != 4:
-        raise ValueError(f"q must have shape [B, S, H, N] (4 dimensions), got {qa.shape}")
-    b, s, h, n = qa.shape
-    ga = arrays["g"]
-    if ga.shape not in ((b, s, h), (b, s, h, n)):
-        raise ValueError(
-            f"g must have shape [B, S, H] = {(b, s, h)} or [B, S, H, N] = {(b, s, h, n)}, "
-            f"got {ga.shape}"
-        )
-    layout = GdnBackwardLayout(
-        b, s, h, n, gate_per_channel=ga.ndim == 4, carry_state="state" in arrays
-    )
+    qa, ga = arrays["q"], arrays["g"]
+    layout = GdnBackwardLayout.from_inputs(qa, ga, arrays.get("state"))
     for name, what in _SHAPES.items():
         if name in arrays:
             _expect_shape(name, arrays[name], layout.input_shape(name), what)
+    n = layout.state_size
 
     seq_axes = (0, 2, 1, 3)
     gate = _converted("g", ga, compute, seq_axes if ga.ndim == 4 else (0, 2, 1))
