@@ -78,7 +78,7 @@ def test_verify_refuses_a_manifest_with_a_5000_digit_integer(
     tmp_path: Path, fixture_path: Path
 ) -> None:
     root = _suite_with_huge_integer(tmp_path / "suite", fixture_path)
-    assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
+    assert_user_error(run("verify", root), "manifest.json is not JSON", "digits")
 
 
 def test_verify_counts_the_fixtures_through_the_suite_module(
@@ -90,8 +90,9 @@ def test_verify_counts_the_fixtures_through_the_suite_module(
     monkeypatch.setattr(
         importlib.import_module("gdn_layout.cli"), "verify_suite", lambda d, **selection: []
     )
-    assert_user_error(run("verify", root), "manifest.json: not JSON", "digits")
-    (root / "manifest.json").write_text(json.dumps({"fixtures": [{"file": "a", "sha256": "0"}]}))
+    assert_user_error(run("verify", root), "manifest.json is not JSON", "digits")
+    manifest = {"format": "gdn-layout-fixture-suite", "fixtures": [{"file": "a", "sha256": "0"}]}
+    (root / "manifest.json").write_text(json.dumps(manifest))
     assert run("verify", root).stdout == f"{root}: 1 fixtures match manifest.json\n"
 
 
@@ -103,7 +104,7 @@ def test_plugin_refuses_a_manifest_with_a_5000_digit_integer(
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-suite", str(root))
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
-    result.stderr.fnmatch_lines(["*gdn-layout: *manifest.json: not JSON*digits*"])
+    result.stderr.fnmatch_lines(["*gdn-layout: *manifest.json is not JSON*digits*"])
 
 
 # -- 1b: names that the output's encoding cannot print ------------------------------------------

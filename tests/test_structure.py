@@ -82,6 +82,7 @@ LAYERS = [
     "files._mapping",
     "files._fixture",
     "files._outputs",
+    "files._manifest",
     "files",
     "reference._inputs",
     "reference._recurrent",

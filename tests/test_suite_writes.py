@@ -120,8 +120,8 @@ def test_overwrite_keeps_what_the_manifest_does_not_list(tmp_path: Path, name: s
     [
         (None, "it has no manifest.json"),
         ('{"fixtures": []}', "its manifest.json is not one gdn-layout wrote"),
-        ('{"format": "gdn-layout-fixture-suite"', "its manifest.json cannot be read"),
-        (b"\xff", "its manifest.json cannot be read"),
+        ('{"format": "gdn-layout-fixture-suite"', "its manifest.json is not JSON"),
+        (b"\xff", "its manifest.json is not JSON"),
     ],
 )
 def test_overwrite_refuses_a_folder_that_is_not_a_suite(

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from gdn_layout import GdnBackwardLayout, load_fixture
+from gdn_layout import GdnBackwardLayout, load_fixture, write_suite
 from gdn_layout.cli import main
 from gdn_layout.files import FixtureError
 from gdn_layout.reference import backward
@@ -71,13 +73,13 @@ def test_verify_checks_the_layout_the_manifest_states(copy: Path) -> None:
 
 
 def test_no_manifest_or_a_broken_one_is_unreadable(tmp_path: Path) -> None:
-    with pytest.raises(FixtureError, match=r"not a suite: no manifest\.json"):
+    with pytest.raises(FixtureError, match=r"not a suite: it has no manifest\.json"):
         verify_suite(tmp_path)
     (tmp_path / MANIFEST).write_text("{")
     with pytest.raises(FixtureError, match="not JSON"):
         load_suite(tmp_path)
     (tmp_path / MANIFEST).write_text('{"fixtures": [{"file": "../x", "sha256": ""}]}')
-    with pytest.raises(FixtureError, match="not a suite manifest"):
+    with pytest.raises(FixtureError, match=r"its manifest\.json is not one gdn-layout wrote"):
         load_suite(tmp_path)
 
 
@@ -247,3 +249,44 @@ def test_plugin_selects_suite_cases(suite: Suite, pytester: pytest.Pytester) -> 
         "extreme",
     )
     result.assert_outcomes(passed=8)  # S = 300 and 513, in four gate and state modes
+
+
+@pytest.mark.parametrize(
+    ("make", "why"),
+    [
+        (lambda p: os.mkfifo(p), r"its manifest\.json cannot be read \(.*a FIFO"),
+        (lambda p: p.mkdir(), r"its manifest\.json cannot be read \(.*a folder"),
+        (lambda p: p.write_bytes(b" " * ((64 << 20) + 1)), "its manifest.json is over 64 MiB"),
+        (lambda p: p.write_text("[" * 100_000), "its manifest.json is not JSON"),
+        (
+            lambda p: p.write_text('{"format": "other", "fixtures": []}'),
+            "its manifest.json is not one gdn-layout wrote",
+        ),
+        (
+            lambda p: p.write_text(
+                json.dumps(
+                    {
+                        "format": "gdn-layout-fixture-suite",
+                        "fixtures": [{"file": "a", "sha256": ""}, {"file": "a", "sha256": ""}],
+                    }
+                )
+            ),
+            "its manifest.json is not one gdn-layout wrote",
+        ),
+    ],
+    ids=["fifo", "folder", "huge", "deep", "format", "twice"],
+)
+def test_a_manifest_is_read_one_way_by_loading_and_by_replacing(
+    tmp_path: Path, make: Callable[[Path], object], why: str
+) -> None:
+    """Loading a suite and deciding whether write_suite may replace a folder read a manifest
+    the same way: never opening a FIFO, never reading past the bound."""
+    root = tmp_path / "suite"
+    root.mkdir()
+    make(root / MANIFEST)
+    with pytest.raises(FixtureError, match=rf"suite: not a suite: {why}"):
+        load_suite(root)
+    with pytest.raises(FixtureError, match=rf"suite: not a suite: {why}"):
+        verify_suite(root)
+    with pytest.raises(FileExistsError, match=rf"suite is not replaced: {why}"):
+        write_suite(root, overwrite=True)

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 from collections import deque
@@ -25,16 +23,15 @@ from . import reference
 from ._checks import integer, not_a_layout
 from ._version import __version__
 from .check._floors import measure_floors, tensor_floors
-from .files._atomic import Temporaries, atomic_write, install_folder, open_regular, remove_abandoned
+from .files._atomic import Temporaries, atomic_write, install_folder, remove_abandoned
 from .files._fixture import (
-    FORMAT,
-    FORMAT_VERSION,
     Fixture,
     GdnInputs,
     check_seed,
     resolve_dtype,
     save_fixture,
 )
+from .files._manifest import MANIFEST, NotASuite, manifest_entry, manifest_text, read_manifest
 from .files._safetensors import dtype_code
 from .layout import GdnBackwardLayout
 from .regimes import REGIMES, draw_gate
@@ -533,21 +530,14 @@ def _non_empty_folder(path: Path) -> bool:
 def _not_a_suite(folder: Path) -> str | None:
     """Why ``folder`` may not be replaced by a suite; None when it holds a suite this library
     wrote (its manifest says so) and nothing but the files that manifest lists."""
-    manifest = folder / "manifest.json"
     try:
-        with open_regular(manifest) as file:
-            document = json.loads(file.read(_MANIFEST_BYTES + 1).decode())
-    except FileNotFoundError:
-        return f"it has no manifest.json, so it is not a suite; {_ADVICE}"
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
-        return f"its manifest.json cannot be read ({err}); {_ADVICE}"
-    listed = _listed_files(document)
-    if listed is None:
-        return f"its manifest.json is not one gdn-layout wrote; {_ADVICE}"
+        listed = {entry["file"] for entry in read_manifest(folder)}
+    except NotASuite as err:
+        return f"{err.why}; {_ADVICE}"
     foreign = sorted(
         entry.name
         for entry in os.scandir(folder)
-        if entry.name != "manifest.json"
+        if entry.name != MANIFEST
         and (entry.name not in listed or not entry.is_file(follow_symlinks=False))
     )
     if foreign:
@@ -559,23 +549,6 @@ def _not_a_suite(folder: Path) -> str | None:
 
 
 _ADVICE: Final = "move it away yourself or choose another folder"
-#: A suite's manifest is at most this long (the standard suite's is about 100 KiB).
-_MANIFEST_BYTES: Final = 64 << 20
-
-
-def _listed_files(document: object) -> set[str] | None:
-    """The file names a manifest written by :func:`write_suite` lists; None for any other
-    document."""
-    if not isinstance(document, dict) or document.get("format") != FORMAT + "-suite":
-        return None
-    entries = document.get("fixtures")
-    if not isinstance(entries, list):
-        return None
-    names = [entry.get("file") if isinstance(entry, dict) else None for entry in entries]
-    if not all(isinstance(name, str) and name and Path(name).name == name for name in names):
-        return None
-    listed = set(names)
-    return listed if len(listed) == len(names) else None  # type: ignore[return-value]
 
 
 def _write_suite_files(
@@ -600,32 +573,27 @@ def _write_suite_files(
         path = save_fixture(root / name, fixture)
         if progress is not None:
             progress((index + 1) / len(cases))
-        data = path.read_bytes()
         entries.append(
-            {
-                "file": name,
-                "layout": layout.to_dict(),
-                "regime": regime,
-                "seed": seed + index,
-                "crosses": {str(c): n for c, n in boundaries_crossed(layout.seq).items()},
-                "identical_rows": identical_rows,
-                "dtype": dtype_code(target, "write_suite"),
-                "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
+            manifest_entry(
+                name,
+                path.read_bytes(),
+                layout=layout.to_dict(),
+                regime=regime,
+                seed=seed + index,
+                crosses={str(c): n for c, n in boundaries_crossed(layout.seq).items()},
+                identical_rows=identical_rows,
+                dtype=dtype_code(target, "write_suite"),
+            )
         )
-    document = {
-        "format": FORMAT + "-suite",
-        "format_version": FORMAT_VERSION,
-        "gdn_layout_version": __version__,
-        "dtype": dtype_code(target, "write_suite"),
-        "seed": seed,
-        "fixtures": entries,
-    }
-    text = (json.dumps(document, indent=1) + "\n").encode()
+    text = manifest_text(
+        entries,
+        gdn_layout_version=__version__,
+        dtype=dtype_code(target, "write_suite"),
+        seed=seed,
+    )
 
     def write(out: IO[bytes]) -> None:
         out.write(text)
 
-    atomic_write(root / "manifest.json", write, overwrite=False)
+    atomic_write(root / MANIFEST, write, overwrite=False)
     return [entry["file"] for entry in entries]

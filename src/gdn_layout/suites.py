@@ -20,7 +20,6 @@ True
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from collections.abc import Callable, Mapping
@@ -38,6 +37,7 @@ from .check._criterion import Floors, Tolerance
 from .check._floors import tensor_floors
 from .check._records import Comparison, GradComparison
 from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
+from .files._manifest import MANIFEST, read_manifest
 from .generate import make_fixture, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .packing import unpack
@@ -54,8 +54,6 @@ __all__ = [
     "verify_suite",
 ]
 
-#: The name of a suite's manifest, in the suite's folder.
-MANIFEST = "manifest.json"
 #: The parts of a kernel besides its gradient that a case can judge, in the order a bisection
 #: compares them: the forward's output, the state entering each chunk, that state's cotangent,
 #: and the state after the last step.
@@ -473,7 +471,7 @@ def suite_files(
     verify_suite : Check them.
     """
     select = _selection(min_seq, regime, crossing, "suite_files")
-    return [entry["file"] for entry in _manifest_entries(Path(directory)) if select(entry)]
+    return [entry["file"] for entry in read_manifest(Path(directory)) if select(entry)]
 
 
 def load_suite(
@@ -550,7 +548,7 @@ def _examine(
 ) -> tuple[list[str], list[Case]]:
     """The problems of the selected cases of the suite at ``root``, and those cases when
     ``keep`` (else none)."""
-    entries = _manifest_entries(root)
+    entries = read_manifest(root)
     problems: list[str] = []
     cases: list[Case] = []
     listed = set()
@@ -569,26 +567,6 @@ def _examine(
     )
     problems.extend(f"{name}: not in the manifest" for name in strays)
     return problems, cases
-
-
-def _manifest_entries(root: Path) -> list[dict[str, Any]]:
-    path = root / MANIFEST
-    if not path.is_file():
-        raise FixtureError(f"{root}: not a suite: no {MANIFEST}")
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as err:  # of JSON, UTF-8, or an integer's digits
-        raise FixtureError(f"{path}: not JSON: {err}") from None
-    entries = document.get("fixtures") if isinstance(document, dict) else None
-    if not isinstance(entries, list) or not all(
-        isinstance(e, dict)
-        and isinstance(e.get("file"), str)
-        and Path(e["file"]).name == e["file"]
-        and isinstance(e.get("sha256"), str)
-        for e in entries
-    ):
-        raise FixtureError(f"{path}: not a suite manifest: no list of fixtures with sha256")
-    return entries
 
 
 def _check_entry(root: Path, entry: Mapping[str, Any]) -> tuple[Fixture | None, str | None]:
