@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib
 import json
@@ -28,7 +29,7 @@ import gdn_layout.files._fixture
 import gdn_layout.files._mapping
 import gdn_layout.files._safetensors
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.files import Fixture, FixtureError, load_fixture, save_fixture
+from gdn_layout.files import Fixture, FixtureError, GdnInputs, load_fixture, save_fixture
 from gdn_layout.generate import draw_inputs, make_fixture, write_suite
 from gdn_layout.regimes import REGIMES
 
@@ -861,3 +862,13 @@ def test_suite_is_reproducible(suite: tuple[Path, list[Path]]) -> None:
         else:
             again = make_fixture(stored.layout, regime=stored.regime, seed=stored.seed)
         _assert_same_fixture(stored, again)
+
+
+def test_a_fixture_opens_with_the_fields_of_its_inputs() -> None:
+    """Fixture spells out GdnInputs' fields so that ``fixture.q`` is typed; they stay one list,
+    in one order, which ``Fixture.inputs`` and the positional constructor rely on."""
+    names = [f.name for f in dataclasses.fields(Fixture)]
+    assert names[: len(GdnInputs._fields)] == list(GdnInputs._fields)
+    fixture = make_fixture(GdnBackwardLayout(1, 2, 1, 2, carry_state=True), seed=1)
+    held = [getattr(fixture, name) for name in GdnInputs._fields]
+    assert all(a is b for a, b in zip(fixture.inputs, held, strict=True))

@@ -257,7 +257,7 @@ class Fixture:
     @property
     def inputs(self) -> GdnInputs:
         """``q, k, v, g, beta, dy, state`` in the reference's argument order."""
-        return GdnInputs(self.q, self.k, self.v, self.g, self.beta, self.dy, self.state)
+        return GdnInputs._make(getattr(self, name) for name in GdnInputs._fields)
 
     def tensors(self) -> dict[str, NDArray[Any]]:
         """The file's tensors by name: ``state`` only when carried, the states when held."""
