@@ -350,7 +350,8 @@ def test_many_loaded_fixtures_hold_no_descriptors(suite: Suite, tmp_path: Path) 
     for i in range(count):
         shutil.copyfile(source, tmp_path / f"f{i}.safetensors")
         entries.append(entry | {"file": f"f{i}.safetensors"})
-    (tmp_path / MANIFEST).write_text(json.dumps({"fixtures": entries}))
+    manifest = {"format": "gdn-layout-fixture-suite", "fixtures": entries}
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
     done = _python(_LOAD_MANY, str(tmp_path), str(count))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"cases": count, "fixtures": count, "fds": 0}

@@ -21,6 +21,8 @@ import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
 from gdn_layout.cli import main
 from gdn_layout.files import load_fixture
+from gdn_layout.files._outputs import FILE_KINDS
+from gdn_layout.regimes import REGIME_SUMMARIES
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -476,3 +478,12 @@ def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     assert result.stderr == ""  # no progress bar into a pipe
     assert result.stdout.startswith("wrote x.st (")
     assert load_fixture(tmp_path / "x.st").layout == GdnBackwardLayout(1, 3, 1, 2)
+
+
+def test_the_help_names_every_regime_and_every_file_kind() -> None:
+    """The help texts come from the regimes and the file readers, so a new one shows up."""
+    fixture_help = " ".join(run("fixture", "--help").stdout.split())
+    for name, text in REGIME_SUMMARIES.items():
+        assert f"{name}: {text}" in fixture_help
+    for command in ("inspect", "compare"):
+        assert FILE_KINDS in " ".join(run(command, "--help").stdout.split())

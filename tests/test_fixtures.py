@@ -604,7 +604,7 @@ def test_fixture_checks_its_tensors() -> None:
     with pytest.raises(ValueError, match=r"dy has shape \(2, 5, 3\), expected \(2, 5, 3, 4\)"):
         Fixture(*x[:5], dy=x.dy[..., 0], state=x.state, y=y, packed=packed)
     assert x.state is not None
-    with pytest.raises(ValueError, match=r"Fixture: state has shape"):
+    with pytest.raises(ValueError, match=r"Fixture: state must have shape \[B, H, N, N\]"):
         Fixture(*x[:6], state=x.state[0], y=y, packed=packed)
     with pytest.raises(TypeError, match="beta must be a NumPy array, got list"):
         Fixture(*x[:4], [0.5], *x[5:], y=y, packed=packed)  # type: ignore[arg-type]

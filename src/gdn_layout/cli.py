@@ -43,11 +43,11 @@ from ._stats import grad_stats, grads_text
 from ._version import __version__
 from .check import compare
 from .files._fixture import FixtureError, load_fixture, save_fixture
-from .files._outputs import PackedFile, open_packed
+from .files._outputs import FILE_KINDS, PackedFile, open_packed
 from .generate import make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
-from .regimes import REGIMES
+from .regimes import REGIME_SUMMARIES, REGIMES
 from .suites import MANIFEST, STATE_TENSORS, compare_states, state_shape, suite_files, verify_suite
 
 __all__ = ["main"]
@@ -97,6 +97,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+#: What ``add_subparsers`` returns: argparse names its class privately.
+_Commands = Any
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gdn-layout",
@@ -108,7 +112,20 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
+    for add in (
+        _describe_command,
+        _fixture_command,
+        _inspect_command,
+        _compare_command,
+        _verify_command,
+        _demo_command,
+    ):
+        add(commands)
+    parser.set_defaults(subcommands=commands.choices)
+    return parser
 
+
+def _describe_command(commands: _Commands) -> None:
     describe = commands.add_parser(
         "describe",
         help="print where each gradient sits in the packed buffer",
@@ -122,6 +139,8 @@ def _parser() -> argparse.ArgumentParser:
     describe.add_argument("--json", action="store_true", help="print JSON instead of a table")
     describe.set_defaults(run=_describe)
 
+
+def _fixture_command(commands: _Commands) -> None:
     fixture = commands.add_parser(
         "fixture",
         help="run the reference and write a fixture file (or a suite of them)",
@@ -138,9 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     fixture.add_argument(
         "--gate-regime",
         choices=REGIMES,
-        help="zero: no decay, where state-path bugs show most; mild: exp(g) near 1; "
-        "strong: exp(g) near 0; mixed: those three (default); qwen: Qwen3-Next's gates, "
-        "-exp(A_log)*softplus(a+dt_bias); extreme: g in [-30, -10]",
+        help="; ".join(f"{name}: {text}" for name, text in REGIME_SUMMARIES.items())
+        + " (default: mixed)",
     )
     target = fixture.add_mutually_exclusive_group(required=True)
     target.add_argument(
@@ -175,25 +193,27 @@ def _parser() -> argparse.ArgumentParser:
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)
 
+
+def _inspect_command(commands: _Commands) -> None:
     inspect = commands.add_parser(
         "inspect",
         help="per-gradient statistics of a packed buffer",
-        description="Per-gradient shape, dtype, min, max, mean, RMS, NaN and Inf counts of a "
-        "fixture, a .npy file or a raw binary file (raw needs --dtype and the layout flags).",
+        description="Per-gradient shape, dtype, min, max, mean, RMS, NaN and Inf counts of "
+        f"{FILE_KINDS} (raw needs --dtype and the layout flags).",
     )
-    inspect.add_argument(
-        "path", metavar="PATH", help="a fixture, a safetensors file, a .npy or a raw file"
-    )
+    inspect.add_argument("path", metavar="PATH", help=FILE_KINDS)
     add_file_arguments(inspect)
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
     inspect.set_defaults(run=_inspect)
 
+
+def _compare_command(commands: _Commands) -> None:
     compare = commands.add_parser(
         "compare",
         help="compare an actual packed buffer with an expected one",
         description="Compare ACTUAL with EXPECTED gradient by gradient. Exit status: 0 within "
-        "tolerance, 1 not, 2 for usage or file errors. Each file is a fixture, a .npy or a raw "
-        "binary file; a fixture supplies the layout.",
+        f"tolerance, 1 not, 2 for usage or file errors. Each file is {FILE_KINDS}; a fixture "
+        "supplies the layout.",
     )
     compare.add_argument(
         "actual", metavar="ACTUAL", help="the kernel's packed gradient, as a file of any kind"
@@ -243,6 +263,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     compare.set_defaults(run=_compare)
 
+
+def _verify_command(commands: _Commands) -> None:
     verify = commands.add_parser(
         "verify",
         help="check a suite's files against its manifest",
@@ -263,6 +285,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify.set_defaults(run=_verify)
 
+
+def _demo_command(commands: _Commands) -> None:
     demo = commands.add_parser(
         "demo",
         help="the whole round trip on a small case, with defaults",
@@ -275,8 +299,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     demo.set_defaults(run=_demo)
-    parser.set_defaults(subcommands=commands.choices)
-    return parser
 
 
 def _layout_from(args: argparse.Namespace) -> GdnBackwardLayout:

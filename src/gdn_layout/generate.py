@@ -54,8 +54,7 @@ def draw_inputs(
 
     ``q`` and ``k`` are L2-normalised over ``N``; ``v``, ``dy`` and ``state`` are standard
     normal; ``beta`` is uniform in ``[0.05, 0.95]``. The log-gate ``g`` is drawn as
-    ``regime`` says (:mod:`gdn_layout.regimes`: ``"zero"``, ``"mild"``, ``"strong"``,
-    ``"mixed"``, ``"qwen"``, ``"extreme"``).
+    ``regime`` says, one of :data:`gdn_layout.regimes.REGIMES`.
 
     Each tensor has its own random stream, so ``q`` is the same for every regime and gate
     mode of a seed, and a layout with ``carry_state`` shares all other inputs with the one

@@ -36,10 +36,19 @@ from typing import Final
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["REGIMES", "draw_gate"]
+__all__ = ["REGIMES", "REGIME_SUMMARIES", "draw_gate"]
 
+#: Each gate regime in a phrase (for help texts), in the standard suite's order.
+REGIME_SUMMARIES: Final = {
+    "zero": "no decay, where state-path bugs show most",
+    "mild": "exp(g) near 1",
+    "strong": "exp(g) near 0",
+    "mixed": "each element one of the three above",
+    "qwen": "Qwen3-Next's gates, -exp(A_log)*softplus(a+dt_bias)",
+    "extreme": "g in [-30, -10], exp(g) down to 1e-13",
+}
 #: Every gate regime, in the standard suite's order.
-REGIMES: Final = ("zero", "mild", "strong", "mixed", "qwen", "extreme")
+REGIMES: Final = tuple(REGIME_SUMMARIES)
 
 
 def draw_gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -21,7 +21,10 @@ from ._fixture import FORMAT, Fixture, load_fixture
 from ._mapping import FileStamp, held, map_file, read_all
 from ._safetensors import FixtureError, looks_like_safetensors
 
-__all__ = ["PackedFile", "open_packed"]
+__all__ = ["FILE_KINDS", "PackedFile", "open_packed"]
+
+#: The kinds of file :func:`open_packed` reads, as help texts name them.
+FILE_KINDS: Final = "a fixture, a plain safetensors file, a .npy or a raw file"
 
 
 class PackedFile(NamedTuple):
