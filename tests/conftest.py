@@ -6,6 +6,7 @@ sizes included; registered here so that every test module draws from the same on
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -16,8 +17,22 @@ from hypothesis import strategies as st
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.generate import write_suite
 
+# One BLAS thread per process: pytest-xdist's workers (started after this runs, with this
+# environment) already use every core, and more threads than cores slow each product down.
+for _variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_variable, "1")
+
 #: pytester runs the gdn-layout pytest plugin on test files of its own (tests/test_suites.py).
 pytest_plugins = ["pytester"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that needs the standard suite is slow: writing it takes 6 to 10 s, once in
+    each worker that runs such a test."""
+    for item in items:
+        if "suite" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

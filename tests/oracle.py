@@ -41,7 +41,9 @@ class OracleResult(NamedTuple):
     from the op's regime (it overflows a dtype when ``peak`` nears that dtype's maximum).
     ``states`` ``[B, S, H, N, N]`` holds the state entering each step, and ``dstates`` its
     cotangent: the gradient of ``sum(y * dy)`` from that step onward (``dstates[:, 0]`` is
-    ``dstate``, defined also for a zero initial state)."""
+    ``dstate``, defined also for a zero initial state). ``dbeta_terms`` is, for each element of
+    ``dbeta``, the sum of the magnitudes of the terms it adds up: a ``dbeta`` far below them
+    (their cancellation) is exact only to their rounding."""
 
     y: Array
     final: Array
@@ -54,6 +56,7 @@ class OracleResult(NamedTuple):
     peak: float
     states: Array
     dstates: Array
+    dbeta_terms: Array
 
 
 def extended(value: ArrayLike) -> Array:
@@ -154,6 +157,7 @@ def oracle(
     dk = np.empty_like(tape.k)
     dv = np.empty_like(tape.v)
     dbeta = np.empty_like(tape.beta)
+    dbeta_terms = np.empty_like(tape.beta)
     dg = np.empty((steps, batch, heads, n) if tape.per_channel else (steps, batch, heads), EXTENDED)
     ds = np.zeros((batch, heads, n, n), dtype=EXTENDED)
     dstates = np.empty_like(tape.prev)
@@ -172,6 +176,7 @@ def oracle(
         du = np.einsum("bhi,bhij->bhj", tape.k[t], ds)  # read before the second update
         dv[t] = beta_t * du
         dbeta[t] = np.sum((tape.v[t] - tape.m[t]) * du, axis=-1)
+        dbeta_terms[t] = np.sum(np.abs((tape.v[t] - tape.m[t]) * du), axis=-1)
         dm = -beta_t * du
         dk[t] = dk_t + np.einsum("bhij,bhj->bhi", p, dm)
         dp = ds + tape.k[t][..., :, None] * dm[..., None, :]
@@ -192,6 +197,7 @@ def oracle(
         peak=peak,
         states=_steps_second(tape.prev),
         dstates=_steps_second(dstates),
+        dbeta_terms=_steps_second(dbeta_terms),
     )
 
 
@@ -212,14 +218,17 @@ def oracle_chunk_states(
     return exact.states[:, ::chunk], exact.dstates[:, ::chunk], exact.final
 
 
-def relative_error(actual: ArrayLike, truth: ArrayLike, dtype: DTypeLike = np.float64) -> float:
+def relative_error(
+    actual: ArrayLike, truth: ArrayLike, dtype: DTypeLike = np.float64, least: float = 0.0
+) -> float:
     """``max|actual - truth| / max|truth|``, computed in long double: the issue's measure of
     a result's accuracy (rounding scales with the largest terms). ``dtype`` is the dtype the
     result was computed in: a truth whose largest magnitude is below that dtype's smallest
     normal number cannot be represented there, so the scale is never taken below it (a state
     that decays to ``1e-500`` is rightly returned as zero). Where the truth is exactly zero
     everywhere, the error is absolute (the inputs are of order one). A result that is not
-    finite has an infinite error."""
+    finite has an infinite error. ``least`` is the least scale: that of the terms a result
+    adds up, when they can cancel far below it."""
     a = extended(actual)
     b = extended(truth)
     if a.shape != b.shape:
@@ -229,7 +238,7 @@ def relative_error(actual: ArrayLike, truth: ArrayLike, dtype: DTypeLike = np.fl
     if not np.all(np.isfinite(a)):
         return float("inf")
     error = np.max(np.abs(a - b))
-    scale = np.max(np.abs(b))
+    scale = max(np.max(np.abs(b)), extended(least))
     if scale == 0:
         return float(error)
     return float(error / max(scale, extended(np.finfo(dtype).tiny)))

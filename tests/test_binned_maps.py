@@ -26,6 +26,7 @@ def _assert_consistent(result: Comparison) -> None:
         assert int(grad.mismatch_map.sum()) == grad.mismatches
 
 
+@pytest.mark.slow
 def test_large_per_batch_maps_are_binned_along_the_sequence() -> None:
     # B * S * H = 2**21 cells: every map binned by 2 along s, the error map with them.
     layout = GdnBackwardLayout(2**10, 2**11, 1, 1)
@@ -43,6 +44,7 @@ def test_large_per_batch_maps_are_binned_along_the_sequence() -> None:
     _assert_consistent(result)
 
 
+@pytest.mark.slow
 def test_a_huge_batch_is_binned_too() -> None:
     layout = GdnBackwardLayout(2**21, 1, 1, 1)
     expected = np.zeros(layout.total_elems, np.float32)

@@ -162,6 +162,7 @@ _TRUNCATED_WHILE_JUDGED = """
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read leases are Linux's")
 def test_a_truncation_while_a_mapped_fixture_is_judged_waits_for_the_judgement(
     fixture_path: Path,
@@ -243,6 +244,7 @@ def _manifest(root: Path) -> dict[str, list[dict[str, object]]]:
     return document
 
 
+@pytest.mark.slow
 @posix_only
 def test_a_fifo_in_place_of_a_listed_file_is_reported(copy: Path) -> None:
     name = str(_manifest(copy)["fixtures"][0]["file"])
@@ -301,6 +303,7 @@ def test_a_huge_sparse_file_is_refused_without_being_read(copy: Path) -> None:
         assert verify_suite(copy) == [f"{path.name}: {huge} bytes, the manifest says 1234"]
 
 
+@pytest.mark.slow
 def test_load_suite_judges_the_bytes_it_hashed(copy: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Each file is read once: what is hashed is what the case holds.
     reads: list[str] = []

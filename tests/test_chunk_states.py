@@ -113,6 +113,7 @@ def check(case: Case, chunk: int, dtype: DTypeLike) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
 @pytest.mark.parametrize("gates", REGIMES)

@@ -110,6 +110,7 @@ def test_plugin_refuses_a_manifest_with_a_5000_digit_integer(
 # -- 1b: names that the output's encoding cannot print ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="bytes file names are POSIX's")
 @pytest.mark.parametrize("encoding", ["ascii:strict", "utf-8:strict"])
 def test_names_that_cannot_be_encoded_are_printed_escaped(
@@ -169,6 +170,7 @@ def test_npy_header_warnings_do_not_add_lines(tmp_path: Path) -> None:
 # -- 1d: stderr closed --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
 def test_a_closed_stderr_disables_progress_and_keeps_the_exit_status(tmp_path: Path) -> None:
     out = tmp_path / "x.safetensors"
@@ -369,6 +371,7 @@ def test_plugin_turns_memory_error_into_a_usage_error(
 # -- 4: SIGTERM cleans up the demo's temporary folder -------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="POSIX")
 def test_sigterm_during_demo_removes_its_temporary_folder(tmp_path: Path) -> None:
     tmp = tmp_path / "tmp"

@@ -67,6 +67,7 @@ def gate_one_step_late(fixture: Fixture) -> NDArray[Any]:
     return backward(x.q, x.k, x.v, late, x.beta, x.dy, x.state, dtype=fixture.dtype)
 
 
+@pytest.mark.slow
 def test_float64_suite_passes_correct_float64_kernels(wide_suite: list[Fixture]) -> None:
     # The spec's step-by-step form is a different order of operations from the reference's.
     failed = [
@@ -77,6 +78,7 @@ def test_float64_suite_passes_correct_float64_kernels(wide_suite: list[Fixture])
     assert failed == []
 
 
+@pytest.mark.slow
 def test_a_flipped_dg_fails_every_float64_case_whose_dg_is_not_zero(
     wide_suite: list[Fixture],
 ) -> None:
@@ -86,6 +88,7 @@ def test_a_flipped_dg_fails_every_float64_case_whose_dg_is_not_zero(
     assert passed == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", [flipped_dg, transposed_dstate, gate_one_step_late])
 def test_float64_catches_what_float32_catches(
     bug: Bug, wide_suite: list[Fixture], narrow_suite: list[Fixture]

@@ -849,6 +849,7 @@ def test_suite_refuses_to_overwrite(suite: tuple[Path, list[Path]]) -> None:
         write_suite(root)
 
 
+@pytest.mark.slow
 def test_suite_is_reproducible(suite: tuple[Path, list[Path]]) -> None:
     _, paths = suite
     for path in paths[-30:-20]:  # the last of S = 513 and the first identical rows

@@ -85,6 +85,7 @@ def test_layout_matches_rust_seed(case: dict[str, Any]) -> None:
     assert layout.slices() == expected_slices, f"slices differ from rust for {args}"
 
 
+@pytest.mark.slow
 def test_committed_table_matches_seed(tmp_path: Path) -> None:
     """The committed table is exactly what the seed computes now, so it cannot drift."""
     seed: Path = REGENERATE.default_seed_path()

@@ -30,6 +30,7 @@ def test_rlx_inputs_put_the_state_before_dy(carry: bool) -> None:
     assert all(a is b for a, b in zip(case.rlx_inputs, expected, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_inputs_as_torch_round_trip_every_dtype(dtype: DTypeLike) -> None:
     torch = pytest.importorskip("torch")

@@ -185,6 +185,7 @@ def test_every_flag_has_help() -> None:
             assert action.help, f"{name} {action.option_strings or action.dest} has no help"
 
 
+@pytest.mark.slow
 def test_tables_fit_100_columns_unless_wide() -> None:
     # A model-sized layout: the widest coordinates a report shows.
     layout = GdnBackwardLayout(12, 1000, 16, 128, gate_per_channel=True, carry_state=True)

@@ -44,6 +44,7 @@ def test_notebook_is_stored_without_outputs_or_magic() -> None:
         assert "pyplot" not in cell.source
 
 
+@pytest.mark.slow
 def test_notebook_runs_and_its_plotting_cells_show_images(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

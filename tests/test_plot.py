@@ -83,6 +83,7 @@ def _border(cells: set[tuple[int, int]]) -> set[frozenset[tuple[float, float]]]:
 # -- the return type: a Figure that shows itself -------------------------------------------
 
 
+@pytest.mark.slow
 def test_both_functions_return_a_picture_that_ipython_shows_as_png() -> None:
     formatters = pytest.importorskip("IPython.core.formatters")
     layout = GdnBackwardLayout(1, 4, 2, 4)
@@ -99,6 +100,7 @@ def test_both_functions_return_a_picture_that_ipython_shows_as_png() -> None:
         )
 
 
+@pytest.mark.slow
 def test_pictures_need_no_pyplot_and_no_gui() -> None:
     # A fresh interpreter whose configured backend is a GUI one that is not installed:
     # drawing, saving and the notebook hook never import pyplot or start that backend.
@@ -181,6 +183,7 @@ def test_plot_layout_on_given_axes_and_empty(tmp_path: Path) -> None:
 # -- plot_errors: where the errors are ----------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("per_channel", "carry"), [(False, False), (True, True)])
 def test_plot_errors_heatmap_locates_the_error(
     tmp_path: Path, per_channel: bool, carry: bool
@@ -430,6 +433,7 @@ def _assert_no_text_cut_off(fig: Figure) -> None:
         assert box.y1 <= height + 0.5, text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", [1, 2, 3])
 @pytest.mark.parametrize("seq", [1, 4, 200])
 def test_integer_ticks_and_no_text_cut_off(heads: int, seq: int) -> None:
@@ -476,6 +480,7 @@ def test_no_text_cut_off_with_large_numbers() -> None:
     _assert_no_text_cut_off(fig)
 
 
+@pytest.mark.slow
 def test_long_axes_label_every_kth_position() -> None:
     layout = GdnBackwardLayout(1, 20_000, 40, 1)
     actual = np.zeros(layout.total_elems)
@@ -550,6 +555,7 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
         _ = plot.Picture
 
 
+@pytest.mark.slow
 def test_readme_picture_script(tmp_path: Path) -> None:
     script = runpy.run_path(str(ROOT / "docs" / "make_figures.py"), run_name="make_figures")
     paths = script["main"](tmp_path)

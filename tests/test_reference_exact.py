@@ -74,20 +74,35 @@ def library(inputs: Inputs, dtype: DTypeLike, **options: Any) -> dict[str, Array
 
 def truth(inputs: Inputs) -> tuple[dict[str, Array], float]:
     """The oracle's results, named as :func:`library`'s, and its peak magnitude."""
+    results, peak, _ = truth_and_scales(inputs)
+    return results, peak
+
+
+def truth_and_scales(inputs: Inputs) -> tuple[dict[str, Array], float, dict[str, float]]:
+    """:func:`truth`, and the least scale of each result's error: a ``dbeta`` of terms that
+    cancel (``beta = 0`` at one step, say) is exact only to their rounding, not its own."""
     state = inputs.get("state")
     q, k, v, g, beta, dy = (inputs[x] for x in ("q", "k", "v", "g", "beta", "dy"))
     exact = oracle(q, k, v, g, beta, dy, state)
     results = {name: getattr(exact, name) for name in RESULTS}
     if state is None:
         del results["final"], results["dstate"]
-    return results, exact.peak
+    terms = float(np.max(exact.dbeta_terms, initial=0.0))
+    return results, exact.peak, {"dbeta": terms}
 
 
 def errors(
-    results: dict[str, Array], exact: dict[str, Array], dtype: DTypeLike
+    results: dict[str, Array],
+    exact: dict[str, Array],
+    dtype: DTypeLike,
+    least: dict[str, float] | None = None,
 ) -> dict[str, float]:
     assert set(results) == set(exact)
-    return {name: relative_error(results[name], exact[name], dtype) for name in exact}
+    least = least or {}
+    return {
+        name: relative_error(results[name], exact[name], dtype, least.get(name, 0.0))
+        for name in exact
+    }
 
 
 def show(values: dict[str, float]) -> str:
@@ -96,8 +111,8 @@ def show(values: dict[str, float]) -> str:
 
 def check_float64(case: Case, **options: Any) -> None:
     inputs = case.draw(np.float64)
-    exact, _ = truth(inputs)
-    measured = errors(library(inputs, np.float64, **options), exact, np.float64)
+    exact, _, least = truth_and_scales(inputs)
+    measured = errors(library(inputs, np.float64, **options), exact, np.float64, least)
     failing = {name: e for name, e in measured.items() if not e <= FLOAT64_BOUND}
     assert not failing, (
         f"{case}: float64 errors above {FLOAT64_BOUND:g}: {show(failing)} (all: {show(measured)})"
@@ -200,6 +215,7 @@ def test_smallest_failing_case(per_channel: bool, dtype: DTypeLike) -> None:
     check(Case(1, 2, 1, 4, gates="const-20", per_channel=per_channel), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
 @pytest.mark.parametrize("gates", [*STRONG_DECAY, "uniform-30,-10", "uniform-80,-5"])
@@ -207,6 +223,7 @@ def test_strong_decay(gates: str, per_channel: bool, carry: bool, dtype: DTypeLi
     check(Case(2, 37, 2, 8, gates=gates, per_channel=per_channel, carry=carry, seed=1), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
 @pytest.mark.parametrize("gates", ["qwen", "spiky", "mixed"])
@@ -238,6 +255,7 @@ def test_mixed_gates_in_float32(per_channel: bool) -> None:
     check_float32(Case(1, 128, 2, 64, gates="mixed", per_channel=per_channel, carry=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
 @pytest.mark.parametrize("beta", ["zero", "one", "mixed"])
@@ -269,6 +287,7 @@ def test_sequence_lengths(seq: int, dtype: DTypeLike) -> None:
         check(case.with_(gates="qwen", seed=seq + 1), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("dtype", "case"),
     [
@@ -328,6 +347,7 @@ def loss(inputs: Inputs) -> tuple[float, float]:
     return float(np.sum(y * dy)), float(np.sum(np.abs(y * dy)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
 @pytest.mark.parametrize(
     "case",
@@ -546,3 +566,10 @@ def test_a_key_too_large_to_square_counts_as_expanding() -> None:
         default = library(inputs, np.float64)
     steps = library(inputs, np.float64, method="recurrent")
     assert all(np.array_equal(default[name], steps[name]) for name in default)
+
+
+def test_a_dbeta_whose_terms_cancel_is_exact_to_their_rounding() -> None:
+    """Found by hypothesis: beta = 0 at the one step of N = 32 leaves a dbeta of 5e-6 from terms
+    of order one; float64 gets it to their rounding (2e-10 of itself, 1e-15 of them)."""
+    case = Case(1, 1, 1, 32, gates="spiky", per_channel=True, carry=True, norms="upto4")
+    check_float64(case.with_(beta="zero", seed=23))

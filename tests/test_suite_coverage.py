@@ -85,6 +85,7 @@ def _dropped_state(fixture: Fixture, t: int, dtype: Any) -> NDArray[Any]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("t", [48, 128, 256])
 @pytest.mark.parametrize("regime", REGIMES)
 def test_a_state_dropped_past_the_first_suites_sequences_fails(t: int, regime: str) -> None:

@@ -100,6 +100,7 @@ def test_overwrite_replaces_the_whole_suite(
     assert _siblings(root) == ["suite"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["model-weights.safetensors", "kernel-output.npy", "notes", ".hidden"]
 )
@@ -210,6 +211,7 @@ def _stopped_replace(root: Path, stop: int, how: str, when: str, mode: str) -> t
     return result.returncode, result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["exchange", "fallback"])
 def test_a_replacement_stopped_anywhere_leaves_one_complete_suite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str
@@ -273,6 +275,7 @@ _RUN = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_concurrent_runs_end_with_one_complete_suite(tmp_path: Path) -> None:
     # The worst interleaving, made deterministic: one run starts, the other runs from start
     # to end while the first is paused, then the first finishes.
@@ -392,6 +395,7 @@ _KILLED_AFTER_EXCHANGE = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_a_kill_just_after_the_exchange_loses_no_file(tmp_path: Path) -> None:
     root = tmp_path / "suite"
     write_suite(root, seed=1)

@@ -83,6 +83,7 @@ def test_no_manifest_or_a_broken_one_is_unreadable(tmp_path: Path) -> None:
         load_suite(tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_verify_exit_codes(
     copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -132,6 +133,7 @@ def test_swapped_heads(gdn_case):
 """
 
 
+@pytest.mark.slow
 def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest.Pytester) -> None:
     root, paths = suite
     pytester.makepyfile(test_kernel=KERNEL_TESTS)
@@ -200,6 +202,7 @@ def test_plugin_usage_errors(pytester: pytest.Pytester, args: list[str], message
     result.stderr.fnmatch_lines([message])
 
 
+@pytest.mark.slow
 def test_load_suite_and_verify_select_by_length_regime_and_boundary(
     suite: Suite, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -62,6 +62,7 @@ def test_any_workers_give_the_same_bits(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("dims", "regime"),
     [
@@ -157,6 +158,7 @@ def test_fixture_files_do_not_depend_on_workers(tmp_path: Path) -> None:
     assert len(digests) == 1
 
 
+@pytest.mark.slow
 def test_a_suite_does_not_depend_on_workers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

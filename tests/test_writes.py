@@ -148,6 +148,7 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path: Pa
             time.sleep(0.01)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name",
     [
@@ -404,6 +405,7 @@ def test_a_replaced_file_keeps_its_setuid_bits_and_owner(
     assert (stat.S_IMODE(status.st_mode), status.st_uid, status.st_gid) == (0o6755, 65534, 65534)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["a\nb.safetensors", "\u00e9" * 60 + ".safetensors", "\U0001f600" * 55 + ".st"]
 )
