@@ -873,3 +873,15 @@ def test_a_fixture_opens_with_the_fields_of_its_inputs() -> None:
     fixture = make_fixture(GdnBackwardLayout(1, 2, 1, 2, carry_state=True), seed=1)
     held = [getattr(fixture, name) for name in GdnInputs._fields]
     assert all(a is b for a, b in zip(fixture.inputs, held, strict=True))
+
+
+def test_a_regime_added_at_the_end_keeps_every_file_of_the_suite_in_its_place() -> None:
+    """Adding a gate regime is a change to gdn_layout.regimes alone: the suite gains every
+    shape in it, after all of today's files, which keep their names, order and seeds."""
+    today = [(case.name, case.regime) for case in generate._suite_cases()]
+    grown = [(case.name, case.regime) for case in generate._suite_cases((*REGIMES, "new"))]
+    assert len(today) == 264
+    assert grown[: len(today)] == today
+    added = grown[len(today) :]
+    assert {regime for _, regime in added} == {"new"}
+    assert len(added) == len(generate._SUITE_SHAPES) * 4  # both gate modes, both state modes

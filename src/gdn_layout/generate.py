@@ -319,10 +319,17 @@ _SUITE_SHAPES: Final = (
 )
 
 
-#: The sets of shapes and the regimes of each, in file order: the first suite (its shapes in
-#: its four regimes), the regimes added since, then the chunk-boundary shapes in every
-#: regime. Every file of an older suite keeps its place, and so its seed and its bytes.
-_SUITE_GROUPS: Final = ((0, REGIMES[:4]), (0, REGIMES[4:]), (1, REGIMES))
+def _suite_groups(regimes: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]:
+    """The sets of shapes (by the suite they came with) and the regimes of each, in file
+    order: the first suite's shapes in its four regimes, then in the two regimes added next,
+    the chunk-boundary shapes in those six, and every shape in any regime added to ``regimes``
+    since. Every file of an older suite keeps its place, and so its seed and its bytes."""
+    return (
+        ((0,), regimes[:4]),
+        ((0,), regimes[4:6]),
+        ((1,), regimes[:6]),
+        ((0, 1), regimes[6:]),
+    )
 
 
 class _SuiteCase(NamedTuple):
@@ -332,10 +339,10 @@ class _SuiteCase(NamedTuple):
     identical_rows: bool
 
 
-def _suite_cases() -> Iterator[_SuiteCase]:
-    for since, regimes in _SUITE_GROUPS:
-        shapes = [case for case in _SUITE_SHAPES if case.since == since]
-        yield from _suite_cases_of(shapes, regimes)
+def _suite_cases(regimes: tuple[str, ...] = REGIMES) -> Iterator[_SuiteCase]:
+    for suites, group in _suite_groups(regimes):
+        shapes = [case for case in _SUITE_SHAPES if case.since in suites]
+        yield from _suite_cases_of(shapes, group)
 
 
 def _suite_cases_of(shapes: list[_Case], regimes: tuple[str, ...]) -> Iterator[_SuiteCase]:
