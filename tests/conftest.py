@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.generate import write_suite
 
-# One BLAS thread per process: pytest-xdist's workers (started after this runs, with this
-# environment) already use every core, and more threads than cores slow each product down.
+# One BLAS thread per process: pytest-xdist's workers already use every core, and more threads
+# than cores slow each product down. It takes effect in the workers, started after this runs
+# with this environment; not in this process (-n 0), whose NumPy the plugin has loaded.
 for _variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 

@@ -480,8 +480,9 @@ def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     assert load_fixture(tmp_path / "x.st").layout == GdnBackwardLayout(1, 3, 1, 2)
 
 
-def test_the_help_names_every_regime_and_every_file_kind() -> None:
+def test_the_help_names_every_regime_and_every_file_kind(monkeypatch: pytest.MonkeyPatch) -> None:
     """The help texts come from the regimes and the file readers, so a new one shows up."""
+    monkeypatch.setenv("COLUMNS", "1000")  # argparse wraps at hyphens too
     fixture_help = " ".join(run("fixture", "--help").stdout.split())
     for name, text in REGIME_SUMMARIES.items():
         assert f"{name}: {text}" in fixture_help

@@ -125,7 +125,11 @@ def test_see_also_comes_before_notes_and_examples(qualname: str) -> None:
     """numpydoc's order, so that renderers put each section where a reader expects it."""
     doc = inspect.getdoc(DOCUMENTED[qualname]) or ""
     heads = re.findall(r"^(\w[\w ]*)\n-{3,}$", doc, re.M)
-    later = [h for h in heads[heads.index("See Also") + 1 :] if h not in ("Notes", "Examples")]
+    later = [
+        h
+        for h in heads[heads.index("See Also") + 1 :]
+        if h not in ("Notes", "References", "Examples")
+    ]
     assert later == [], heads
     if ">>>" in doc:
         assert doc.index(">>>") > doc.index("See Also"), "an example before See Also"

@@ -355,3 +355,11 @@ def test_a_chunk_of_no_steps_is_a_usage_error(argv: list[str]) -> None:
     assert done.returncode == 2
     assert "expected a positive integer, got '0'" in done.stderr
     assert len(done.stderr.splitlines()) == 1
+
+
+def test_a_numpy_chunk_length_is_kept_as_a_python_int() -> None:
+    fixture = make_fixture(GdnBackwardLayout(1, 4, 1, 2, carry_state=True), states=np.int64(2))
+    assert type(fixture.states_chunk) is int
+    assert fixture.states_chunk == 2
+    assert fixture.h is not None
+    assert fixture.h.shape[1] == 2  # chunks of 2 steps

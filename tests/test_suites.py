@@ -193,6 +193,9 @@ def test_plugin_is_idle_unless_asked(pytester: pytest.Pytester) -> None:
         (["--gdn-layout", "1,2,3"], "*--gdn-layout expects B,S,H,N*"),
         (["--gdn-layout", "1,2,x,4"], "*four integers*"),
         (["--gdn-layout", "1,2,1,2", "--gdn-suite", "x"], "*give one of them*"),
+        (["--gdn-crossing", "0"], "*--gdn-crossing: expected a positive integer, got '0'*"),
+        (["--gdn-min-seq", "-1"], "*--gdn-min-seq: expected a non-negative integer, got '-1'*"),
+        (["--gdn-seed", "x"], "*--gdn-seed: expected a non-negative integer, got 'x'*"),
     ],
 )
 def test_plugin_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:
@@ -226,8 +229,21 @@ def test_load_suite_and_verify_select_by_length_regime_and_boundary(
     ("options", "error", "message"),
     [
         ({"regime": "hot"}, ValueError, "load_suite: regime must be one of"),
-        ({"crossing": 0}, ValueError, "load_suite: crossing must be a chunk size >= 1, got 0"),
-        ({"min_seq": 1.5}, TypeError, "load_suite: min_seq must be an int, got float"),
+        (
+            {"crossing": 0},
+            ValueError,
+            "load_suite: crossing must be a positive integer or None, got 0",
+        ),
+        (
+            {"min_seq": 1.5},
+            TypeError,
+            "load_suite: min_seq must be a non-negative integer or None, got float 1.5",
+        ),
+        (
+            {"min_seq": -1},
+            ValueError,
+            "load_suite: min_seq must be a non-negative integer or None, got -1",
+        ),
     ],
 )
 def test_load_suite_selection_errors(

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, Final, Literal, NamedTuple
+from typing import IO, Any, Final, Literal, NamedTuple, SupportsIndex
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -137,7 +137,7 @@ def make_fixture(
     seed: int = 0,
     progress: Callable[[float], object] | None = None,
     calibrate: bool = True,
-    states: int | None = None,
+    states: SupportsIndex | None = None,
     workers: int | None = 1,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
@@ -209,7 +209,7 @@ def make_fixture(
     threads = reference.resolve_workers(workers, "make_fixture")
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
     if states is not None:
-        integer(states, "make_fixture: states", least=1, most=_MAX_CHUNK, or_none=True)
+        states = integer(states, "make_fixture: states", least=1, most=_MAX_CHUNK, or_none=True)
     return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states, threads)
 
 

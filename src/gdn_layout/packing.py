@@ -217,11 +217,11 @@ def pack(
         arrays = [dq, dk, dv, dg, dbeta, dstate]
         shapes = (dq.shape, dk.shape, dv.shape, dg.shape, dbeta.shape, dstate.shape)
     if layout is None:
-        # The layouts of recent calls by (dq's shape, gate rank, state): pack checks every
-        # shape against the layout next.
+        # The layouts of recent calls by (dq's shape, gate rank, state). Shapes that do not
+        # fit the one found are inferred again, for the error the inference raises.
         key = (shapes[0], len(shapes[3]), dstate is not None)
         layout = _LAYOUTS.get(key)
-        if layout is None:
+        if layout is None or shapes != layout.shapes:
             try:
                 layout = GdnBackwardLayout.from_grads(*arrays)
             except (TypeError, ValueError) as error:

@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from ._cli_values import count_arg, positive_arg
 from .regimes import REGIMES
 from .suites import Case
 
@@ -56,13 +57,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--gdn-min-seq",
-        type=int,
+        type=count_arg,
         metavar="S",
         help="with --gdn-suite: only the cases of at least S steps",
     )
     group.addoption(
         "--gdn-crossing",
-        type=int,
+        type=positive_arg,
         metavar="C",
         help="with --gdn-suite: only the cases that cross a boundary of a C-step chunk",
     )
@@ -70,7 +71,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--gdn-dtype", default="float32", help="with --gdn-layout: the cases' dtype (float32)"
     )
     group.addoption(
-        "--gdn-seed", type=int, default=0, help="with --gdn-layout: the inputs' seed (0)"
+        "--gdn-seed", type=count_arg, default=0, help="with --gdn-layout: the inputs' seed (0)"
     )
 
 

@@ -522,11 +522,10 @@ def _selection(
 ) -> Callable[[Mapping[str, Any]], bool]:
     """Whether a manifest entry is selected; an entry whose layout cannot be read is, so that
     checking it reports the problem."""
-    for name, value in (("min_seq", min_seq), ("crossing", crossing)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise TypeError(f"{func}: {name} must be an int, got {type(value).__name__}")
-    if crossing is not None and crossing < 1:
-        raise ValueError(f"{func}: crossing must be a chunk size >= 1, got {crossing}")
+    if min_seq is not None:
+        min_seq = integer(min_seq, f"{func}: min_seq", or_none=True)
+    if crossing is not None:
+        crossing = integer(crossing, f"{func}: crossing", least=1, or_none=True)
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"{func}: regime must be one of {REGIMES}, got {regime!r}")
 

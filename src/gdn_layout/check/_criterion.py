@@ -14,7 +14,7 @@ roundoff, and a float32 floor measured on float32 inputs is the arithmetic's alo
 float64 inputs it also holds their rounding to float32, which only makes it larger).
 
 Each floor, as an error, is taken no lower than half of ``d``'s unit roundoff
-(:data:`UNIT_ROUNDOFF`) times the *scale of the terms* that form the gradient, where that
+(half its machine epsilon) times the *scale of the terms* that form the gradient, where that
 scale is larger than ``rms(expected)``. A gradient can be far below its terms: ``dg`` is
 exactly 0 at a sequence's first step without a carried state, and of order ``exp(g)`` under
 extreme decay, while chunked kernels form it as ``q . dq - k . dk``, a difference of terms of

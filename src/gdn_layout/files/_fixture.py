@@ -169,7 +169,8 @@ class Fixture:
                 )
             )
         if self.states_chunk is not None:
-            integer(self.states_chunk, "Fixture: states_chunk", least=1, or_none=True)
+            chunk = integer(self.states_chunk, "Fixture: states_chunk", least=1, or_none=True)
+            object.__setattr__(self, "states_chunk", chunk)  # a Python int, as a file holds
         for name, array in arrays.items():
             expected = tensor_shape(layout, name, self.states_chunk)
             if array.shape != expected:
