@@ -13,15 +13,15 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import ml_dtypes
 import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from gdn_layout import Case, load_suite, unpack
+from gdn_layout import Case, GdnGrads, load_suite, unpack
 from gdn_layout.check import Criterion
+from gdn_layout.check._criterion import row_scores
 from gdn_layout.check._findings import KINDS, buffer_findings, grad_findings
 from gdn_layout.reference import backward
 
@@ -46,14 +46,27 @@ def cases(suite: tuple[Path, list[Path]]) -> list[Case]:
     return load_suite(suite[0])
 
 
-def _strict(case: Case, judged: str) -> Any:
-    floors, scales = case.fixture.floors, case.fixture.scales
+class _Strict:
+    """Each gradient's calibrated criterion, as compare makes it from the whole expected
+    gradient, :data:`STRICTER` times stricter: a score for the findings, per step too."""
 
-    def score(name: str, a: NDArray[np.float64], e: NDArray[np.float64]) -> float:
-        criterion = Criterion.calibrated(floors, judged, name, e, scales.get(name))
-        return STRICTER * criterion.score(a, e)
+    def __init__(self, case: Case, judged: str, expected: GdnGrads) -> None:
+        floors, scales = case.fixture.floors, case.fixture.scales
+        self.criteria = {
+            name: Criterion.calibrated(
+                floors, judged, name, getattr(expected, name), scales.get(name)
+            )
+            for name in case.layout.names
+        }
 
-    return score
+    def __call__(self, name: str, a: NDArray[np.float64], e: NDArray[np.float64]) -> float:
+        return STRICTER * self.criteria[name].score(a, e)
+
+    def steps(
+        self, name: str, a: NDArray[np.float64], e: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        rows = [(x := np.moveaxis(y, 1, 0)).reshape(x.shape[0], -1) for y in (a, e)]
+        return STRICTER * row_scores(self.criteria[name], *rows)
 
 
 @pytest.mark.slow
@@ -73,7 +86,7 @@ def test_no_correct_kernel_of_the_suite_gets_a_structural_finding(cases: list[Ca
         e = unpack(expected, case.layout)
         for label, out in outputs.items():
             judged = "float32" if label.startswith("float32") else label
-            score = _strict(case, judged)
+            score = _Strict(case, judged, e)
             a = unpack(out, case.layout)
             for name in case.layout.names:
                 tried += score(name, getattr(a, name), getattr(e, name)) > 1

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["CHUNK_ELEMENTS", "Norm", "finite_rms", "rms_ratio_of"]
+__all__ = ["CHUNK_ELEMENTS", "Norm", "finite_rms", "rms_ratio_of", "rms_rows"]
 
 #: Elements converted to float64 at a time, so that statistics of a huge buffer never hold a
 #: float64 copy of all of it.
@@ -79,3 +79,12 @@ def finite_rms(x: NDArray[Any]) -> float:
         norm.add(finite)
         count += finite.size
     return norm.rms(count)
+
+
+def rms_rows(x: NDArray[np.float64], peak: NDArray[np.float64]) -> NDArray[np.float64]:
+    """The RMS of each row of ``x >= 0`` (``[n, m]``), whose largest values are ``peak``:
+    scaled by them, as :class:`Norm` is, so that squaring neither overflows nor underflows."""
+    safe = np.where(peak > 0, peak, 1.0)
+    scaled = x / safe[:, None]
+    sumsq = np.einsum("ij,ij->i", scaled, scaled)
+    return np.where(peak > 0, peak * np.sqrt(sumsq / x.shape[1]), 0.0)

@@ -22,8 +22,9 @@ from ._criterion import (
     checked_floors,
     least_precise,
     per_grad,
+    row_scores,
 )
-from ._findings import Finding, Score, buffer_findings, grad_findings, size_findings
+from ._findings import Finding, buffer_findings, grad_findings, size_findings
 from ._records import Comparison, GradComparison
 from ._scan import cause_maps, scan
 
@@ -128,6 +129,7 @@ def compare(
     term = per_grad("scales", scales)
     grads = []
     criteria: dict[str, Criterion] = {}
+    score = _Score(criteria, floors, judged)  # each gradient's criterion, once it is made
     for seg in layout.segments():
         a = actual[seg.offset : seg.offset + seg.length]
         e = expected[seg.offset : seg.offset + seg.length]
@@ -149,7 +151,7 @@ def compare(
                 a.reshape(seg.shape),
                 e.reshape(seg.shape),
                 layout,
-                _score(criteria, floors, judged),
+                score,
             )
             signed, ratio = cause_maps(seg, a, e)
             grad = dataclasses.replace(
@@ -158,22 +160,36 @@ def compare(
         grads.append(grad)
     whole: tuple[Finding, ...] = ()
     if not all(g.passed for g in grads):
-        whole = buffer_findings(actual, expected, layout, _score(criteria, floors, judged))
+        whole = buffer_findings(actual, expected, layout, score)
     return Comparison(layout, tuple(grads), whole)
 
 
-def _score(criteria: dict[str, Criterion], floors: Floors | None, judged: str) -> Score:
-    """Each gradient's criterion as the findings' score; a gradient of another layout is
-    judged by the calibrated criterion."""
+class _Score:
+    """Each gradient's criterion as the findings' score (with the per-step scores of
+    :data:`~gdn_layout.check._findings.Score`); a gradient of another layout is judged by the
+    calibrated criterion."""
 
-    def score(name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]) -> float:
-        criterion = criteria.get(name)
+    def __init__(self, criteria: dict[str, Criterion], floors: Floors | None, judged: str):
+        self.criteria, self.floors, self.judged = criteria, floors, judged
+
+    def __call__(
+        self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
+    ) -> float:
+        criterion = self.criteria.get(name)
         if criterion is None:
-            dtype = judged if judged in CALIBRATED_DTYPES else "float64"
-            criterion = Criterion.calibrated(floors, dtype, name, expected)
+            dtype = self.judged if self.judged in CALIBRATED_DTYPES else "float64"
+            criterion = Criterion.calibrated(self.floors, dtype, name, expected)
         return criterion.score(actual, expected)
 
-    return score
+    def steps(
+        self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        steps = actual.shape[1]
+        return row_scores(
+            self.criteria[name],
+            np.moveaxis(actual, 1, 0).reshape(steps, -1),
+            np.moveaxis(expected, 1, 0).reshape(steps, -1),
+        )
 
 
 def assert_close(

@@ -40,7 +40,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._dtypes import UNIT_ROUNDOFF
-from .._norms import Norm, finite_rms
+from .._norms import finite_rms, rms_rows
 from .._tables import fmt_float
 from ..layout import GRADIENT_NAMES
 
@@ -58,6 +58,7 @@ __all__ = [
     "floor_for",
     "least_precise",
     "per_grad",
+    "row_scores",
 ]
 
 #: A gradient's floors by dtype name, then gradient name: ``(rms, max)``.
@@ -388,25 +389,38 @@ class Criterion:
         errors of the whole gradient); elementwise, the largest ``|a - e|`` over ``atol +
         rtol * |e|``; by RMS ratio, ``rms(a - e) / rms(e)`` over its limit. Non-finite
         values score ``inf``."""
-        a = np.asarray(actual, np.float64).reshape(-1)
-        e = np.asarray(expected, np.float64).reshape(-1)
-        if a.size == 0:
-            return 0.0
-        if not (np.isfinite(a).all() and np.isfinite(e).all()):
-            return math.inf
-        err = np.abs(a - e)
-        scores = []
-        if self.floor is not None:
-            rms_floor, max_floor = self.errors
-            rms_err = _rms(err)
-            scores.append(_over(float(err.max()), self.limit * max_floor))
-            scores.append(_over(rms_err, self.limit * rms_floor))
-            return max(scores)
-        if self.counts_elements:
-            scores.append(float(np.max(_over_each(err, self.atol + self.rtol * np.abs(e)))))
-        if self.max_rms_ratio is not None:
-            scores.append(_over(_rms(err), self.max_rms_ratio * _rms(e)))
-        return max(scores)
+        a = np.asarray(actual, np.float64).reshape(1, -1)
+        e = np.asarray(expected, np.float64).reshape(1, -1)
+        return float(row_scores(self, a, e)[0])
+
+
+def row_scores(
+    criterion: Criterion, actual: NDArray[np.float64], expected: NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """:meth:`Criterion.score` of each row of two ``[n, m]`` float64 arrays at once: what
+    the findings' per-step scores need, in a few passes rather than ``n`` calls."""
+    c = criterion
+    n, m = actual.shape
+    if m == 0:
+        return np.zeros(n)
+    with np.errstate(all="ignore"):
+        finite = np.isfinite(actual).all(axis=1) & np.isfinite(expected).all(axis=1)
+        err = np.abs(actual - expected)
+        if c.floor is not None:
+            rms_floor, max_floor = c.errors
+            peak = err.max(axis=1)
+            by_max = _over(peak, c.limit * max_floor)
+            scores = np.fmax(by_max, _over(rms_rows(err, peak), c.limit * rms_floor))
+        else:
+            parts = []
+            if c.counts_elements:
+                parts.append(np.max(_over(err, c.atol + c.rtol * np.abs(expected)), axis=1))
+            if c.max_rms_ratio is not None:
+                magnitude = np.abs(expected)
+                allowed = c.max_rms_ratio * rms_rows(magnitude, magnitude.max(axis=1))
+                parts.append(_over(rms_rows(err, err.max(axis=1)), allowed))
+            scores = np.fmax.reduce(parts)
+    return np.where(finite, scores, math.inf)
 
 
 def _compute_dtype(judged: str) -> str:
@@ -414,19 +428,8 @@ def _compute_dtype(judged: str) -> str:
     return "float32" if judged in ("float16", "bfloat16") else judged
 
 
-def _rms(x: NDArray[np.float64]) -> float:
-    norm = Norm()
-    norm.add(np.abs(x))
-    return norm.rms(x.size)
-
-
-def _over(error: float, allowed: float) -> float:
-    if allowed == 0:
-        return 0.0 if error == 0 else math.inf
-    return error / allowed
-
-
-def _over_each(error: NDArray[np.float64], allowed: NDArray[np.float64]) -> NDArray[np.float64]:
+def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:
+    """``error / allowed``, 0 for no error and ``inf`` for an error where none is allowed."""
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(error == 0, 0.0, error / allowed)
 

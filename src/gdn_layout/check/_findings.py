@@ -101,7 +101,7 @@ import functools
 import itertools
 import math
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -148,7 +148,10 @@ GAIN: Final = 4.0
 ROUNDING_MAX: Final = 10.0
 
 #: ``score(gradient_name, actual, expected)``: the error over the criterion's limit for two
-#: float64 arrays of one shape (a whole gradient or a region of it); at most 1 passes.
+#: float64 arrays of one shape (a whole gradient or a region of it); at most 1 passes. A score
+#: with a method ``steps(gradient_name, actual, expected)`` gives the scores of every step
+#: (index along axis 1) at once, as an array: the findings use it for their per-step scores,
+#: instead of calling the score once per step.
 Score = Callable[[str, NDArray[np.float64], NDArray[np.float64]], float]
 
 _Array = NDArray[np.float64]
@@ -158,6 +161,7 @@ _HUGE: Final = 1e30
 _GARBAGE_BINADES: Final = 16.0
 _ALIGNED: Final = 0.99  # cos^2 of a fall that counts: within 10% RMS of e times a factor
 _SIMILAR: Final = 0.5  # cos^2 below which an undone actual is not even scored
+_SCAN_ELEMENTS: Final = 1 << 16  # elements of a block of the unwritten and nonfinite scan
 _PREVIEW: Final = 4096  # elements compared before a candidate offset is scored in full
 _WINDOW_ELEMENTS: Final = 32  # the least a run of wrong steps holds, both sides right
 _RIGHT_ELEMENTS: Final = 8  # the least a boundary's right side holds: fewer pass by chance
@@ -346,6 +350,16 @@ class _Context:
 
     def score(self, a: _Array, e: _Array) -> float:
         return _scored(self._score, self.name, a, e)
+
+    def step_scores(self) -> _Array:
+        """The score of each step of the region (its index along axis 1)."""
+        steps = getattr(self._score, "steps", None)
+        if steps is None:
+            a, e = self.a, self.e
+            return np.array([self.score(a[:, t], e[:, t]) for t in range(a.shape[1])])
+        with np.errstate(all="ignore"):
+            per = np.asarray(steps(self.name, self.a, self.e), dtype=np.float64)
+        return np.where(np.isfinite(per), per, math.inf)
 
     def explain(self, u: _Array, e: _Array) -> tuple[float, float] | None:
         """``(score, factor)`` when ``u`` (an undone actual) explains the error as is or
@@ -577,48 +591,59 @@ class _Scan:
         )
 
 
-def _slabs(x: NDArray[Any], axis: int) -> Iterator[tuple[int, NDArray[Any]]]:
-    """Each index along ``axis`` (0 or 1) and its view of ``x``."""
-    for i in range(x.shape[axis]):
-        yield i, x[i] if axis == 0 else x[:, i]
-
-
 def _scan(name: str, actual: NDArray[Any], expected: _Array) -> _Scan:
-    """One pass, a step (for ``dstate`` a batch element) at a time, in float64."""
+    """One pass in float64, a block of steps (for ``dstate`` of batch elements) at a time, each
+    block at most :data:`_SCAN_ELEMENTS` elements unless one step alone is more."""
     axis = 0 if _step_axis(name) is None else 1
     scan = _Scan(size=actual.size, dtype=actual.dtype, slab_axis="b" if axis == 0 else "s")
     scan.first_value = float(actual.flat[0])
+    count = actual.shape[axis]
+    per_slab = actual.size // count
+    block = max(1, _SCAN_ELEMENTS // max(per_slab, 1))
+    slab_shape = actual.shape[:axis] + actual.shape[axis + 1 :]
     with np.errstate(all="ignore"):
-        for i, slab in _slabs(actual, axis):
-            a = _f64(slab)
-            e = expected[i] if axis == 0 else expected[:, i]
-            fin_a, fin_e = np.isfinite(a), np.isfinite(e)
-            scan.expected_finite &= bool(fin_e.all())
-            scan.expected_zero &= bool((e == 0).all())
-            if e.size and fin_e.all():
-                scan.expected_max = max(scan.expected_max, float(np.abs(e).max()))
-            scan.zeros += int(np.count_nonzero(a == 0))
-            if scan.constant:
-                same = np.isnan(a) if math.isnan(scan.first_value) else a == scan.first_value
-                scan.constant = bool(same.all())
-            mag = np.abs(a)
-            nonzero = fin_a & (mag > 0)
-            scan.tiny += int(np.count_nonzero(nonzero & (mag < _TINY) & (np.abs(e) >= 1e-20)))
-            scan.wild += int(np.count_nonzero(~fin_a | (mag > _HUGE)))
-            logs = np.log2(mag[nonzero])
-            scan.log_n += logs.size
-            scan.log_sum += float(logs.sum())
-            scan.log_sumsq += float(np.square(logs).sum())
-            bad = ~fin_a & fin_e
-            n_bad = int(np.count_nonzero(bad))
-            scan.bad += n_bad
-            scan.bad_per_slab.append(n_bad)
-            if n_bad and len(scan.first_bad) < _SHOWN:
-                for coord in np.argwhere(bad)[: _SHOWN - len(scan.first_bad)]:
-                    full = [int(c) for c in coord]
-                    full.insert(axis, i)
-                    scan.first_bad.append(tuple(full))
+        for i0 in range(0, count, block):
+            part = slice(i0, min(i0 + block, count))
+            # Each slab a row: [slabs, elements], in the slab's own C order.
+            a = _f64(np.moveaxis(actual[part] if axis == 0 else actual[:, part], axis, 0))
+            e = np.moveaxis(expected[part] if axis == 0 else expected[:, part], axis, 0)
+            a, e = a.reshape(a.shape[0], -1), e.reshape(e.shape[0], -1)
+            _scan_block(scan, a, e, i0, axis, slab_shape)
     return scan
+
+
+def _scan_block(
+    scan: _Scan, a: _Array, e: _Array, i0: int, axis: int, slab_shape: tuple[int, ...]
+) -> None:
+    """Add the slabs ``i0, i0 + 1, ...`` (the rows of ``a`` and ``e``, each of
+    ``slab_shape``) to ``scan``."""
+    fin_a, fin_e = np.isfinite(a), np.isfinite(e)
+    rows_finite = fin_e.all(axis=1)
+    scan.expected_finite &= bool(rows_finite.all())
+    scan.expected_zero &= not np.any(e)
+    if e.shape[1] and rows_finite.any():
+        scan.expected_max = max(scan.expected_max, float(np.abs(e[rows_finite]).max()))
+    scan.zeros += a.size - int(np.count_nonzero(a))
+    if scan.constant:
+        same = np.isnan(a) if math.isnan(scan.first_value) else a == scan.first_value
+        scan.constant = bool(same.all())
+    mag = np.abs(a)
+    nonzero = fin_a & (mag > 0)
+    scan.tiny += int(np.count_nonzero(nonzero & (mag < _TINY) & (np.abs(e) >= 1e-20)))
+    scan.wild += int(np.count_nonzero(~fin_a | (mag > _HUGE)))
+    logs = np.log2(mag[nonzero])
+    scan.log_n += logs.size
+    scan.log_sum += float(logs.sum())
+    scan.log_sumsq += float(np.square(logs).sum())
+    bad = ~fin_a & fin_e
+    per_row = np.count_nonzero(bad, axis=1)
+    scan.bad += int(per_row.sum())
+    scan.bad_per_slab.extend(int(n) for n in per_row)
+    if scan.bad and len(scan.first_bad) < _SHOWN:
+        for row, flat in np.argwhere(bad)[: _SHOWN - len(scan.first_bad)]:
+            full = [int(c) for c in np.unravel_index(int(flat), slab_shape)]
+            full.insert(axis, i0 + int(row))
+            scan.first_bad.append(tuple(full))
 
 
 # -- the hypotheses on the float64 region ----------------------------------------------------
@@ -829,9 +854,9 @@ def _boundary(ctx: _Context) -> Finding | None:
     axis = _step_axis(ctx.name)
     if axis is None or ctx.a.shape[axis] < 2:
         return None
-    a, e = ctx.a, ctx.e
+    a = ctx.a
     steps = a.shape[axis]
-    per = np.array([ctx.score(a[:, t], e[:, t]) for t in range(steps)])
+    per = ctx.step_scores()
     fail = per > 1.0
     failing = np.flatnonzero(fail)
     if failing.size == 0 or failing.size == steps:
