@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout
 from gdn_layout.generate import write_suite
+from support import shared_folder
 
 # One BLAS thread per process: pytest-xdist's workers already use every core, and more threads
 # than cores slow each product down. It takes effect in the workers, started after this runs
@@ -30,7 +31,7 @@ pytest_plugins = ["pytester"]
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that needs the standard suite is slow: writing it takes 6 to 10 s, once in
-    each worker that runs such a test."""
+    a session."""
     for item in items:
         if "suite" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
@@ -38,12 +39,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def suite(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
-    """The standard suite, written once with seed 100: its folder and its fixture paths."""
-    root = tmp_path_factory.mktemp("suite")
-    fractions: list[float] = []
-    paths = write_suite(root, seed=100, progress=fractions.append)
-    assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
-    return root, paths
+    """The standard suite, written once with seed 100 for every worker: its folder and its
+    fixture paths."""
+
+    def make(root: Path) -> list[Path]:
+        fractions: list[float] = []
+        paths = write_suite(root, seed=100, progress=fractions.append)
+        assert fractions == [(i + 1) / len(paths) for i in range(len(paths))]
+        return paths
+
+    paths = shared_folder(tmp_path_factory, "suite", make)
+    return paths[0].parent, paths
 
 
 @pytest.fixture

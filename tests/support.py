@@ -1,18 +1,23 @@
-"""Helpers the test modules share: a deadline for code that may hang, and the command line
-run in this process."""
+"""Helpers the test modules share: a deadline for code that may hang, the command line run in
+this process, and folders that pytest-xdist's workers make once for all of them."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
+import json
+import os
 import signal
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from gdn_layout.cli import main
 
-__all__ = ["Hung", "deadline", "run"]
+__all__ = ["Hung", "deadline", "run", "shared_folder"]
 
 
 class Hung(Exception):
@@ -45,3 +50,23 @@ def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
         except SystemExit as exit_:  # argparse's usage errors
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def shared_folder(
+    factory: pytest.TempPathFactory, name: str, make: Callable[[Path], list[Path]]
+) -> list[Path]:
+    """``make(folder)``'s files, made once per test session: under pytest-xdist, by the first
+    worker that asks, in the session's own temporary folder, while the others wait for it
+    (an exclusive lock), then read its list; without workers, in this process's folder.
+
+    The files are shared: a test that changes them works on a copy."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        return make(factory.mktemp(name))
+    session = factory.getbasetemp().parent  # one per session, above every worker's
+    folder, listed = session / name, session / f"{name}.json"
+    with open(session / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not listed.exists():
+            paths = make(folder)
+            listed.write_text(json.dumps([str(path) for path in paths]))
+    return [Path(path) for path in json.loads(listed.read_text())]

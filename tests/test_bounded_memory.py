@@ -60,6 +60,7 @@ def _sparse(path: Path, nbytes: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_large_state_is_compared_in_bounded_memory(tmp_path: Path) -> None:
     # dstate is [1, 1, N, N]: one of its rows is N * N = 16.8 M elements, 128 MiB in float64,
     # which a row-by-row comparison converts at once, several times over.
@@ -84,6 +85,7 @@ def _empty_fixture(layout: GdnBackwardLayout) -> Fixture:
     return Fixture(**arrays, packed=np.zeros(layout.total_elems, np.float32))
 
 
+@pytest.mark.slow
 def test_a_tiny_file_of_huge_dimensions_is_compared_in_bounded_memory(tmp_path: Path) -> None:
     # B=0: no element at all, yet an unbinned S x H error map would be 32 PiB of float64.
     layout = GdnBackwardLayout(0, 2**32, 2**20, 16, carry_state=True)

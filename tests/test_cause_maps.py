@@ -88,6 +88,7 @@ def _assert_maps(grad: GradComparison, a: NDArray[Any], e: NDArray[Any], groups:
     np.testing.assert_allclose(grad.ratio_map.ravel(), ratio, rtol=1e-12, equal_nan=True)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     dims=st.tuples(*(st.integers(1, 4) for _ in range(4))),
@@ -201,6 +202,7 @@ def fixture_and_bugs() -> tuple[Any, Any, NDArray[np.float32]]:
     return layout, fixture, actual
 
 
+@pytest.mark.slow
 def test_ratio_shows_a_scale_as_one_colour(fixture_and_bugs: Any) -> None:
     layout, fixture, actual = fixture_and_bugs
     result = compare(actual, fixture.packed, layout, floors=fixture.floors)
@@ -216,6 +218,7 @@ def test_ratio_shows_a_scale_as_one_colour(fixture_and_bugs: Any) -> None:
     assert np.abs(np.nanmedian(dv[[0, 3]], axis=1) - 1).min() > 0.1
 
 
+@pytest.mark.slow
 def test_signed_shows_the_sign_of_the_largest_error_over_the_batch(fixture_and_bugs: Any) -> None:
     layout, fixture, actual = fixture_and_bugs
     result = compare(actual, fixture.packed, layout, floors=fixture.floors)

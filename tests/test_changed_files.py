@@ -86,6 +86,7 @@ _TRUNCATE_THEN_CHECK = """
 """
 
 
+@pytest.mark.slow
 @posix_only
 def test_a_truncated_mapped_fixture_raises_naming_it(fixture_path: Path) -> None:
     done = _python(_TRUNCATE_THEN_CHECK, str(fixture_path), "4096")
@@ -94,6 +95,7 @@ def test_a_truncated_mapped_fixture_raises_naming_it(fixture_path: Path) -> None
     assert "bytes" in done.stdout  # what it had and what it has
 
 
+@pytest.mark.slow
 @posix_only
 def test_a_truncation_within_the_last_page_does_not_pass(fixture_path: Path) -> None:
     # Past the end of the file but inside its last page, a mapping reads zeros, no SIGBUS.
@@ -103,6 +105,7 @@ def test_a_truncation_within_the_last_page_does_not_pass(fixture_path: Path) -> 
     assert done.stdout.startswith(f"FixtureError: {fixture_path}: changed since it was loaded")
 
 
+@pytest.mark.slow
 @posix_only
 def test_the_command_line_refuses_a_fixture_truncated_after_it_was_opened(
     fixture_path: Path, tmp_path: Path

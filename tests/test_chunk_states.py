@@ -215,6 +215,7 @@ def test_the_final_state_is_forwards(
     assert relative_error(got, final, dtype) <= bound
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     case=st.builds(

@@ -433,6 +433,7 @@ def test_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     assert piped.stderr == ""
 
 
+@pytest.mark.slow
 def test_a_real_terminal_gets_the_progress_bar(tmp_path: Path) -> None:
     # End to end, once: stderr on a pseudo-terminal, as in an interactive shell.
     import pty
@@ -470,6 +471,7 @@ def test_bfloat16_without_its_extra_names_the_extra(
     assert run("describe", "--dtype", "bfloat16").returncode == 0  # byte counts need no extra
 
 
+@pytest.mark.slow
 def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     # End to end: `python -m gdn_layout`, exit statuses and streams as a shell sees them.
     result = run_process("fixture", "-B", "1", "-S", "3", "-H", "1", "-N", "2", "-o", "x.st",

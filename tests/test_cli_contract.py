@@ -157,6 +157,7 @@ def test_npy_header_claiming_an_impossible_shape_is_a_user_error(
     assert_user_error(result, str(path), f"shape {shape}", "float32")
 
 
+@pytest.mark.slow
 def test_npy_header_warnings_do_not_add_lines(tmp_path: Path) -> None:
     path = tmp_path / "huge.npy"
     with open(path, "wb") as file:
@@ -281,6 +282,7 @@ def test_available_memory_is_the_least_of_the_limits(
     )
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
 def test_rlimit_as_is_refused_at_once(tmp_path: Path) -> None:
     # 8 GiB of work under an address-space limit 2 GiB above what the process has mapped:
@@ -432,6 +434,7 @@ def test_compare_plot_refuses_an_existing_file_without_force(
     assert drawn == [str(png)]
 
 
+@pytest.mark.slow
 def test_plot_errors_writes_its_file_atomically(
     fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

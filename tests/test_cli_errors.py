@@ -88,6 +88,7 @@ def test_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
         main(["describe"])
 
 
+@pytest.mark.slow
 def test_a_bug_exits_1_with_a_traceback_from_the_entry_point() -> None:
     script = textwrap.dedent(
         """

@@ -24,6 +24,7 @@ from gdn_layout.check._floors import term_scales
 from gdn_layout.files import Fixture, load_fixture
 from gdn_layout.generate import make_fixture, write_suite
 from gdn_layout.reference import backward
+from support import shared_folder
 
 Bug = Callable[[Fixture], NDArray[Any]]
 
@@ -31,7 +32,9 @@ Bug = Callable[[Fixture], NDArray[Any]]
 @pytest.fixture(scope="module")
 def wide_suite(tmp_path_factory: pytest.TempPathFactory) -> list[Fixture]:
     """The standard suite in float64, with the seed of the session's float32 one."""
-    paths = write_suite(tmp_path_factory.mktemp("wide"), dtype=np.float64, seed=100)
+    paths = shared_folder(
+        tmp_path_factory, "wide", lambda root: write_suite(root, dtype=np.float64, seed=100)
+    )
     return [load_fixture(p) for p in paths]
 
 

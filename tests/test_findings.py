@@ -535,6 +535,7 @@ def test_half_precision_inputs_are_read(dtype: Any) -> None:
     assert found[0].details["factor"] == pytest.approx(2.0, rel=1e-2)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),

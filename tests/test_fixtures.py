@@ -553,6 +553,7 @@ def test_malformed_entry(saved: Path, entry: Any, pattern: str) -> None:
     _fails(_rewrite(saved, lambda h: h.update(beta=entry)), rf"tensor 'beta'.*{pattern}")
 
 
+@pytest.mark.slow
 @settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

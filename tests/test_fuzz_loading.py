@@ -90,6 +90,7 @@ def _expire(signum: int, frame: object) -> None:
     raise TimeoutError(f"loading took more than {HANG} s")
 
 
+@pytest.mark.slow
 @settings(
     max_examples=400,
     deadline=None,

@@ -69,6 +69,7 @@ def test_a_missing_file_names_the_path(tmp_path: Path) -> None:
 # -- headers made to be slow or large ----------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_duplicate_keys_are_found_in_linear_time(tmp_path: Path) -> None:
     # 60,000 keys took 46 s with a quadratic check.
     keys = {f"k{i}": "v" for i in range(60_000)}

@@ -53,6 +53,7 @@ def test_inputs_as_torch_round_trip_every_dtype(dtype: DTypeLike) -> None:
     assert np.array_equal(make_case(LAYOUT, dtype=dtype, seed=2).inputs.q, case.inputs.q)
 
 
+@pytest.mark.slow
 def test_inputs_as_torch_takes_a_dtype_and_requires_grad() -> None:
     torch = pytest.importorskip("torch")
     case = make_case(LAYOUT, seed=3)
@@ -126,6 +127,7 @@ def my_forward(q, k, v, g, beta, state):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["1,5,2,4,state", "2,9,3,8,channel", "1,1,1,8,channel"])
 def test_the_readme_torch_kernel_test_runs_as_written(
     pytester: pytest.Pytester, layout: str

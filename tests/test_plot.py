@@ -132,6 +132,7 @@ def test_picture_module_attribute_and_unknown_name() -> None:
 # -- plot_layout -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("carry", [False, True])
 def test_plot_layout_png(tmp_path: Path, carry: bool) -> None:
     layout = GdnBackwardLayout(2, 64, 4, 16, carry_state=carry)
@@ -303,6 +304,7 @@ def test_too_many_out_cells_to_outline_are_shaded() -> None:
     assert labels == ["out of tolerance (shaded)", "NaN or Inf mismatch"]
 
 
+@pytest.mark.slow
 def test_rms_judged_gradients_are_not_outlined() -> None:
     result, actual = _marked((2, 8, 3, 2))
     expected = np.zeros_like(actual)
@@ -322,6 +324,7 @@ def test_rms_judged_gradients_are_not_outlined() -> None:
     assert all(not _outlined(ax) for ax in panels.values())
 
 
+@pytest.mark.slow
 def test_nonfinite_cells_are_filled_and_marked_with_a_legend() -> None:
     layout = GdnBackwardLayout(2, 8, 2, 4, carry_state=True)
     actual, expected = _buffers(layout)
@@ -356,6 +359,7 @@ def test_nonfinite_cells_are_filled_and_marked_with_a_legend() -> None:
 # -- plot_errors: which panels, batch, chunk ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_panels_failing_by_default_all_when_asked_or_passed() -> None:
     result, _ = _marked((2, 8, 3, 2))
     assert list(_panels(plot_errors(result))) == ["dk"]
@@ -469,6 +473,7 @@ def test_integer_ticks_and_no_text_cut_off(heads: int, seq: int) -> None:
     _assert_no_text_cut_off(one)
 
 
+@pytest.mark.slow
 def test_no_text_cut_off_with_large_numbers() -> None:
     layout = GdnBackwardLayout(1234, 1, 56, 1, gate_per_channel=True, carry_state=True)
     flat = np.zeros(layout.total_elems)
@@ -496,6 +501,7 @@ def test_long_axes_label_every_kth_position() -> None:
 # -- empty, identical, errors ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_plot_errors_identical_and_empty() -> None:
     layout = GdnBackwardLayout(1, 4, 2, 4)
     flat = np.zeros(layout.total_elems)

@@ -27,7 +27,15 @@ def test_the_pages_the_readme_links_exist() -> None:
     assert linked == {f"docs/{page.name}" for page in PAGES}
 
 
-@pytest.mark.parametrize("path", [README, *PAGES], ids=lambda path: path.name)
+@pytest.mark.parametrize(
+    "path",
+    [
+        # memory.md's examples compare buffers of hundreds of MiB.
+        pytest.param(path, marks=pytest.mark.slow) if path.name == "memory.md" else path
+        for path in [README, *PAGES]
+    ],
+    ids=lambda path: path.name,
+)
 def test_examples(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # an example that writes a file in the current folder
     result = doctest.testfile(str(path), module_relative=False, optionflags=doctest.ELLIPSIS)

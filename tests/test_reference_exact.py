@@ -173,6 +173,7 @@ def within_regime(case: Case, dtype: DTypeLike) -> bool:
     return peak < PEAK_LIMIT[np.dtype(dtype)]
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(case=CASES)
 def test_float64_is_exact_in_every_regime(case: Case) -> None:
@@ -180,6 +181,7 @@ def test_float64_is_exact_in_every_regime(case: Case) -> None:
     check_float64(case)
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(case=CASES)
 def test_float32_is_within_ten_times_the_recurrence_in_every_regime(case: Case) -> None:
@@ -194,6 +196,7 @@ def test_checkpoint_interval_does_not_matter(case: Case, every: int) -> None:
     check_float64(case, checkpoint_every=every)
 
 
+@pytest.mark.slow
 @settings(max_examples=20, deadline=None)
 @given(case=CASES)
 def test_the_float64_recurrence_meets_the_bound(case: Case) -> None:
@@ -250,6 +253,7 @@ def test_raw_gaussian_keys(seed: int, carry: bool, dtype: DTypeLike) -> None:
     check(Case(1, 64, 1, 16, norms="raw", per_channel=True, carry=carry, seed=seed), dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
 def test_mixed_gates_in_float32(per_channel: bool) -> None:
     check_float32(Case(1, 128, 2, 64, gates="mixed", per_channel=per_channel, carry=True))

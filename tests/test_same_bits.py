@@ -87,6 +87,7 @@ def _inputs(layout: GdnBackwardLayout, seed: int, zeros: bool, dtype: Any) -> li
     return [a if a is None else a.astype(dtype) for a in (q, k, v, g, beta, dy, state)]
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     layout=st.from_type(GdnBackwardLayout),

@@ -147,6 +147,7 @@ def test_a_correct_kernels_parts_pass(
         assert result.judged_dtype == "float32"
 
 
+@pytest.mark.slow
 def test_states_are_computed_for_a_fixture_that_keeps_none() -> None:
     plain = make_fixture(STATELESS, regime="mixed", seed=2)
     for chunk in (1, 16, 64):
@@ -222,6 +223,7 @@ def test_states(gdn_case):
 """
 
 
+@pytest.mark.slow
 def test_the_plugin_checks_states(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_states=PLUGIN_TEST.replace("BUG", "1"))
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,40,2,4,state")
@@ -314,6 +316,7 @@ except FixtureError as error:
 """
 
 
+@pytest.mark.slow
 def test_states_of_a_truncated_mapped_fixture_raise_instead_of_crashing(tmp_path: Path) -> None:
     path = save_fixture(tmp_path / "plain.safetensors", make_fixture(STATELESS))
     done = subprocess.run(

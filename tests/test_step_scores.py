@@ -61,6 +61,7 @@ def plain_score(c: Criterion, a: Array, e: Array) -> float:
 values = st.sampled_from([0.0, np.nan, np.inf]) | st.floats(1e-100, 1e3) | st.floats(-1e3, -1e-100)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     mode=st.sampled_from(sorted(CRITERIA)),
@@ -104,6 +105,7 @@ class _PerStep:
         return row_scores(self.criteria[name], *rows)
 
 
+@pytest.mark.slow
 @settings(max_examples=40, deadline=None)
 @given(
     t0=st.integers(1, 47),

@@ -110,6 +110,7 @@ LAYERS = [
 ON_DEMAND = {("layout", "plot"), ("check._records", "plot")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module", MODULES)
 def test_a_module_imports_only_modules_below_it(module: str) -> None:
     # A strict order of the modules means no import cycle, deferred imports included.

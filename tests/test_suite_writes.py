@@ -83,6 +83,7 @@ def test_a_failed_suite_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     assert _siblings(root) == []
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_the_whole_suite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -140,6 +141,7 @@ def test_overwrite_refuses_a_folder_that_is_not_a_suite(
     assert _siblings(root) == ["models"]
 
 
+@pytest.mark.slow
 def test_the_command_line_keeps_a_folders_own_files(tmp_path: Path) -> None:
     root = tmp_path / "models"
     root.mkdir()
@@ -296,6 +298,7 @@ def test_concurrent_runs_end_with_one_complete_suite(tmp_path: Path) -> None:
     assert _siblings(root) == ["suite"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("given", [".", "..", "here"])
 def test_the_current_folder_or_one_holding_it_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: str
@@ -313,6 +316,7 @@ def test_the_current_folder_or_one_holding_it_is_refused(
     _check_consistent(here / "suite")
 
 
+@pytest.mark.slow
 def test_a_file_that_arrives_during_a_replacement_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -348,6 +352,7 @@ def _kept_aside(parent: Path) -> list[Path]:
     return [p for p in parent.iterdir() if p.name.startswith(".suite.") and p.is_dir()]
 
 
+@pytest.mark.slow
 def test_an_interrupt_just_after_the_exchange_loses_no_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -409,6 +414,7 @@ def test_a_kill_just_after_the_exchange_loses_no_file(tmp_path: Path) -> None:
     assert (aside / "weights.safetensors").read_bytes() == b"theirs"
 
 
+@pytest.mark.slow
 def test_without_the_exchange_a_file_that_arrives_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -430,6 +436,7 @@ def test_without_the_exchange_a_file_that_arrives_is_kept(
     assert _siblings(root) == ["suite"]
 
 
+@pytest.mark.slow
 def test_two_writers_without_the_exchange_both_succeed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,6 +464,7 @@ def test_two_writers_without_the_exchange_both_succeed(
     assert _siblings(root) == ["suite"]
 
 
+@pytest.mark.slow
 def test_an_abandoned_old_folder_never_replaces_what_took_its_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -162,6 +162,7 @@ def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest
     assert all(line.startswith("E ") and line.endswith(cause) for line in leads), leads
 
 
+@pytest.mark.slow
 def test_plugin_builds_cases_from_a_layout(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_kernel=KERNEL_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,5,2,4,channel,state")
@@ -270,6 +271,7 @@ def test_plugin_selects_suite_cases(suite: Suite, pytester: pytest.Pytester) -> 
     result.assert_outcomes(passed=8)  # S = 300 and 513, in four gate and state modes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "why"),
     [

@@ -42,6 +42,7 @@ def _forward_bytes(x: list[Any], **kwargs: Any) -> bytes:
     return b"".join(part.tobytes() for part in parts)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
     layout=st.from_type(GdnBackwardLayout),
@@ -148,6 +149,7 @@ def test_bad_workers_are_refused_naming_the_argument(
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow
 def test_fixture_files_do_not_depend_on_workers(tmp_path: Path) -> None:
     layout = GdnBackwardLayout(2, 70, 3, 16, gate_per_channel=True, carry_state=True)
     digests = set()

@@ -68,6 +68,7 @@ def _kill_mid_write(target: Path, mode: str) -> None:
     assert writer.returncode == -signal.SIGKILL
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "O_TMPFILE"), reason="no unnamed temporary files here")
 def test_a_writer_killed_mid_write_leaves_no_file(tmp_path: Path) -> None:
     _kill_mid_write(tmp_path / "x.safetensors", "unnamed")
@@ -78,6 +79,7 @@ def _others(folder: Path, *keep: str) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name not in keep)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="temporaries are reclaimed through flock")
 def test_a_killed_writers_named_temporary_is_removed_by_the_next_write(tmp_path: Path) -> None:
     _kill_mid_write(tmp_path / "x.safetensors", "named")
@@ -115,6 +117,7 @@ def _in_new_pid_namespace() -> list[str] | None:
 NAMESPACE = _in_new_pid_namespace()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(NAMESPACE is None, reason="no PID namespace can be made here")
 def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path: Path) -> None:
     # Its process id (1 in its namespace) names a process here: liveness is its held lock.

@@ -1071,7 +1071,6 @@ def buffer_findings(
         if not isinstance(flat, np.ndarray) or flat.shape != (total,):
             got = getattr(flat, "shape", type(flat).__name__)
             raise ValueError(f"buffer_findings: {what} must have shape ({total},), got {got}")
-    expected_f = np.asarray(expected_flat, dtype=np.float64)
     segments = layout.segments()
     other = dataclasses.replace(layout, gate_per_channel=not layout.gate_per_channel)
     found: dict[str, int] = {}
@@ -1081,7 +1080,8 @@ def buffer_findings(
         if region is None:
             continue
         count, shape = region
-        e = expected_f[seg.offset : seg.offset + count].reshape(shape)
+        # Converted a region at a time: never a float64 copy of the whole buffer.
+        e = _f64(expected_flat[seg.offset : seg.offset + count]).reshape(shape)
         base, _ = _segment_score(score, seg.name, actual_flat, seg.offset, count, e, check=False)
         if base <= 1.0:
             found[seg.name] = seg.offset
