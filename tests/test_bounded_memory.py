@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.check import compare
+from gdn_layout.check import Criterion, compare
+from gdn_layout.check._compare import _Score
+from gdn_layout.check._findings import buffer_findings
 from gdn_layout.files import Fixture, save_fixture
 
 MiB = 1 << 20
@@ -128,3 +131,24 @@ def test_a_binned_map_keeps_the_largest_error_of_each_block(
     assert grad.error_map[2, 7] == 3.0
     assert grad.error_map[5, 0] == np.inf
     assert np.count_nonzero(grad.error_map) == 2
+
+
+@pytest.mark.slow
+def test_buffer_findings_hold_a_few_copies_of_one_segment_not_of_the_buffer() -> None:
+    """The layout finding reads a segment at a time in float64 ("a few float64 copies of the
+    region"); the whole buffer in float64 would be 25 MiB on top."""
+    layout = GdnBackwardLayout(4, 512, 8, 64, carry_state=True)
+    expected = np.random.default_rng(0).standard_normal(layout.total_elems).astype(np.float32)
+    actual = expected.copy()
+    unpack(actual, layout).dq[...] = unpack(expected, layout).dq[:, ::-1]
+    e = unpack(expected, layout)
+    criteria = {n: Criterion.calibrated(None, "float32", n, getattr(e, n)) for n in layout.names}
+    segment = max(seg.length for seg in layout.segments()) * 8
+    tracemalloc.start()
+    try:
+        buffer_findings(actual, expected, layout, _Score(criteria, None, "float32"))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert layout.total_elems * 8 > 3 * segment  # a whole copy would show
+    assert peak <= 6 * segment, (peak / MiB, segment / MiB)
