@@ -182,16 +182,17 @@ def test_a_truncation_while_a_mapped_fixture_is_judged_waits_for_the_judgement(
     assert lines[2].startswith(f"after: {fixture_path}: changed since it was loaded")
 
 
-def _rewrite_packed(path: Path) -> None:
-    """Flip bits of the packed gradient in place: the same size, the same inode."""
-    data = bytearray(path.read_bytes())
-    length = int.from_bytes(data[:8], "little")
-    begin, end = json.loads(data[8 : 8 + length])["packed"]["data_offsets"]
-    packed = slice(8 + length + begin + 3, 8 + length + end, 4)  # the high byte of each float
-    data[packed] = bytes(b ^ 0x40 for b in data[packed])
+def _rewrite_packed(*paths: Path) -> None:
+    """Flip bits of each file's packed gradient in place: the same size, the same inode."""
     time.sleep(0.02)  # a new modification time at any filesystem's timestamp granularity
-    with open(path, "r+b") as file:
-        file.write(data)
+    for path in paths:
+        data = bytearray(path.read_bytes())
+        length = int.from_bytes(data[:8], "little")
+        begin, end = json.loads(data[8 : 8 + length])["packed"]["data_offsets"]
+        packed = slice(8 + length + begin + 3, 8 + length + end, 4)  # each float's high byte
+        data[packed] = bytes(b ^ 0x40 for b in data[packed])
+        with open(path, "r+b") as file:
+            file.write(data)
 
 
 @pytest.mark.usefixtures("mapped")
@@ -320,9 +321,9 @@ def test_load_suite_judges_the_bytes_it_hashed(copy: Path, monkeypatch: pytest.M
     cases = load_suite(copy)
     names = [str(e["file"]) for e in _manifest(copy)["fixtures"]]
     assert sorted(reads) == sorted(names)
-    for case in cases:
-        assert case.path is not None
-        _rewrite_packed(case.path)  # after the check: the cases keep what was checked
+    assert all(case.path is not None for case in cases)
+    # After the check: the cases keep what was checked.
+    _rewrite_packed(*(case.path for case in cases if case.path is not None))
     for case in cases:
         assert not isinstance(case.expected, np.memmap)
         assert case.check(np.array(case.expected)).passed
