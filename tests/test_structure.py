@@ -85,6 +85,7 @@ LAYERS = [
     "files._outputs",
     "files._manifest",
     "files",
+    "reference._threads",
     "reference._inputs",
     "reference._recurrent",
     "reference._chunk_math",

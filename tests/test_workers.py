@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,8 @@ from gdn_layout import GdnBackwardLayout
 from gdn_layout.cli import main
 from gdn_layout.files import save_fixture
 from gdn_layout.generate import draw_inputs, make_fixture, write_suite
-from gdn_layout.reference import backward, forward
+from gdn_layout.reference import backward, chunk_states, forward
+from gdn_layout.reference._threads import groups, mapped
 
 Array = NDArray[Any]
 METHODS = ("chunked", "recurrent")
@@ -42,6 +44,10 @@ def _forward_bytes(x: list[Any], **kwargs: Any) -> bytes:
     return b"".join(part.tobytes() for part in parts)
 
 
+def _states_bytes(x: list[Any], **kwargs: Any) -> bytes:
+    return b"".join(part.tobytes() for part in chunk_states(*x, **kwargs))
+
+
 @pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(
@@ -50,9 +56,10 @@ def _forward_bytes(x: list[Any], **kwargs: Any) -> bytes:
     method=st.sampled_from(METHODS),
     dtype=st.sampled_from((np.float32, np.float64)),
     workers=st.integers(2, 7),
+    chunk=st.integers(1, 9),
 )
 def test_any_workers_give_the_same_bits(
-    layout: GdnBackwardLayout, regime: str, method: str, dtype: Any, workers: int
+    layout: GdnBackwardLayout, regime: str, method: str, dtype: Any, workers: int, chunk: int
 ) -> None:
     x = _inputs(layout, regime, seed=layout.seq)
     one = backward(*x, dtype=dtype, method=method)  # type: ignore[arg-type]
@@ -61,6 +68,8 @@ def test_any_workers_give_the_same_bits(
     assert _forward_bytes(x, dtype=dtype, method=method) == _forward_bytes(
         x, dtype=dtype, method=method, workers=workers
     )
+    options = {"dtype": dtype, "method": method, "chunk": chunk}
+    assert _states_bytes(x, **options) == _states_bytes(x, workers=workers, **options)
 
 
 @pytest.mark.slow
@@ -83,24 +92,26 @@ def test_larger_cases_give_the_same_bits_on_every_count(
     for dtype in (np.float32, np.float64):
         one = backward(*x, dtype=dtype, method=method)  # type: ignore[arg-type]
         reference_y = _forward_bytes(x, dtype=dtype, method=method)
+        states = _states_bytes(x, dtype=dtype, method=method, chunk=64)
         for workers in (2, 3, b * h + 1, None):
             kwargs: dict[str, Any] = {"dtype": dtype, "method": method, "workers": workers}
             assert _same(one, backward(*x, **kwargs)), (dtype, workers)
             assert _forward_bytes(x, **kwargs) == reference_y, (dtype, workers)
+            assert _states_bytes(x, chunk=64, **kwargs) == states, (dtype, workers)
 
 
 def test_the_groups_cover_every_batch_element_and_head_once() -> None:
     for batch, heads in [(1, 1), (1, 16), (2, 3), (5, 2), (3, 7), (0, 4), (4, 0)]:
         for count in range(1, 12):
-            groups = reference._groups(batch, heads, count)
+            parts = groups(batch, heads, count)
             seen = [
                 (b, h)
-                for rows, cols in groups
+                for rows, cols in parts
                 for b in range(batch)[rows]
                 for h in range(heads)[cols]
             ]
             assert sorted(seen) == [(b, h) for b in range(batch) for h in range(heads)]
-            assert len(groups) <= max(1, count + batch - 1)
+            assert len(parts) <= max(1, count + batch - 1)
 
 
 def test_progress_reaches_one_from_every_thread() -> None:
@@ -139,6 +150,7 @@ def test_bad_workers_are_refused_naming_the_argument(
     calls: dict[str, Callable[[], object]] = {
         "forward": lambda: forward(x[0], x[1], x[2], x[3], x[4], workers=value),  # type: ignore[call-overload]
         "backward": lambda: backward(*x, workers=value),  # type: ignore[arg-type]
+        "chunk_states": lambda: chunk_states(*x, workers=value),  # type: ignore[arg-type]
         "make_fixture": lambda: make_fixture(layout, workers=value),  # type: ignore[arg-type]
         "write_suite": lambda: write_suite(tmp_path / "s", workers=value),  # type: ignore[arg-type]
     }
@@ -154,7 +166,7 @@ def test_fixture_files_do_not_depend_on_workers(tmp_path: Path) -> None:
     layout = GdnBackwardLayout(2, 70, 3, 16, gate_per_channel=True, carry_state=True)
     digests = set()
     for workers in (1, 2, 5, None):
-        fixture = make_fixture(layout, regime="qwen", seed=4, workers=workers)
+        fixture = make_fixture(layout, regime="qwen", seed=4, states=16, workers=workers)
         path = save_fixture(tmp_path / f"w{workers}.safetensors", fixture)
         digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
     assert len(digests) == 1
@@ -197,3 +209,33 @@ def test_the_command_line_takes_workers(tmp_path: Path, capsys: pytest.CaptureFi
         assert f"argument --workers: expected a positive integer, got '{bad}'" in (
             capsys.readouterr().err
         )
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_inputs_converted_on_threads_name_the_first_bad_one(workers: int) -> None:
+    """Converted side by side, the inputs are still checked in the plain order (g, q, k, v,
+    beta, state, dy): the first bad one is named, whichever thread finds it first."""
+    x = _inputs(GdnBackwardLayout(1, 6, 2, 4, carry_state=True), "mixed", seed=0)
+    q, k, v, g, beta, dy, state = (np.array(a) for a in x)
+    v[0, 3, 1, 2] = np.nan
+    dy[0, 0, 0, 0] = np.inf
+    for call in (backward, chunk_states):
+        with pytest.raises(ValueError, match=r"^v must be finite in float64, got nan at index"):
+            call(q, k, v, g, beta, dy, state, workers=workers)
+    with pytest.raises(ValueError, match=r"^dy must be finite in float64, got inf at index"):
+        backward(q, k, np.array(x[2]), g, beta, dy, state, workers=workers)
+
+
+def test_mapped_raises_what_the_plain_loop_raises_first() -> None:
+    def slow_then_fail(item: int) -> int:
+        if item == 0:
+            time.sleep(0.05)  # fails after item 1 has failed, on another thread
+            raise KeyError("first")
+        if item == 1:
+            raise ValueError("second")
+        return item
+
+    assert mapped(lambda item: item * 2, range(5), 3) == [0, 2, 4, 6, 8]
+    for threads in (1, 2):
+        with pytest.raises(KeyError, match="first"):
+            mapped(slow_then_fail, range(3), threads)

@@ -275,7 +275,9 @@ def reference_outputs(
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}
     if states is not None:
-        h, dh, final = reference.chunk_states(*x, chunk=states, dtype=dtype, method=method)
+        h, dh, final = reference.chunk_states(
+            *x, chunk=states, dtype=dtype, method=method, workers=workers
+        )
         outputs.update(h=h, dh=dh)
     if final is not None:
         outputs["final_state"] = final

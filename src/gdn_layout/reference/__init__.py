@@ -59,21 +59,19 @@ length, about the size of the inputs.
 from __future__ import annotations
 
 import math
-import os
 import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from .._checks import integer
-from ..layout import GdnBackwardLayout
 from ..packing import GdnGrads, check_out, unpack
 from . import _chunked, _recurrent
-from ._inputs import Inputs, validate
+from ._inputs import Inputs, part_inputs, validate
 from ._states import chunk_states
+from ._threads import groups, resolve_workers, spread
 
 __all__ = [
     "Method",
@@ -196,9 +194,9 @@ def forward(
     True
     """
     carried = state is not None
-    inputs = validate(q, k, v, g, beta, state, None, dtype)
-    _check_method(method)
     threads = resolve_workers(workers, "forward")
+    inputs = validate(q, k, v, g, beta, state, None, dtype, threads)
+    _check_method(method)
     b, h, s, n = inputs.q.shape
     y = np.empty((b, s, h, n), dtype=inputs.q.dtype)
     final = (
@@ -207,10 +205,10 @@ def forward(
         else (inputs.state.copy())
     )
     recurrent = _form(method, inputs) == "recurrent"
-    stacks = [] if recurrent else _chunked.forward_plan(inputs)
+    stacks = [] if recurrent else _chunked.forward_plan(inputs, threads)
 
     def run(batch: slice, heads: slice) -> None:
-        part = _part(inputs, batch, heads)
+        part = part_inputs(inputs, batch, heads)
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
             if recurrent:
                 _recurrent.forward_steps(part, final[batch, heads], 0, s, y=y[batch, :, heads])
@@ -218,7 +216,7 @@ def forward(
                 plan = _chunked.part_of(stacks, batch, heads)
                 _chunked.forward(part, final[batch, heads], y[batch, :, heads], plan)
 
-    _spread(run, b, h, threads)
+    spread(run, b, h, threads)
     _check_result("forward", "y", y)
     _check_result("forward", "the final state", final)
     return (y, final) if carried else y
@@ -316,9 +314,9 @@ def backward(
     >>> bool(np.array_equal(backward(q, k, v, g, beta, dy, state, workers=None), flat))
     True
     """
-    inputs = validate(q, k, v, g, beta, state, dy, dtype)
-    _check_method(method)
     threads = resolve_workers(workers, "backward")
+    inputs = validate(q, k, v, g, beta, state, dy, dtype, threads)
+    _check_method(method)
     layout = inputs.layout
     every = _checkpoint_interval(checkpoint_every, layout.seq)
     if out is None:
@@ -335,12 +333,12 @@ def backward(
     if checkpoint_every is None and form == "chunked":
         every = _chunked.default_interval(layout.seq, layout.state_size)
     grads = unpack(flat, layout)
-    stacks = [] if form == "recurrent" else _chunked.backward_plan(inputs, every)
-    groups = _groups(layout.batch, layout.heads, threads)
-    tick = _ticker(progress, 2 * math.ceil(layout.seq / every) * len(groups))
+    stacks = [] if form == "recurrent" else _chunked.backward_plan(inputs, every, threads)
+    parts = groups(layout.batch, layout.heads, threads)
+    tick = _ticker(progress, 2 * math.ceil(layout.seq / every) * len(parts))
 
     def run(batch: slice, heads: slice) -> None:
-        part = _part(inputs, batch, heads)
+        part = part_inputs(inputs, batch, heads)
         views = GdnGrads(
             grads.dq[batch, :, heads],
             grads.dk[batch, :, heads],
@@ -355,7 +353,7 @@ def backward(
             else:
                 _chunked.backward(part, views, _chunked.part_of(stacks, batch, heads), tick)
 
-    _spread(run, layout.batch, layout.heads, threads)
+    spread(run, layout.batch, layout.heads, threads)
     for name, grad in zip(layout.names, grads, strict=False):
         if grad is not None:
             _check_result("backward", name, grad)
@@ -423,83 +421,3 @@ def _ticker(progress: Callable[[float], object] | None, total: int) -> Callable[
             progress(done / total)
 
     return tick
-
-
-def resolve_workers(value: object, func: str) -> int:
-    """The number of threads ``workers=value`` asks ``func`` for: a positive integer as
-    given, or for None the cores this process may use.
-
-    See Also
-    --------
-    reference.backward : Takes ``workers``.
-    make_fixture : Takes ``workers``.
-
-    Examples
-    --------
-    >>> resolve_workers(3, "backward")
-    3
-    >>> resolve_workers(None, "backward") >= 1
-    True
-    """
-    if value is None:
-        try:
-            return max(1, len(os.sched_getaffinity(0)))
-        except AttributeError:  # not on Linux
-            return max(1, os.cpu_count() or 1)
-    return integer(value, f"{func}: workers", least=1, or_none=True)
-
-
-def _groups(batch: int, heads: int, count: int) -> list[tuple[slice, slice]]:
-    """At most ``count`` groups of batch elements and heads, ``(batch, heads)`` slices that
-    cover every pair once: whole batch elements while there are enough of them, else each
-    batch element's heads in ranges."""
-    count = max(1, min(count, batch * heads))
-    if count == 1 or batch == 0 or heads == 0:
-        return [(slice(0, batch), slice(0, heads))]
-    if batch >= count:
-        return [(rows, slice(0, heads)) for rows in _ranges(batch, count)]
-    per_row = -(-count // batch)
-    return [(slice(row, row + 1), part) for row in range(batch) for part in _ranges(heads, per_row)]
-
-
-def _ranges(size: int, count: int) -> Iterator[slice]:
-    """``[0, size)`` in ``min(count, size)`` contiguous ranges of near-equal length."""
-    count = min(count, size)
-    for index in range(count):
-        yield slice(size * index // count, size * (index + 1) // count)
-
-
-def _spread(run: Callable[[slice, slice], None], batch: int, heads: int, threads: int) -> None:
-    """``run(batch, heads)`` on each group of :func:`_groups`, on ``threads`` threads."""
-    groups = _groups(batch, heads, threads)
-    if len(groups) == 1:
-        run(*groups[0])
-        return
-    with ThreadPoolExecutor(max_workers=min(threads, len(groups))) as pool:
-        for done in [pool.submit(run, *group) for group in groups]:
-            done.result()
-
-
-def _part(x: Inputs, batch: slice, heads: slice) -> Inputs:
-    """The inputs of the batch elements ``batch`` and heads ``heads``, as views."""
-    b = len(range(*batch.indices(x.q.shape[0])))
-    h = len(range(*heads.indices(x.q.shape[1])))
-    layout = GdnBackwardLayout(
-        b,
-        x.layout.seq,
-        h,
-        x.layout.state_size,
-        gate_per_channel=x.layout.gate_per_channel,
-        carry_state=x.layout.carry_state,
-    )
-    return Inputs(
-        q=x.q[batch, heads],
-        k=x.k[batch, heads],
-        v=x.v[batch, heads],
-        g=x.g[batch, heads],
-        beta=x.beta[batch, heads],
-        state=None if x.state is None else x.state[batch, heads],
-        dy=None if x.dy is None else x.dy[batch, heads],
-        layout=layout,
-        scale=x.scale,
-    )

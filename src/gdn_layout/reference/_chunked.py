@@ -64,6 +64,7 @@ from ._chunk_math import (
 )
 from ._inputs import Inputs
 from ._recurrent import Boundaries, row_scale
+from ._threads import mapped
 
 _Array = NDArray[Any]
 
@@ -312,32 +313,34 @@ class Stack(NamedTuple):
     pairs: _Array | None
 
 
-def plan(x: Inputs, every: int, length: int) -> list[Stack]:
+def plan(x: Inputs, every: int, length: int, threads: int = 1) -> list[Stack]:
     """The stacks of ``every`` steps, in chunks of at most ``length``, that :func:`forward` and
     :func:`backward` take: formed for all batch elements and heads at once, so that a part of
     them (:func:`part_of`) is computed exactly as the whole would be. A chunk is cut short
     where any head's decay calls for it, and the pair decays' exponents are one matrix
-    product over all heads."""
-    stacks = []
-    for t0 in range(0, x.q.shape[2], every):
-        bounds = chunk_bounds(x.g, t0, min(t0 + every, x.q.shape[2]), length)
+    product over all heads. Stacks are independent: ``threads`` form them side by side."""
+    seq = x.q.shape[2]
+
+    def stack(t0: int) -> Stack:
+        bounds = chunk_bounds(x.g, t0, min(t0 + every, seq), length)
         pairs = None
         if x.g.shape[-1] == 1:
             gates = _gather(x.g, bounds, max(c1 - c0 for c0, c1 in bounds))
             pairs = pair_decay(gates[..., 0], _WIDE)
-        stacks.append(Stack(bounds, pairs))
-    return stacks
+        return Stack(bounds, pairs)
+
+    return mapped(stack, range(0, seq, every), threads)
 
 
-def forward_plan(x: Inputs) -> list[Stack]:
+def forward_plan(x: Inputs, threads: int = 1) -> list[Stack]:
     """The plan of :func:`forward`."""
     n = x.q.shape[3]
-    return plan(x, default_interval(x.q.shape[2], n), chunk_length(n))
+    return plan(x, default_interval(x.q.shape[2], n), chunk_length(n), threads)
 
 
-def backward_plan(x: Inputs, every: int) -> list[Stack]:
+def backward_plan(x: Inputs, every: int, threads: int = 1) -> list[Stack]:
     """The plan of :func:`backward` for stacks of ``every`` steps."""
-    return plan(x, every, min(every, chunk_length(x.q.shape[3])))
+    return plan(x, every, min(every, chunk_length(x.q.shape[3])), threads)
 
 
 def part_of(stacks: list[Stack], batch: slice, heads: slice) -> list[Stack]:

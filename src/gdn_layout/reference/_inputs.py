@@ -10,6 +10,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from .._dtypes import is_floating
 from ..layout import GdnBackwardLayout
+from ._threads import mapped
 
 _Array = NDArray[Any]
 
@@ -84,7 +85,9 @@ def validate(
     state: ArrayLike | None,
     dy: ArrayLike | None,
     dtype: DTypeLike,
+    threads: int = 1,
 ) -> Inputs:
+    """The inputs checked and converted, on up to ``threads`` threads."""
     compute = _computation_dtype(dtype)
     named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
     if state is not None:
@@ -101,21 +104,60 @@ def validate(
     n = layout.state_size
 
     seq_axes = (0, 2, 1, 3)
-    gate = _converted("g", ga, compute, seq_axes if ga.ndim == 4 else (0, 2, 1))
-    if ga.ndim == 3:
-        gate = gate[..., None]
+    axes = {
+        "g": seq_axes if ga.ndim == 4 else (0, 2, 1),
+        "q": seq_axes,
+        "k": seq_axes,
+        "v": seq_axes,
+        "beta": (0, 2, 1),
+        "state": (0, 1, 2, 3),
+        "dy": seq_axes,
+    }
+    # In this order the plain loop converts them, and so names the first bad one.
+    order = [name for name in axes if name in arrays]
+    done = dict(
+        zip(
+            order,
+            mapped(
+                lambda name: _converted(name, arrays[name], compute, axes[name]), order, threads
+            ),
+            strict=True,
+        )
+    )
+    gate = done["g"] if ga.ndim == 4 else done["g"][..., None]
     return Inputs(
-        q=_converted("q", qa, compute, seq_axes),
-        k=_converted("k", arrays["k"], compute, seq_axes),
-        v=_converted("v", arrays["v"], compute, seq_axes),
+        q=done["q"],
+        k=done["k"],
+        v=done["v"],
         g=gate,
-        beta=_converted("beta", arrays["beta"], compute, (0, 2, 1)),
-        state=(
-            _converted("state", arrays["state"], compute, (0, 1, 2, 3))
-            if "state" in arrays
-            else None
-        ),
-        dy=_converted("dy", arrays["dy"], compute, seq_axes) if "dy" in arrays else None,
+        beta=done["beta"],
+        state=done.get("state"),
+        dy=done.get("dy"),
         layout=layout,
         scale=1.0 / math.sqrt(n) if n else 1.0,
+    )
+
+
+def part_inputs(x: Inputs, batch: slice, heads: slice) -> Inputs:
+    """The inputs of the batch elements ``batch`` and heads ``heads``, as views."""
+    b = len(range(*batch.indices(x.q.shape[0])))
+    h = len(range(*heads.indices(x.q.shape[1])))
+    layout = GdnBackwardLayout(
+        b,
+        x.layout.seq,
+        h,
+        x.layout.state_size,
+        gate_per_channel=x.layout.gate_per_channel,
+        carry_state=x.layout.carry_state,
+    )
+    return Inputs(
+        q=x.q[batch, heads],
+        k=x.k[batch, heads],
+        v=x.v[batch, heads],
+        g=x.g[batch, heads],
+        beta=x.beta[batch, heads],
+        state=None if x.state is None else x.state[batch, heads],
+        dy=None if x.dy is None else x.dy[batch, heads],
+        layout=layout,
+        scale=x.scale,
     )

@@ -17,7 +17,8 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from .._checks import integer
 from ..packing import empty
 from . import _chunked, _recurrent
-from ._inputs import validate
+from ._inputs import part_inputs, validate
+from ._threads import resolve_workers, spread
 
 _Array = NDArray[Any]
 
@@ -34,6 +35,7 @@ def chunk_states(
     chunk: int = 64,
     dtype: DTypeLike = np.float64,
     method: Literal["chunked", "recurrent"] = "chunked",
+    workers: int | None = 1,
 ) -> tuple[_Array, _Array, _Array]:
     """The state entering every chunk, its cotangent, and the final state.
 
@@ -51,6 +53,11 @@ def chunk_states(
     method : {"chunked", "recurrent"}
         As in :func:`backward`: ``"recurrent"`` is the spec's step-by-step form throughout,
         in ``dtype`` (what the precision floors of states are measured with).
+    workers : int or None
+        How many threads share the work, as in :func:`backward`: 1 (the default) computes
+        in the calling thread, None takes one per core this process may use; each takes a
+        group of batch elements and heads. The results are the same, bit for bit, for every
+        value.
 
     Returns
     -------
@@ -69,7 +76,7 @@ def chunk_states(
     ------
     TypeError, ValueError, FloatingPointError
         As :func:`backward`; also a TypeError or ValueError for a ``chunk`` that is not a
-        positive integer.
+        positive integer, or for a bad ``workers``.
 
     See Also
     --------
@@ -109,7 +116,8 @@ def chunk_states(
     >>> bool(np.allclose(dh[:, 0], dstate, rtol=1e-12, atol=1e-12))
     True
     """
-    inputs = validate(q, k, v, g, beta, state, dy, dtype)
+    threads = resolve_workers(workers, "chunk_states")
+    inputs = validate(q, k, v, g, beta, state, dy, dtype, threads)
     size = _chunk_length(chunk)
     b, heads, seq, n = inputs.q.shape
     count = -(-seq // size)
@@ -122,13 +130,23 @@ def chunk_states(
     )
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"chunk_states: method must be 'chunked' or 'recurrent', got {method!r}")
-    with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-        if method == "chunked" and _chunked.suits(inputs):
-            stacks = _chunked.backward_plan(inputs, every)
-            _chunked.backward(inputs, None, stacks, _nothing, record)
-        else:  # the step-by-step form computes the gradients too: into a scratch buffer
-            _, scratch = empty(inputs.layout, compute)
-            _recurrent.backward(inputs, scratch, every, _nothing, record)
+    chunked = method == "chunked" and _chunked.suits(inputs)
+    stacks = _chunked.backward_plan(inputs, every, threads) if chunked else []
+
+    def run(batch: slice, heads: slice) -> None:
+        part = part_inputs(inputs, batch, heads)
+        views = _recurrent.Boundaries(
+            record.h[batch, :, heads], record.dh[batch, :, heads], record.final[batch, heads]
+        )
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+            if chunked:
+                plan = _chunked.part_of(stacks, batch, heads)
+                _chunked.backward(part, None, plan, _nothing, views)
+            else:  # the step-by-step form computes the gradients too: into a scratch buffer
+                _, scratch = empty(part.layout, compute)
+                _recurrent.backward(part, scratch, every, _nothing, views)
+
+    spread(run, b, heads, threads)
     for name, array in zip(("h", "dh", "final_state"), record, strict=True):
         _check_finite(name, array)
     return record.h, record.dh, record.final
