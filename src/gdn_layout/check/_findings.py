@@ -68,16 +68,17 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
 A gradient whose tested region passes gets no finding at all: the caller asks only about
 failing ones.
 
-**Cost and memory.** :func:`grad_findings` first scans the gradient one step (one batch element
-for ``dstate``) at a time for the ``unwritten`` and ``nonfinite`` kinds; if either holds, or
-the expected values are not all finite, nothing else is tried. The other hypotheses need the
-gradient in float64: they run on at most :data:`MAX_WHOLE_ELEMENTS` elements, all of the
-gradient when it fits, else its first batch elements that fit (then ``batch`` and the axis
-orders that move ``b`` are skipped); a gradient whose one batch element does not fit gets only
-the scanned kinds. Each hypothesis is a few passes over that region: the scale one dot
-product, the permutations one ``H x H`` (``B x B``) matrix, the boundary ``S`` per-step scores,
-the axis orders at most 23 reorderings, most refused on their sample; the caller's score is
-called a few times on the region, ``S`` times on its steps. Memory: a few float64 copies of the
+**Cost and memory.** :func:`grad_findings` first scans the gradient a block of steps (of
+batch elements for ``dstate``) at a time for the ``unwritten`` and ``nonfinite`` kinds; if
+either holds, or the expected values are not all finite, nothing else is tried. The other
+hypotheses need the gradient in float64: they run on at most :data:`MAX_WHOLE_ELEMENTS`
+elements, all of the gradient when it fits, else its first batch elements that fit (then
+``batch`` and the axis orders that move ``b`` are skipped); a gradient whose one batch element
+does not fit gets only the scanned kinds. Each hypothesis is a few passes over that region:
+the scale one dot product, the permutations one ``H x H`` (``B x B``) matrix, the boundary
+``S`` per-step scores, the axis orders at most 23 reorderings, most refused on their sample;
+the caller's score is called a few times on the region, and for the steps once (its
+``steps``, see :data:`Score`) or else ``S`` times. Memory: a few float64 copies of the
 region. Once one hypothesis explains the gradient fully (score at most 1), the later ones are
 not tried.
 
