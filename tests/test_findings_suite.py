@@ -21,7 +21,7 @@ from numpy.typing import NDArray
 
 from gdn_layout import Case, GdnGrads, load_suite, unpack
 from gdn_layout.check import Criterion
-from gdn_layout.check._criterion import row_scores
+from gdn_layout.check._criterion import step_scores
 from gdn_layout.check._findings import KINDS, buffer_findings, grad_findings
 from gdn_layout.reference import backward
 
@@ -65,8 +65,7 @@ class _Strict:
     def steps(
         self, name: str, a: NDArray[np.float64], e: NDArray[np.float64]
     ) -> NDArray[np.float64]:
-        rows = [(x := np.moveaxis(y, 1, 0)).reshape(x.shape[0], -1) for y in (a, e)]
-        return STRICTER * row_scores(self.criteria[name], *rows)
+        return STRICTER * step_scores(self.criteria[name], a, e)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ from numpy.typing import NDArray
 from gdn_layout import GdnBackwardLayout, compare, unpack
 from gdn_layout.check import Criterion
 from gdn_layout.check import _findings as findings
-from gdn_layout.check._criterion import row_scores
+from gdn_layout.check._criterion import row_scores, step_scores
 from gdn_layout.check._findings import grad_findings
 from gdn_layout.generate import draw_inputs
 from gdn_layout.reference import backward
@@ -101,8 +101,7 @@ class _PerStep:
         return self.criteria[name].score(a, e)
 
     def steps(self, name: str, a: Array, e: Array) -> Array:
-        rows = [np.moveaxis(x, 1, 0).reshape(x.shape[1], -1) for x in (a, e)]
-        return row_scores(self.criteria[name], *rows)
+        return step_scores(self.criteria[name], a, e)
 
 
 @pytest.mark.slow

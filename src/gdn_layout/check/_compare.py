@@ -22,7 +22,7 @@ from ._criterion import (
     checked_floors,
     least_precise,
     per_grad,
-    row_scores,
+    step_scores,
 )
 from ._findings import Finding, buffer_findings, grad_findings, size_findings
 from ._records import Comparison, GradComparison
@@ -184,12 +184,7 @@ class _Score:
     def steps(
         self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
     ) -> NDArray[np.float64]:
-        steps = actual.shape[1]
-        return row_scores(
-            self.criteria[name],
-            np.moveaxis(actual, 1, 0).reshape(steps, -1),
-            np.moveaxis(expected, 1, 0).reshape(steps, -1),
-        )
+        return step_scores(self.criteria[name], actual, expected)
 
 
 def assert_close(

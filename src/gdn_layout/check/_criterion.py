@@ -59,6 +59,7 @@ __all__ = [
     "least_precise",
     "per_grad",
     "row_scores",
+    "step_scores",
 ]
 
 #: A gradient's floors by dtype name, then gradient name: ``(rms, max)``.
@@ -421,6 +422,18 @@ def row_scores(
                 parts.append(_over(rms_rows(err, err.max(axis=1)), allowed))
             scores = np.fmax.reduce(parts)
     return np.where(finite, scores, math.inf)
+
+
+def step_scores(
+    criterion: Criterion, actual: NDArray[np.float64], expected: NDArray[np.float64]
+) -> NDArray[np.float64]:
+    """:meth:`Criterion.score` of each step (index along axis 1) of two arrays of one shape."""
+    steps = actual.shape[1]
+    return row_scores(
+        criterion,
+        np.moveaxis(actual, 1, 0).reshape(steps, -1),
+        np.moveaxis(expected, 1, 0).reshape(steps, -1),
+    )
 
 
 def _compute_dtype(judged: str) -> str:

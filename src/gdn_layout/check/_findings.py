@@ -599,16 +599,17 @@ def _scan(name: str, actual: NDArray[Any], expected: _Array) -> _Scan:
     scan = _Scan(size=actual.size, dtype=actual.dtype, slab_axis="b" if axis == 0 else "s")
     scan.first_value = float(actual.flat[0])
     count = actual.shape[axis]
-    per_slab = actual.size // count
-    block = max(1, _SCAN_ELEMENTS // max(per_slab, 1))
+    block = max(1, _SCAN_ELEMENTS // (actual.size // count))
     slab_shape = actual.shape[:axis] + actual.shape[axis + 1 :]
     with np.errstate(all="ignore"):
         for i0 in range(0, count, block):
             part = slice(i0, min(i0 + block, count))
             # Each slab a row: [slabs, elements], in the slab's own C order.
-            a = _f64(np.moveaxis(actual[part] if axis == 0 else actual[:, part], axis, 0))
-            e = np.moveaxis(expected[part] if axis == 0 else expected[:, part], axis, 0)
-            a, e = a.reshape(a.shape[0], -1), e.reshape(e.shape[0], -1)
+            a = actual[part] if axis == 0 else actual[:, part]
+            e = expected[part] if axis == 0 else expected[:, part]
+            rows = a.shape[axis]
+            a = np.ascontiguousarray(np.moveaxis(a, axis, 0), dtype=np.float64)
+            a, e = a.reshape(rows, -1), np.moveaxis(e, axis, 0).reshape(rows, -1)
             _scan_block(scan, a, e, i0, axis, slab_shape)
     return scan
 

@@ -75,10 +75,4 @@ def _ranges(size: int, count: int) -> Iterator[slice]:
 
 def spread(run: Callable[[slice, slice], None], batch: int, heads: int, threads: int) -> None:
     """``run(batch, heads)`` on each group of :func:`groups`, on ``threads`` threads."""
-    parts = groups(batch, heads, threads)
-    if len(parts) == 1:
-        run(*parts[0])
-        return
-    with ThreadPoolExecutor(max_workers=min(threads, len(parts))) as pool:
-        for done in [pool.submit(run, *part) for part in parts]:
-            done.result()
+    mapped(lambda part: run(*part), groups(batch, heads, threads), threads)
