@@ -81,9 +81,14 @@ Two more sections follow the table, each run in its own subprocess with one BLAS
   at the real scale below unless ``--quick``.
 * **workers**: the float64 backward at B=1, S=4096, H=16, N=64 with ``workers=1`` and
   ``workers=2`` (best of several, interleaved), its scaling, its rate in the chunked
-  algorithm's flops beside ``np.matmul``'s in as many threads, and the scaling of that matmul
-  itself in the same run: on a shared machine the second core may be busy, and the matmul's
-  own scaling says how much of it there was to take.
+  algorithm's flops beside a single-thread ``np.matmul``'s, and its peak traced memory with
+  each. Then what two threads give over one, each doing the same work, in the same run: a
+  512 x 512 ``np.matmul`` (on a shared machine the second core may be busy: this says how much
+  there was to take), and the calls a worker makes on one chunk of its heads,
+  ``[H/2, 64, N]``: a matrix product, and an elementwise product into a buffer, which is
+  also run in two forked processes. Threads share the GIL between NumPy's calls; processes
+  do not, so the two figures of the elementwise product say how much of the workers' shortfall
+  is the GIL's.
 
 The last row is at a real model's scale (Qwen3-Next's linear attention: B=1, S=8192, H=16,
 N=128, float32): autograd of the recurrence is not run there (its extrapolated time and memory
@@ -460,10 +465,43 @@ def fixture_worker(config: Config) -> dict[str, Any]:
     return times
 
 
-def scaling_worker(config: Config) -> dict[str, Any]:
-    """The float64 backward with one and two workers, and a two-thread matmul's scaling."""
+def _scaling(work: Callable[[], None], processes: bool = False, repeats: int = 5) -> float:
+    """How much more ``work`` two threads (or two forked processes) do than one in the same
+    time: each runs it once; best of ``repeats``."""
+    import multiprocessing
     from concurrent.futures import ThreadPoolExecutor
 
+    def timed() -> float:
+        start = time.perf_counter()
+        work()
+        return time.perf_counter() - start
+
+    def in_processes(count: int) -> float:
+        context = multiprocessing.get_context("fork")  # the child inherits ``work``
+        times: multiprocessing.SimpleQueue[float] = context.SimpleQueue()
+        children = [context.Process(target=lambda: times.put(timed())) for _ in range(count)]
+        for child in children:
+            child.start()
+        for child in children:
+            child.join()
+        return max(times.get() for _ in children)  # each child's own time: not the fork
+
+    def in_threads(count: int) -> float:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(count) as pool:
+            list(pool.map(lambda _: work(), range(count)))
+        return time.perf_counter() - start
+
+    best = {1: math.inf, 2: math.inf}
+    for _ in range(repeats):
+        for count in best:
+            best[count] = min(best[count], (in_processes if processes else in_threads)(count))
+    return 2 * best[1] / best[2]
+
+
+def scaling_worker(config: Config) -> dict[str, Any]:
+    """The float64 backward with one and two workers (time and traced peak), and the two-thread
+    scaling of a large matmul and of the calls a worker makes on one chunk of its heads."""
     inputs = make_inputs(config)
     q, k, v, g, beta = (inputs[name] for name in _NAMES)
     args = (q, k, v, g, beta, inputs["dy"], inputs.get("state"))
@@ -475,23 +513,43 @@ def scaling_worker(config: Config) -> dict[str, Any]:
             start = time.perf_counter()
             backward(*args, dtype=config.dtype, workers=workers)
             best[workers] = min(best[workers], time.perf_counter() - start)
+    traced = {}
+    for workers in best:
+        tracemalloc.start()
+        backward(*args, dtype=config.dtype, workers=workers)
+        traced[workers] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((512, 512)).astype(config.dtype) for _ in range(2))
+    # A worker's share of the heads, one chunk of 64 steps: [H/2, 64, N]
+    chunk = (config.heads // 2, 64, config.size)
+    x, y = (rng.standard_normal(chunk).astype(config.dtype) for _ in range(2))
+    out = np.empty(chunk, config.dtype)
 
-    def products(_: int) -> None:
+    def products() -> None:
         for _ in range(20):
             np.matmul(a, b)
 
-    matmul = {1: math.inf, 2: math.inf}
-    for _ in range(5):
-        for threads in matmul:
-            start = time.perf_counter()
-            with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(products, range(threads)))
-            matmul[threads] = min(matmul[threads], (time.perf_counter() - start) / threads)
+    def chunk_products() -> None:
+        for _ in range(2000):
+            np.matmul(x, np.swapaxes(y, 1, 2))
+
+    def chunk_multiplies() -> None:
+        for _ in range(5000):
+            np.multiply(x, y, out=out)
+
     return {
         "time": best,
-        "matmul_gflops": {t: 20 * 2 * 512**3 / v / 1e9 for t, v in matmul.items()},
+        "traced": traced,
+        "matmul_gflops": matmul_gflops(config.dtype),
+        "scaling": {
+            "matmul": _scaling(products),
+            "chunk matmul": _scaling(chunk_products),
+            "chunk multiply": _scaling(chunk_multiplies),
+            "chunk multiply, processes": _scaling(chunk_multiplies, processes=True),
+        },
+        "chunk": list(chunk),
     }
 
 
@@ -790,13 +848,21 @@ def fixture_and_workers(quick: bool) -> None:
     config = Config(1, 512 if quick else 4096, 4 if quick else 16, 64, "float64", False, True, 3)
     result = measure("scaling", config)
     one, two = result["time"]["1"], result["time"]["2"]
-    peak = result["matmul_gflops"]
+    flops = config.chunked_flops()
+    peak, scaling = result["matmul_gflops"], result["scaling"]
+    chunk = "x".join(map(str, result["chunk"]))
     print(
         f"{config.label()}: workers=1 {one:.3f}s, workers=2 {two:.3f}s, scaling {one / two:.2f}x; "
-        f"chunk GF/s {config.chunked_flops() / one / 1e9:.1f} and "
-        f"{config.chunked_flops() / two / 1e9:.1f} against np.matmul {peak['1']:.1f} and "
-        f"{peak['2']:.1f} in 1 and 2 threads (its own scaling {peak['2'] / peak['1']:.2f}x, "
-        "what the machine had to give)"
+        f"chunk GF/s {flops / one / 1e9:.1f} and {flops / two / 1e9:.1f} against np.matmul "
+        f"{peak:.1f} in one thread; traced peak {_mib(result['traced']['1'])} and "
+        f"{_mib(result['traced']['2'])}"
+    )
+    print(
+        f"two threads over one, the same work each: np.matmul 512x512 {scaling['matmul']:.2f}x "
+        "(what the machine had to give); a worker's calls on one chunk, np.matmul "
+        f"[{chunk}] @ [{chunk}]^T {scaling['chunk matmul']:.2f}x, np.multiply(out=) "
+        f"[{chunk}] {scaling['chunk multiply']:.2f}x, the same in two processes "
+        f"{scaling['chunk multiply, processes']:.2f}x (threads share the GIL between calls)"
     )
 
 

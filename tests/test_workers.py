@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,25 @@ def test_larger_cases_give_the_same_bits_on_every_count(
             assert _same(one, backward(*x, **kwargs)), (dtype, workers)
             assert _forward_bytes(x, **kwargs) == reference_y, (dtype, workers)
             assert _states_bytes(x, chunk=64, **kwargs) == states, (dtype, workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_workers_do_not_raise_the_peak_memory(method: str) -> None:
+    """Each worker holds the temporaries of its own heads only, so the peak traced memory with
+    2 or 4 workers is that of one (within 5%): spreading the work does not multiply it."""
+    layout = GdnBackwardLayout(1, 256, 4, 32, carry_state=True)
+    x = _inputs(layout, "qwen", seed=3)
+    peaks = {}
+    for workers in (1, 2, 4):
+        tracemalloc.start()
+        try:
+            backward(*x, method=method, workers=workers)  # type: ignore[arg-type]
+            peaks[workers] = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peaks[1] > layout.total_elems * 8  # the packed result is traced at least
+    assert max(peaks[2], peaks[4]) <= 1.05 * peaks[1], peaks
 
 
 def test_the_groups_cover_every_batch_element_and_head_once() -> None:
