@@ -21,7 +21,8 @@ from numpy.typing import NDArray
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.check._criterion import FLOOR_DTYPES
 from gdn_layout.check._floors import _figures, measure_floors, round_to
-from gdn_layout.reference import backward, forward
+from gdn_layout.reference import backward, chunk_states, forward
+from gdn_layout.reference._states import step_by_step
 
 Array = NDArray[Any]
 
@@ -109,6 +110,75 @@ def test_the_step_by_step_form_is_the_plain_spec_bit_for_bit(
     for name, got, want in zip(layout.names, unpack(flat, layout), expected, strict=False):
         assert got is not None
         assert got.tobytes() == want.astype(dtype).tobytes(), name
+
+
+def _separately(x: list[Any], chunk: int | None, dtype: Any, workers: int) -> dict[str, Array]:
+    """What step_by_step replaces: backward, forward and chunk_states, each run on its own."""
+    q, k, v, g, beta, _dy, state = x
+    options: dict[str, Any] = {"dtype": dtype, "method": "recurrent", "workers": workers}
+    result = {"packed": backward(*x, **options)}
+    y = forward(q, k, v, g, beta, state, **options)
+    if state is None:
+        result["y"] = y
+    else:
+        result["y"], result["final_state"] = y
+    if chunk is not None:
+        result["h"], result["dh"], result["final_state"] = chunk_states(*x, chunk=chunk, **options)
+    return result
+
+
+def _check_step_by_step(x: list[Any], chunk: int | None, dtype: Any, workers: int) -> None:
+    try:
+        expected = _separately(x, chunk, dtype, workers)
+    except FloatingPointError:
+        with pytest.raises(FloatingPointError, match=r"^step_by_step: "):
+            step_by_step(*x, chunk=chunk, dtype=dtype, workers=workers)
+        return
+    packed, outputs = step_by_step(*x, chunk=chunk, dtype=dtype, workers=workers)
+    got = {"packed": packed, **outputs}
+    assert sorted(got) == sorted(expected)
+    for name, want in expected.items():
+        assert got[name].dtype == want.dtype, name
+        assert got[name].shape == want.shape, name
+        assert got[name].tobytes() == want.tobytes(), name
+
+
+@pytest.mark.slow
+@settings(max_examples=60, deadline=None)
+@given(
+    layout=st.from_type(GdnBackwardLayout),
+    seed=st.integers(0, 2**16),
+    zeros=st.booleans(),
+    dtype=st.sampled_from((np.float32, np.float64)),
+    chunk=st.none() | st.integers(1, 9),
+    workers=st.sampled_from((1, 3)),
+)
+def test_one_step_by_step_run_gives_what_three_runs_give_bit_for_bit(
+    layout: GdnBackwardLayout, seed: int, zeros: bool, dtype: Any, chunk: int | None, workers: int
+) -> None:
+    """The gradients, y, the final state and h, dh of one backward are those of backward,
+    forward and chunk_states, exact zeros and subnormals included: a step does not depend on
+    where the checkpoints fall."""
+    _check_step_by_step(_inputs(layout, seed, zeros, dtype), chunk, dtype, workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [None, 7, 100, 600])
+def test_one_step_by_step_run_across_the_forward_s_spans(chunk: int | None) -> None:
+    """Past 256 steps the forward reads its inputs in spans whose edges the backward's
+    checkpoints do not share (at 7 and 100 steps, say): still the same bits."""
+    layout = GdnBackwardLayout(2, 600, 2, 8, gate_per_channel=True, carry_state=True)
+    _check_step_by_step(_inputs(layout, 9, True, np.float32), chunk, np.float32, 1)
+
+
+def test_step_by_step_names_itself_in_an_overflow() -> None:
+    layout = GdnBackwardLayout(1, 40, 1, 4)
+    q, k, v, g, beta, dy, state = _inputs(layout, 1, False, np.float32)
+    k *= 100  # far from unit norm: with no decay the state grows without bound
+    g[...] = 0
+    beta[...] = 1
+    with pytest.raises(FloatingPointError, match=r"^step_by_step: .* is (inf|-inf|nan) at index"):
+        step_by_step(q, k, v, g, beta, dy, state)
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

@@ -34,6 +34,7 @@ from .files._fixture import (
 from .files._manifest import MANIFEST, NotASuite, manifest_entry, manifest_text, read_manifest
 from .files._safetensors import dtype_code
 from .layout import GdnBackwardLayout
+from .reference._states import step_by_step
 from .regimes import REGIMES, draw_gate
 
 __all__ = ["REGIMES", "draw_inputs", "make_fixture", "write_suite"]
@@ -234,11 +235,10 @@ def _fixture_of(
     truth = reference_outputs(wide, states, "chunked", workers)
     packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
-    if calibrate:
-        low = reference.backward(*x, dtype=np.float32, method="recurrent", workers=workers)
+    if calibrate:  # one float32 step-by-step run: the gradients, y and the states
+        low, low_outputs = step_by_step(*x, chunk=states, workers=workers)
         floors = measure_floors(low, packed, layout)
         if len(truth) > 1:  # the states are kept, and so are their floors and y's
-            low_outputs = reference_outputs(x, states, "recurrent", workers)
             state_floors = tensor_floors(low_outputs, truth)
     target = x.q.dtype
 
@@ -270,7 +270,9 @@ def reference_outputs(
     """``y``, and the states a fixture keeps (``final_state`` when the state is carried or
     ``states`` given, ``h`` and ``dh`` with ``states``), by ``method``: the float64 truth
     (``"chunked"``, of float64 inputs) or the float32 step-by-step form (``"recurrent"``)."""
-    dtype = np.float64 if method == "chunked" else np.float32
+    if method == "recurrent":
+        return step_by_step(*x, chunk=states, workers=workers)[1]
+    dtype = np.float64
     result = reference.forward(*x[:5], state=x.state, dtype=dtype, method=method, workers=workers)
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}

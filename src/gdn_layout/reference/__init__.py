@@ -67,9 +67,10 @@ import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from .._checks import integer
-from ..packing import GdnGrads, check_out, unpack
+from ..packing import check_out, unpack
 from . import _chunked, _recurrent
-from ._inputs import Inputs, part_inputs, validate
+from ._inputs import Inputs, check_result, part_grads, part_inputs, validate
+from ._recurrent import default_checkpoint_every
 from ._states import chunk_states
 from ._threads import groups, resolve_workers, spread
 
@@ -217,8 +218,8 @@ def forward(
                 _chunked.forward(part, final[batch, heads], y[batch, :, heads], plan)
 
     spread(run, b, h, threads)
-    _check_result("forward", "y", y)
-    _check_result("forward", "the final state", final)
+    check_result("forward", "y", y)
+    check_result("forward", "the final state", final)
     return (y, final) if carried else y
 
 
@@ -339,14 +340,7 @@ def backward(
 
     def run(batch: slice, heads: slice) -> None:
         part = part_inputs(inputs, batch, heads)
-        views = GdnGrads(
-            grads.dq[batch, :, heads],
-            grads.dk[batch, :, heads],
-            grads.dv[batch, :, heads],
-            grads.dg[batch, :, heads],
-            grads.dbeta[batch, :, heads],
-            None if grads.dstate is None else grads.dstate[batch, heads],
-        )
+        views = part_grads(grads, batch, heads)
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
             if form == "recurrent":
                 _recurrent.backward(part, views, every, tick)
@@ -356,36 +350,8 @@ def backward(
     spread(run, layout.batch, layout.heads, threads)
     for name, grad in zip(layout.names, grads, strict=False):
         if grad is not None:
-            _check_result("backward", name, grad)
+            check_result("backward", name, grad)
     return flat
-
-
-def _check_result(func: str, name: str, array: _Array) -> None:
-    """Refuse to hand back a non-finite result: from finite inputs it means the recurrence
-    itself blew up, which happens when the inputs are outside the op's regime."""
-    finite = np.isfinite(array)
-    if not finite.all():
-        index = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise FloatingPointError(
-            f"{func}: {name} is {array[index]} at index {index} in {array.dtype}: "
-            "the delta rule overflows for inputs outside the op's regime (keys L2-normalised, "
-            "beta in [0, 1])"
-        )
-
-
-def default_checkpoint_every(seq: int) -> int:
-    """The default checkpoint interval for a sequence of ``seq`` steps: ``ceil(sqrt(seq))``.
-
-    See Also
-    --------
-    reference.backward : Takes it as ``checkpoint_every``.
-
-    Examples
-    --------
-    >>> default_checkpoint_every(512), default_checkpoint_every(4096), default_checkpoint_every(0)
-    (23, 64, 1)
-    """
-    return max(1, math.isqrt(max(seq, 1) - 1) + 1)
 
 
 def _form(method: Method, inputs: Inputs) -> Method:

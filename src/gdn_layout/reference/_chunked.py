@@ -428,7 +428,7 @@ def backward(
                 start = start.copy()  # stepped in place below: h keeps its own
             solved = _advance(st, pre, start)
             _backward_stack(x, grads, st, pre, solved, d_state)
-        if record is not None:
+        if record is not None and record.dh is not None:
             record.dh[:, len(kept)] = d_state
         tick()
     if grads is not None and grads.dstate is not None:

@@ -1,4 +1,5 @@
-"""The reference's inputs: checked, converted to the computation dtype, time on axis 2."""
+"""The reference's inputs, checked, converted to the computation dtype, time on axis 2; the parts
+that workers take of them and of the gradients; and the check of what comes back."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 
 from .._dtypes import is_floating
 from ..layout import GdnBackwardLayout
+from ..packing import GdnGrads
 from ._threads import mapped
 
 _Array = NDArray[Any]
@@ -161,3 +163,28 @@ def part_inputs(x: Inputs, batch: slice, heads: slice) -> Inputs:
         layout=layout,
         scale=x.scale,
     )
+
+
+def part_grads(grads: GdnGrads, batch: slice, heads: slice) -> GdnGrads:
+    """The gradients of the batch elements ``batch`` and heads ``heads``, as views."""
+    return GdnGrads(
+        grads.dq[batch, :, heads],
+        grads.dk[batch, :, heads],
+        grads.dv[batch, :, heads],
+        grads.dg[batch, :, heads],
+        grads.dbeta[batch, :, heads],
+        None if grads.dstate is None else grads.dstate[batch, heads],
+    )
+
+
+def check_result(func: str, name: str, array: _Array) -> None:
+    """Refuse to hand back a non-finite result: from finite inputs it means the recurrence
+    itself blew up, which happens when the inputs are outside the op's regime."""
+    finite = np.isfinite(array)
+    if not finite.all():
+        index = tuple(int(i) for i in np.argwhere(~finite)[0])
+        raise FloatingPointError(
+            f"{func}: {name} is {array[index]} at index {index} in {array.dtype}: "
+            "the delta rule overflows for inputs outside the op's regime (keys L2-normalised, "
+            "beta in [0, 1])"
+        )

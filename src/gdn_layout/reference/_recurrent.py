@@ -16,6 +16,7 @@ or ``b`` is below ``2**-62`` in size, where no product of two of them can be zer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -38,12 +39,12 @@ class Boundaries(NamedTuple):
     """Where a backward records the states at the boundaries of its intervals (or stacks).
 
     ``h`` is ``[B, K, H, N, N]`` for ``K`` intervals: the state entering each; ``dh`` the same
-    shape: the cotangent of that state, from the steps at and after its interval's start;
-    ``final`` is ``[B, H, N, N]``: the state after the last step.
+    shape: the cotangent of that state, from the steps at and after its interval's start (or
+    None: not kept); ``final`` is ``[B, H, N, N]``: the state after the last step.
     """
 
     h: _Array
-    dh: _Array
+    dh: _Array | None
     final: _Array
 
 
@@ -174,17 +175,35 @@ def forward_steps(
                 states[t - t0 + 1] = state
 
 
+def default_checkpoint_every(seq: int) -> int:
+    """The default checkpoint interval for a sequence of ``seq`` steps: ``ceil(sqrt(seq))``.
+
+    See Also
+    --------
+    reference.backward : Takes it as ``checkpoint_every``.
+
+    Examples
+    --------
+    >>> default_checkpoint_every(512), default_checkpoint_every(4096), default_checkpoint_every(0)
+    (23, 64, 1)
+    """
+    return max(1, math.isqrt(max(seq, 1) - 1) + 1)
+
+
 def backward(
     x: Inputs,
     grads: GdnGrads,
     every: int,
     tick: Callable[[], None],
     record: Boundaries | None = None,
+    y: _Array | None = None,
 ) -> None:
     """The spec's backward, step by step, from checkpoints taken every ``every`` steps.
 
     With ``record``, the checkpoints are kept in ``record.h``, and the state's cotangent at
-    each checkpoint and the final state are written to ``record``.
+    each checkpoint and the final state are written to ``record``. With ``y`` ``[B, S, H,
+    N]``, the forward sweep writes the outputs there too: the steps are the forward's own, so
+    ``y`` is :func:`forward_steps`' bit for bit, whatever ``every``.
     """
     assert x.dy is not None
     b, h, s, n = x.q.shape
@@ -199,7 +218,7 @@ def backward(
     stepper = _Stepper(x)
     for index, t0 in enumerate(starts):
         checkpoints[index] = state
-        forward_steps(x, state, t0, min(t0 + every, s), stepper=stepper)
+        forward_steps(x, state, t0, min(t0 + every, s), y=y, stepper=stepper)
         tick()
     if record is not None:
         record.final[...] = state
@@ -209,7 +228,7 @@ def backward(
     for index in reversed(range(len(starts))):
         t0 = starts[index]
         back.interval(checkpoints[index], t0, min(t0 + every, s))
-        if record is not None:
+        if record is not None and record.dh is not None:
             record.dh[:, index] = back.d_state
         tick()
     if grads.dstate is not None:

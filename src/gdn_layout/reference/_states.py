@@ -5,6 +5,9 @@ cotangent of that state (``dh``) in its backward; comparing them one by one says
 a kernel is wrong when its gradient is wrong everywhere. They come from the reference's own
 backward, run with its intervals (or stacks) set to the chunk: its forward sweep already keeps
 the state entering each, and its backward sweep carries the state's cotangent through them.
+
+The same run of the step-by-step form gives everything a fixture measures its precision floors
+with (:func:`step_by_step`): the gradients, and from its forward sweep ``y`` and the states.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from .._checks import integer
 from ..packing import empty
 from . import _chunked, _recurrent
-from ._inputs import part_inputs, validate
+from ._inputs import check_result, part_grads, part_inputs, validate
 from ._threads import resolve_workers, spread
 
 _Array = NDArray[Any]
@@ -123,11 +126,8 @@ def chunk_states(
     count = -(-seq // size)
     every = min(size, max(seq, 1))  # the same chunks, without a huge interval's buffers
     compute = inputs.q.dtype
-    record = _recurrent.Boundaries(
-        h=np.empty((b, count, heads, n, n), compute),
-        dh=np.empty((b, count, heads, n, n), compute),
-        final=np.empty((b, heads, n, n), compute),
-    )
+    h, dh = (np.empty((b, count, heads, n, n), compute) for _ in range(2))
+    final = np.empty((b, heads, n, n), compute)
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"chunk_states: method must be 'chunked' or 'recurrent', got {method!r}")
     chunked = method == "chunked" and _chunked.suits(inputs)
@@ -135,9 +135,7 @@ def chunk_states(
 
     def run(batch: slice, heads: slice) -> None:
         part = part_inputs(inputs, batch, heads)
-        views = _recurrent.Boundaries(
-            record.h[batch, :, heads], record.dh[batch, :, heads], record.final[batch, heads]
-        )
+        views = _recurrent.Boundaries(h[batch, :, heads], dh[batch, :, heads], final[batch, heads])
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
             if chunked:
                 plan = _chunked.part_of(stacks, batch, heads)
@@ -147,9 +145,85 @@ def chunk_states(
                 _recurrent.backward(part, scratch, every, _nothing, views)
 
     spread(run, b, heads, threads)
-    for name, array in zip(("h", "dh", "final_state"), record, strict=True):
-        _check_finite(name, array)
-    return record.h, record.dh, record.final
+    for name, array in (("h", h), ("dh", dh), ("final_state", final)):
+        check_result("chunk_states", name, array)
+    return h, dh, final
+
+
+def step_by_step(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    chunk: int | None = None,
+    dtype: DTypeLike = np.float32,
+    workers: int = 1,
+) -> tuple[_Array, dict[str, _Array]]:
+    """Everything the step-by-step form gives, from one run of its backward.
+
+    Returns the packed gradients and a dict of ``y``; of ``final_state`` when ``state`` or
+    ``chunk`` is given; and of ``h`` and ``dh`` with ``chunk``. Each is, bit for bit, what
+    ``backward``, ``forward`` and :func:`chunk_states` give with ``method="recurrent"``: the
+    backward's forward sweep takes the forward's own steps (its checkpoints, at the chunks'
+    boundaries, are ``h``), and a step's values do not depend on where the checkpoints are.
+    One run instead of three is what makes a fixture's floors cheap to measure.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gdn_layout.reference import backward, forward
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dy = (rng.standard_normal((1, 10, 2, 4)) for _ in range(4))
+    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    >>> g, beta = -rng.random((1, 10, 2)), rng.random((1, 10, 2))
+    >>> packed, outputs = step_by_step(q, k, v, g, beta, dy, chunk=4)
+    >>> sorted(outputs)
+    ['dh', 'final_state', 'h', 'y']
+    >>> y = forward(q, k, v, g, beta, dtype=np.float32, method="recurrent")
+    >>> bool(np.array_equal(outputs["y"], y))
+    True
+    >>> same = backward(q, k, v, g, beta, dy, dtype=np.float32, method="recurrent")
+    >>> bool(np.array_equal(packed, same))
+    True
+    """
+    threads = resolve_workers(workers, "step_by_step")
+    inputs = validate(q, k, v, g, beta, state, dy, dtype, threads)
+    layout = inputs.layout
+    b, heads, seq, n = inputs.q.shape
+    compute = inputs.q.dtype
+    if chunk is None:
+        every = _recurrent.default_checkpoint_every(seq)
+    else:
+        every = min(_chunk_length(chunk), max(seq, 1))
+    count = -(-seq // every)
+    h = np.empty((b, count, heads, n, n), compute)  # the checkpoints: kept in any case
+    dh = None if chunk is None else np.empty((b, count, heads, n, n), compute)
+    final = np.empty((b, heads, n, n), compute)
+    flat, grads = empty(layout, compute)
+    y = np.empty((b, seq, heads, n), compute)
+
+    def run(batch: slice, heads: slice) -> None:
+        views = _recurrent.Boundaries(
+            h[batch, :, heads], None if dh is None else dh[batch, :, heads], final[batch, heads]
+        )
+        part, out = part_inputs(inputs, batch, heads), part_grads(grads, batch, heads)
+        with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+            _recurrent.backward(part, out, every, _nothing, views, y[batch, :, heads])
+
+    spread(run, b, heads, threads)
+    outputs = {"y": y}
+    if dh is not None:
+        outputs.update(h=h, dh=dh)
+    if chunk is not None or state is not None:
+        outputs["final_state"] = final
+    for name, array in (*zip(layout.names, grads, strict=False), *outputs.items()):
+        if array is not None:
+            check_result("step_by_step", name, array)
+    return flat, outputs
 
 
 def _nothing() -> None:
@@ -158,15 +232,3 @@ def _nothing() -> None:
 
 def _chunk_length(value: object) -> int:
     return integer(value, "chunk", least=1)
-
-
-def _check_finite(name: str, array: _Array) -> None:
-    """Refuse a non-finite result: from finite inputs the recurrence itself overflowed."""
-    finite = np.isfinite(array)
-    if not finite.all():
-        index = tuple(int(i) for i in np.argwhere(~finite)[0])
-        raise FloatingPointError(
-            f"chunk_states: {name} is {array[index]} at index {index} in {array.dtype}: "
-            "the delta rule overflows for inputs outside the op's regime (keys L2-normalised, "
-            "beta in [0, 1])"
-        )
