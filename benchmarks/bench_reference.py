@@ -76,7 +76,8 @@ Beside it, ``chunk GF/s`` is the rate in the chunked algorithm's own matrix-prod
 Two more sections follow the table, each run in its own subprocess with one BLAS thread:
 
 * **fixture / truth**: :func:`gdn_layout.make_fixture` (float64 forward and backward,
-  the float32 step-by-step form, the floors) over the float64 backward alone on the same
+  one run of the float32 step-by-step backward, which also gives its ``y`` and states, the
+  floors) over the float64 backward alone on the same
   inputs (the fixture's truth), with the time of each part; at B=1, S=4096, H=16, N=128, and
   at the real scale below unless ``--quick``.
 * **workers**: the float64 backward at B=1, S=4096, H=16, N=64 with ``workers=1`` and
@@ -441,6 +442,7 @@ def fixture_worker(config: Config) -> dict[str, Any]:
     from gdn_layout import reference
     from gdn_layout.check._floors import measure_floors
     from gdn_layout.generate import draw_inputs, make_fixture
+    from gdn_layout.reference._states import step_by_step
 
     layout = GdnBackwardLayout(
         config.batch, config.seq, config.heads, config.size, carry_state=True
@@ -458,7 +460,7 @@ def fixture_worker(config: Config) -> dict[str, Any]:
     packed, times["truth"] = timed(lambda: backward(*wide, dtype=np.float64))
     q, k, v, g, beta, _dy, state = wide
     _, times["forward"] = timed(lambda: reference.forward(q, k, v, g, beta, state))
-    low, times["step by step"] = timed(lambda: backward(*x, dtype=np.float32, method="recurrent"))
+    (low, _), times["step by step"] = timed(lambda: step_by_step(*x))
     _, times["floors"] = timed(lambda: measure_floors(low, packed, layout))
     _, times["fixture"] = timed(lambda: make_fixture(layout))
     _, times["truth again"] = timed(lambda: backward(*wide, dtype=np.float64))
@@ -467,30 +469,43 @@ def fixture_worker(config: Config) -> dict[str, Any]:
 
 def _scaling(work: Callable[[], None], processes: bool = False, repeats: int = 5) -> float:
     """How much more ``work`` two threads (or two forked processes) do than one in the same
-    time: each runs it once; best of ``repeats``."""
+    time: each runs it once, all starting together; best of ``repeats``."""
     import multiprocessing
-    from concurrent.futures import ThreadPoolExecutor
-
-    def timed() -> float:
-        start = time.perf_counter()
-        work()
-        return time.perf_counter() - start
+    import threading
 
     def in_processes(count: int) -> float:
-        context = multiprocessing.get_context("fork")  # the child inherits ``work``
+        context = multiprocessing.get_context("fork")  # the children inherit ``work``
+        start = context.Barrier(count)
         times: multiprocessing.SimpleQueue[float] = context.SimpleQueue()
-        children = [context.Process(target=lambda: times.put(timed())) for _ in range(count)]
-        for child in children:
-            child.start()
-        for child in children:
-            child.join()
-        return max(times.get() for _ in children)  # each child's own time: not the fork
+
+        def child() -> None:
+            start.wait()  # every child forked before any starts: none runs alone
+            began = time.perf_counter()
+            work()
+            times.put(time.perf_counter() - began)
+
+        children = [context.Process(target=child) for _ in range(count)]
+        for process in children:
+            process.start()
+        for process in children:
+            process.join()
+        return max(times.get() for _ in children)
 
     def in_threads(count: int) -> float:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(count) as pool:
-            list(pool.map(lambda _: work(), range(count)))
-        return time.perf_counter() - start
+        start = threading.Barrier(count + 1)
+
+        def thread() -> None:
+            start.wait()
+            work()
+
+        threads = [threading.Thread(target=thread) for _ in range(count)]
+        for each in threads:
+            each.start()
+        start.wait()
+        began = time.perf_counter()
+        for each in threads:
+            each.join()
+        return time.perf_counter() - began
 
     best = {1: math.inf, 2: math.inf}
     for _ in range(repeats):
@@ -525,7 +540,6 @@ def scaling_worker(config: Config) -> dict[str, Any]:
     # A worker's share of the heads, one chunk of 64 steps: [H/2, 64, N]
     chunk = (config.heads // 2, 64, config.size)
     x, y = (rng.standard_normal(chunk).astype(config.dtype) for _ in range(2))
-    out = np.empty(chunk, config.dtype)
 
     def products() -> None:
         for _ in range(20):
@@ -536,6 +550,7 @@ def scaling_worker(config: Config) -> dict[str, Any]:
             np.matmul(x, np.swapaxes(y, 1, 2))
 
     def chunk_multiplies() -> None:
+        out = np.empty(chunk, config.dtype)  # each thread its own, as each worker's heads
         for _ in range(5000):
             np.multiply(x, y, out=out)
 

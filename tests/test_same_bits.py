@@ -131,7 +131,7 @@ def _check_step_by_step(x: list[Any], chunk: int | None, dtype: Any, workers: in
     try:
         expected = _separately(x, chunk, dtype, workers)
     except FloatingPointError:
-        with pytest.raises(FloatingPointError, match=r"^step_by_step: "):
+        with pytest.raises(FloatingPointError, match=r"^the step-by-step form: "):
             step_by_step(*x, chunk=chunk, dtype=dtype, workers=workers)
         return
     packed, outputs = step_by_step(*x, chunk=chunk, dtype=dtype, workers=workers)
@@ -163,12 +163,15 @@ def test_one_step_by_step_run_gives_what_three_runs_give_bit_for_bit(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize("chunk", [None, 7, 100, 600])
-def test_one_step_by_step_run_across_the_forward_s_spans(chunk: int | None) -> None:
+def test_one_step_by_step_run_across_the_forward_s_spans(chunk: int | None, zeros: bool) -> None:
     """Past 256 steps the forward reads its inputs in spans whose edges the backward's
-    checkpoints do not share (at 7 and 100 steps, say): still the same bits."""
+    checkpoints do not share (at 7 and 100 steps, say), and a span without a near-zero key
+    forms its outer products by the matrix product: still the same bits, with and without
+    exact zeros."""
     layout = GdnBackwardLayout(2, 600, 2, 8, gate_per_channel=True, carry_state=True)
-    _check_step_by_step(_inputs(layout, 9, True, np.float32), chunk, np.float32, 1)
+    _check_step_by_step(_inputs(layout, 9, zeros, np.float32), chunk, np.float32, 1)
 
 
 def test_step_by_step_names_itself_in_an_overflow() -> None:
@@ -177,7 +180,8 @@ def test_step_by_step_names_itself_in_an_overflow() -> None:
     k *= 100  # far from unit norm: with no decay the state grows without bound
     g[...] = 0
     beta[...] = 1
-    with pytest.raises(FloatingPointError, match=r"^step_by_step: .* is (inf|-inf|nan) at index"):
+    message = r"^the step-by-step form: .* is (inf|-inf|nan) at index"
+    with pytest.raises(FloatingPointError, match=message):
         step_by_step(q, k, v, g, beta, dy, state)
 
 

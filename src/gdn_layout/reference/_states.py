@@ -161,7 +161,7 @@ def step_by_step(
     *,
     chunk: int | None = None,
     dtype: DTypeLike = np.float32,
-    workers: int = 1,
+    workers: int | None = 1,
 ) -> tuple[_Array, dict[str, _Array]]:
     """Everything the step-by-step form gives, from one run of its backward.
 
@@ -222,7 +222,7 @@ def step_by_step(
         outputs["final_state"] = final
     for name, array in (*zip(layout.names, grads, strict=False), *outputs.items()):
         if array is not None:
-            check_result("step_by_step", name, array)
+            check_result("the step-by-step form", name, array)
     return flat, outputs
 
 
