@@ -86,10 +86,12 @@ Two more sections follow the table, each run in its own subprocess with one BLAS
   each. Then what two threads give over one, each doing the same work, in the same run: a
   512 x 512 ``np.matmul`` (on a shared machine the second core may be busy: this says how much
   there was to take), and the calls a worker makes on one chunk of its heads,
-  ``[H/2, 64, N]``: a matrix product, and an elementwise product into a buffer, which is
-  also run in two forked processes. Threads share the GIL between NumPy's calls; processes
-  do not, so the two figures of the elementwise product say how much of the workers' shortfall
-  is the GIL's.
+  ``[H/2, 64, N]``: a matrix product, and an elementwise product into a buffer of each
+  thread's own, which is also run in two forked processes; and a worker's share of the heads
+  run as a whole backward in each of two threads, and in each of two processes. Threads share
+  the GIL, processes do not: the two figures of the whole backward say how much of the
+  workers' shortfall is the GIL's, and those of the single calls how little of it large calls
+  lose.
 
 The last row is at a real model's scale (Qwen3-Next's linear attention: B=1, S=8192, H=16,
 N=128, float32): autograd of the recurrence is not run there (its extrapolated time and memory
@@ -549,6 +551,13 @@ def scaling_worker(config: Config) -> dict[str, Any]:
         for _ in range(2000):
             np.matmul(x, np.swapaxes(y, 1, 2))
 
+    share = config.heads // 2
+    half: list[Array | None] = [a[:, :, :share] for a in args[:6]]
+    half.append(None if args[6] is None else args[6][:, :share])
+
+    def half_backward() -> None:  # a worker's share, run as a whole backward of its own
+        backward(*half, dtype=config.dtype)
+
     def chunk_multiplies() -> None:
         out = np.empty(chunk, config.dtype)  # each thread its own, as each worker's heads
         for _ in range(5000):
@@ -563,6 +572,8 @@ def scaling_worker(config: Config) -> dict[str, Any]:
             "chunk matmul": _scaling(chunk_products),
             "chunk multiply": _scaling(chunk_multiplies),
             "chunk multiply, processes": _scaling(chunk_multiplies, processes=True),
+            "half backward": _scaling(half_backward, repeats=3),
+            "half backward, processes": _scaling(half_backward, processes=True, repeats=3),
         },
         "chunk": list(chunk),
     }
@@ -877,7 +888,13 @@ def fixture_and_workers(quick: bool) -> None:
         "(what the machine had to give); a worker's calls on one chunk, np.matmul "
         f"[{chunk}] @ [{chunk}]^T {scaling['chunk matmul']:.2f}x, np.multiply(out=) "
         f"[{chunk}] {scaling['chunk multiply']:.2f}x, the same in two processes "
-        f"{scaling['chunk multiply, processes']:.2f}x (threads share the GIL between calls)"
+        f"{scaling['chunk multiply, processes']:.2f}x"
+    )
+    print(
+        f"a worker's share, a backward of {config.heads // 2} heads, run whole in each: two "
+        f"threads {scaling['half backward']:.2f}x, two processes "
+        f"{scaling['half backward, processes']:.2f}x (threads share the GIL, held between "
+        "NumPy's calls and through its calls on small arrays)"
     )
 
 
