@@ -552,7 +552,7 @@ def scaling_worker(config: Config) -> dict[str, Any]:
             np.matmul(x, np.swapaxes(y, 1, 2))
 
     share = config.heads // 2
-    half: list[Array | None] = [a[:, :, :share] for a in args[:6]]
+    half: list[Any] = [a[:, :, :share] for a in args[:6]]
     half.append(None if args[6] is None else args[6][:, :share])
 
     def half_backward() -> None:  # a worker's share, run as a whole backward of its own
