@@ -77,6 +77,7 @@ def test_inputs_as_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) ->
         case.inputs_as("torch")
 
 
+@pytest.mark.slow  # imports torch: about a second, once per process
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_pack_takes_torch_gradients_without_converting_them_first(dtype: DTypeLike) -> None:
     torch = pytest.importorskip("torch")
@@ -97,6 +98,7 @@ def test_pack_takes_torch_gradients_without_converting_them_first(dtype: DTypeLi
     assert np.array_equal(out, expected, equal_nan=True)
 
 
+@pytest.mark.slow  # imports torch: about a second, once per process
 def test_a_torch_kernel_is_checked_on_torch_inputs() -> None:
     torch = pytest.importorskip("torch")
     case = make_case(LAYOUT, seed=5)

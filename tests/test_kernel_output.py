@@ -118,6 +118,7 @@ def test_any_array_in_python(case: Path) -> None:
         compare([0.0] * LAYOUT.total_elems, fx.packed, LAYOUT)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # imports torch: about a second, once per process
 def test_torch_tensors_are_read_without_a_copy(case: Path) -> None:
     torch = pytest.importorskip("torch")
     fx = load_fixture(case)
