@@ -539,8 +539,8 @@ def scaling_worker(config: Config) -> dict[str, Any]:
 
     rng = np.random.default_rng(0)
     a, b = (rng.standard_normal((512, 512)).astype(config.dtype) for _ in range(2))
-    # A worker's share of the heads, one chunk of 64 steps: [H/2, 64, N]
-    chunk = (config.heads // 2, 64, config.size)
+    share = config.heads // 2  # a worker's heads
+    chunk = (share, 64, config.size)  # its part of one chunk of 64 steps
     x, y = (rng.standard_normal(chunk).astype(config.dtype) for _ in range(2))
 
     def products() -> None:
@@ -551,8 +551,7 @@ def scaling_worker(config: Config) -> dict[str, Any]:
         for _ in range(2000):
             np.matmul(x, np.swapaxes(y, 1, 2))
 
-    share = config.heads // 2
-    half: list[Any] = [a[:, :, :share] for a in args[:6]]
+    half: list[Any] = [tensor[:, :, :share] for tensor in args[:6]]
     half.append(None if args[6] is None else args[6][:, :share])
 
     def half_backward() -> None:  # a worker's share, run as a whole backward of its own
@@ -891,7 +890,7 @@ def fixture_and_workers(quick: bool) -> None:
         f"{scaling['chunk multiply, processes']:.2f}x"
     )
     print(
-        f"a worker's share, a backward of {config.heads // 2} heads, run whole in each: two "
+        f"a worker's share, a backward of {result['chunk'][0]} heads, run whole in each: two "
         f"threads {scaling['half backward']:.2f}x, two processes "
         f"{scaling['half backward, processes']:.2f}x (threads share the GIL, held between "
         "NumPy's calls and through its calls on small arrays)"

@@ -47,6 +47,11 @@ class Boundaries(NamedTuple):
     dh: _Array | None
     final: _Array
 
+    def part(self, batch: slice, heads: slice) -> Boundaries:
+        """Those of the batch elements ``batch`` and heads ``heads``, as views."""
+        dh = None if self.dh is None else self.dh[batch, :, heads]
+        return Boundaries(self.h[batch, :, heads], dh, self.final[batch, heads])
+
 
 def row_scale(a: _Array) -> _Array:
     """``[B, H, Ng]`` decay factors shaped to scale the rows of ``[B, H, N, N]`` states."""

@@ -127,7 +127,7 @@ def chunk_states(
     every = min(size, max(seq, 1))  # the same chunks, without a huge interval's buffers
     compute = inputs.q.dtype
     h, dh = (np.empty((b, count, heads, n, n), compute) for _ in range(2))
-    final = np.empty((b, heads, n, n), compute)
+    record = _recurrent.Boundaries(h, dh, np.empty((b, heads, n, n), compute))
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"chunk_states: method must be 'chunked' or 'recurrent', got {method!r}")
     chunked = method == "chunked" and _chunked.suits(inputs)
@@ -135,7 +135,7 @@ def chunk_states(
 
     def run(batch: slice, heads: slice) -> None:
         part = part_inputs(inputs, batch, heads)
-        views = _recurrent.Boundaries(h[batch, :, heads], dh[batch, :, heads], final[batch, heads])
+        views = record.part(batch, heads)
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
             if chunked:
                 plan = _chunked.part_of(stacks, batch, heads)
@@ -145,9 +145,9 @@ def chunk_states(
                 _recurrent.backward(part, scratch, every, _nothing, views)
 
     spread(run, b, heads, threads)
-    for name, array in (("h", h), ("dh", dh), ("final_state", final)):
+    for name, array in (("h", h), ("dh", dh), ("final_state", record.final)):
         check_result("chunk_states", name, array)
-    return h, dh, final
+    return h, dh, record.final
 
 
 def step_by_step(
@@ -200,26 +200,27 @@ def step_by_step(
     else:
         every = min(_chunk_length(chunk), max(seq, 1))
     count = -(-seq // every)
-    h = np.empty((b, count, heads, n, n), compute)  # the checkpoints: kept in any case
-    dh = None if chunk is None else np.empty((b, count, heads, n, n), compute)
-    final = np.empty((b, heads, n, n), compute)
+    record = _recurrent.Boundaries(
+        h=np.empty((b, count, heads, n, n), compute),  # the checkpoints: kept in any case
+        dh=None if chunk is None else np.empty((b, count, heads, n, n), compute),
+        final=np.empty((b, heads, n, n), compute),
+    )
     flat, grads = empty(layout, compute)
     y = np.empty((b, seq, heads, n), compute)
 
     def run(batch: slice, heads: slice) -> None:
-        views = _recurrent.Boundaries(
-            h[batch, :, heads], None if dh is None else dh[batch, :, heads], final[batch, heads]
-        )
         part, out = part_inputs(inputs, batch, heads), part_grads(grads, batch, heads)
         with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-            _recurrent.backward(part, out, every, _nothing, views, y[batch, :, heads])
+            _recurrent.backward(
+                part, out, every, _nothing, record.part(batch, heads), y[batch, :, heads]
+            )
 
     spread(run, b, heads, threads)
     outputs = {"y": y}
-    if dh is not None:
-        outputs.update(h=h, dh=dh)
+    if record.dh is not None:
+        outputs.update(h=record.h, dh=record.dh)
     if chunk is not None or state is not None:
-        outputs["final_state"] = final
+        outputs["final_state"] = record.final
     for name, array in (*zip(layout.names, grads, strict=False), *outputs.items()):
         if array is not None:
             check_result("the step-by-step form", name, array)
