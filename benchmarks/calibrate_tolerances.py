@@ -1,20 +1,32 @@
-"""Measure the calibrated criterion: floors, correct kernels against them, injected bugs.
+"""Measure the calibrated criterion per precision class: correct kernels against the floors,
+and injected bugs.
 
-Writes the standard suite in float32, float16, bfloat16 and float64 into a temporary folder,
-then for every case compares correct kernels (the reference in float32, by the default method
-and step by step, its output rounded to float16 and bfloat16; in float64, the step-by-step
-form and the tests' extended-precision oracle rounded to float64) and injected bugs (one wrong
-element, two heads swapped, the state dropped halfway and at steps 48, 128 and 256; in float64
-also a flipped dg, a transposed dstate and a gate read one step late) with the default,
-calibrated criterion.
-Prints the largest error/floor ratio of each correct kernel, the smallest of each bug on the
-gradients it touches, and how many cases each passes or fails.
+Writes the standard suite in float32, bfloat16, float16 and float64 into a temporary folder.
+For every case it judges, in each precision class:
 
-    python benchmarks/calibrate_tolerances.py
+* correct kernels: the reference (its float32 chunked form and the step-by-step form), and
+  the field's forms written in PyTorch with autograd (``tests/panel.py``: the chunked WY/UT
+  form with products on float32, TF32 or bfloat16 operands, and the step-by-step form),
+  transformers' ``torch_chunk_gated_delta_rule`` where installed; in float64 the step-by-step
+  form and the tests' extended-precision oracle;
+* injected bugs: one wrong element, two heads swapped, the state dropped halfway and at steps
+  48, 128 and 256, and every kind of ``bench_findings.py`` but ``rounding`` (which stands for
+  rounding, not a bug); in float64 also a flipped ``dg``, a transposed ``dstate`` and a gate
+  read one step late.
+
+Prints per class the largest error/floor of each correct kernel, and of each bug how many
+cases it fails and its smallest error/floor (where it is caught, and over all cases): the
+margin between the worst correct kernel and the least caught bug is the criterion's quality.
+
+    python benchmarks/calibrate_tolerances.py [--quick]
+
+``--quick`` runs the first 48 cases of each suite. Without PyTorch the panel's kernels are
+left out (said once).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 from collections.abc import Callable
@@ -32,6 +44,7 @@ from gdn_layout.generate import write_suite
 from gdn_layout.reference import backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from oracle import oracle  # the tests' extended-precision truth
 
 Kernel = Callable[[Fixture], NDArray[Any] | None]
@@ -151,98 +164,163 @@ def dropped_state(t: int | None) -> Kernel:
     return kernel
 
 
-CORRECT = {
-    "float32 (default)": f32,
-    "float32 (step by step)": f32_recurrent,
-    "float16 output": cast(np.float16),
-    "bfloat16 output": cast(ml_dtypes.bfloat16),
-}
+def _torch_kernels() -> dict[str, Kernel]:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("PyTorch is not installed: the panel's torch kernels are left out")
+        return {}
+    import panel
+
+    kernels: dict[str, Kernel] = {
+        "torch chunked (float32 products)": lambda fx: panel.chunked(fx),
+        "torch step-by-step": lambda fx: panel.step_by_step(fx),
+    }
+    try:
+        import transformers  # noqa: F401
+
+        kernels["transformers chunked"] = lambda fx: (
+            None if fx.layout.gate_per_channel else panel.transformers_chunked(fx)
+        )
+    except ImportError:
+        print("transformers is not installed: its chunked function is left out")
+    return kernels
+
+
+def panel_kernel(operands: str) -> Kernel:
+    """The panel's chunked kernel with its products on ``operands``."""
+    import panel
+
+    return lambda fx: panel.chunked(fx, operands)
+
+
+def _classes() -> dict[str, tuple[str, dict[str, Kernel]]]:
+    """Each class judged: the suite's dtype and its correct kernels."""
+    torch_kernels = _torch_kernels()
+    float32 = {"reference chunked": f32, "reference step-by-step": f32_recurrent, **torch_kernels}
+    tf32 = dict(float32)
+    bf16 = {"reference, output rounded": cast(ml_dtypes.bfloat16)}
+    f16 = {"reference, output rounded": cast(np.float16)}
+    if torch_kernels:
+        tf32["torch chunked (TF32 products)"] = panel_kernel("tf32")
+        bf16["torch chunked (bfloat16 products)"] = panel_kernel("bfloat16")
+        bf16.update({k: v for k, v in torch_kernels.items() if "chunked" in k})
+    return {
+        "float32": ("float32", float32),
+        "tf32": ("float32", tf32),
+        "bfloat16": ("bfloat16", bf16),
+        "float16": ("float16", f16),
+        "float64": ("float64", dict(CORRECT_64)),
+    }
+
+
 CORRECT_64 = {
     "float64 (step by step)": f64_recurrent,
     "extended-precision oracle": extended_oracle,
 }
-BUGS = {
-    "one wrong element (dk += rms)": (wrong_element, ("dk",)),
-    "heads 0 and 1 of dv swapped": (swapped_heads, ("dv",)),
-    "state dropped at S//2": (dropped_state(None), None),
-    **{f"state dropped at t={t}": (dropped_state(t), None) for t in (48, 128, 256)},
-}
-BUGS_64 = {
-    "dg flipped (cases with dg != 0)": (flipped_dg, ("dg",)),
-    "dstate transposed": (transposed_dstate, ("dstate",)),
-    "gate read one step late": (gate_one_step_late, None),
-    **{f"state dropped at t={t}": (dropped_state(t), None) for t in (48, 128, 256)},
-}
 
 
-def _judge(fx: Fixture, out: NDArray[Any]) -> Comparison:
-    return compare(out, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales)
+def _bugs(precision: str) -> dict[str, Kernel]:
+    import bench_findings
+
+    def injected(kind: str) -> Kernel:
+        def kernel(fx: Fixture) -> NDArray[Any] | None:
+            from gdn_layout.suites import Case
+
+            out = f32(fx)
+            base = out.copy()
+            if bench_findings.BUGS[kind](Case(fx.path.name if fx.path else "", fx), out) is None:
+                return None
+            return None if np.array_equal(out, base, equal_nan=True) else out
+
+        return kernel
+
+    bugs: dict[str, Kernel] = {
+        "one wrong element (dk += rms)": wrong_element,
+        "heads 0 and 1 of dv swapped": swapped_heads,
+        "state dropped at S//2": dropped_state(None),
+        **{f"state dropped at t={t}": dropped_state(t) for t in (48, 128, 256)},
+    }
+    if precision == "float64":
+        bugs = {
+            "dg flipped (cases with dg != 0)": flipped_dg,
+            "dstate transposed": transposed_dstate,
+            "gate read one step late": gate_one_step_late,
+            **{f"state dropped at t={t}": dropped_state(t) for t in (48, 128, 256)},
+        }
+    else:
+        bugs.update({f"findings: {k}": injected(k) for k in bench_findings.BUGS if k != "rounding"})
+    return bugs
 
 
-def _ratio(result: Comparison, name: str) -> float:
-    ratio = result[name].error_floor_ratio
-    return float("nan") if ratio is None else ratio
+def _judge(fx: Fixture, out: NDArray[Any], precision: str) -> Comparison:
+    return compare(out.astype(fx.dtype) if precision != "tf32" else out, fx, precision=precision)
+
+
+def _worst(result: Comparison) -> float:
+    return max((g.error_floor_ratio or 0.0) for g in result.grads)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the first 48 cases of each suite")
+    args = parser.parse_args()
     print(f"K = {K}")
-    for dtype in ("float32", "float16", "bfloat16", "float64"):
-        wide = dtype == "float64"
-        with tempfile.TemporaryDirectory() as folder:
-            paths = write_suite(folder, dtype=dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
-            fixtures = [load_fixture(p) for p in paths]
-            print(f"\n== {dtype} suite: {len(fixtures)} cases")
-            worst_floor: dict[str, dict[str, float]] = {}
-            for fx in fixtures:
-                assert fx.floors is not None
-                for d, per in fx.floors.items():
-                    for rms, peak in per.values():
-                        w = worst_floor.setdefault(d, {"rms": 0.0, "max": 0.0})
-                        w["rms"], w["max"] = max(w["rms"], rms), max(w["max"], peak)
-            for d, w in worst_floor.items():
-                print(f"largest floor for {d}: rms {w['rms']:.3g}, max {w['max']:.3g}")
-            for label, kernel in (CORRECT_64 if wide else CORRECT).items():
+    suites: dict[str, list[Fixture]] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for precision, (dtype, correct) in _classes().items():
+            if dtype not in suites:
+                paths = write_suite(
+                    Path(folder) / dtype,
+                    dtype=ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype,
+                )
+                suites[dtype] = [load_fixture(p) for p in paths][: 48 if args.quick else None]
+            fixtures = suites[dtype]
+            print(
+                f"\n== {precision}: the {dtype} suite, {len(fixtures)} cases, K = {K[precision]:g}"
+            )
+            worst_correct = 0.0
+            for label, kernel in correct.items():
                 ratios, failed, counted = [], 0, 0
                 for fx in fixtures:
                     out = kernel(fx)
                     if out is None:
                         continue
                     counted += 1
-                    result = _judge(fx, out)
+                    result = _judge(fx, out, precision)
                     failed += not result.passed
-                    ratios += [_ratio(result, g.name) for g in result.grads if g.size]
+                    ratios.append(_worst(result))
+                worst_correct = max(worst_correct, max(ratios))
                 print(
-                    f"correct {label:26s} failed {failed:3d}/{counted}; error/floor "
+                    f"correct {label:36s} failed {failed:3d}/{counted}; error/floor "
                     f"median {np.median(ratios):.3g}, max {max(ratios):.3g}"
                 )
-            for label, (kernel, touched) in (BUGS_64 if wide else BUGS).items():
-                for out_dtype in ("float64",) if wide else ("float32", "bfloat16"):
-                    counted = failed = 0
-                    least = float(np.inf)
-                    by_regime: dict[str, list[int]] = {}
-                    for fx in fixtures:
-                        out = kernel(fx)
-                        if out is None or (touched == ("dg",) and not np.any(fx.grads.dg)):
-                            continue
-                        if out_dtype == "bfloat16":
-                            out = out.astype(ml_dtypes.bfloat16)
-                        counted += 1
-                        result = _judge(fx, out)
-                        failed += not result.passed
-                        tally = by_regime.setdefault(str(fx.regime), [0, 0])
-                        tally[0] += not result.passed
-                        tally[1] += 1
-                        names = touched or result.names
-                        least = min(least, max(_ratio(result, n) for n in names))
-                    print(
-                        f"bug {label:30s} {out_dtype:8s} failed {failed:3d}/{counted}; "
-                        f"smallest error/floor {least:.3g}"
-                    )
-                    if label.startswith("state dropped at t="):
-                        print(
-                            "    by regime: "
-                            + ", ".join(f"{r} {f}/{n}" for r, (f, n) in by_regime.items())
-                        )
+            least_caught = float("inf")
+            for label, kernel in _bugs(precision).items():
+                counted = failed = 0
+                least, least_all = float("inf"), float("inf")
+                for fx in fixtures:
+                    if label.startswith("dg flipped") and not np.any(fx.grads.dg):
+                        continue
+                    out = kernel(fx)
+                    if out is None:
+                        continue
+                    counted += 1
+                    result = _judge(fx, out, precision)
+                    ratio = _worst(result)
+                    least_all = min(least_all, ratio)
+                    if not result.passed:
+                        failed += 1
+                        least = min(least, ratio)
+                least_caught = min(least_caught, least)
+                print(
+                    f"bug {label:40s} failed {failed:3d}/{counted}; smallest error/floor "
+                    f"where caught {least:.3g}, over all {least_all:.3g}"
+                )
+            print(
+                f"-> {precision}: worst correct kernel {worst_correct:.3g}, least caught bug "
+                f"{least_caught:.3g} (K = {K[precision]:g})"
+            )
 
 
 if __name__ == "__main__":

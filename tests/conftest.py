@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """A test that needs the standard suite is slow: writing it takes 6 to 10 s, once in
     a session."""
     for item in items:
-        if "suite" in getattr(item, "fixturenames", ()):
+        if {"suite", "suite_bf16"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
 
 
@@ -79,3 +79,14 @@ st.register_type_strategy(
         carry_state=st.booleans(),
     ),
 )
+
+
+@pytest.fixture(scope="session")
+def suite_bf16(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    """The standard suite in bfloat16, written once for every worker."""
+    import ml_dtypes
+
+    paths = shared_folder(
+        tmp_path_factory, "suite-bf16", lambda root: write_suite(root, dtype=ml_dtypes.bfloat16)
+    )
+    return paths[0].parent, paths

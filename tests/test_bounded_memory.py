@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, unpack
+from gdn_layout._dtypes import PRECISIONS
 from gdn_layout.check import Criterion, compare
 from gdn_layout.check._compare import _Score
 from gdn_layout.check._findings import buffer_findings
@@ -146,7 +147,7 @@ def test_buffer_findings_hold_a_few_copies_of_one_segment_not_of_the_buffer() ->
     segment = max(seg.length for seg in layout.segments()) * 8
     tracemalloc.start()
     try:
-        buffer_findings(actual, expected, layout, _Score(criteria, None, "float32"))
+        buffer_findings(actual, expected, layout, _Score(criteria, None, PRECISIONS["float32"]))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ import gdn_layout.cli
 import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
 from gdn_layout.cli import main
-from gdn_layout.files import load_fixture
+from gdn_layout.files import load_fixture, save_fixture
 from gdn_layout.files._outputs import FILE_KINDS
 from gdn_layout.regimes import REGIME_SUMMARIES
 
@@ -490,3 +491,26 @@ def test_the_help_names_every_regime_and_every_file_kind(monkeypatch: pytest.Mon
         assert f"{name}: {text}" in fixture_help
     for command in ("inspect", "compare"):
         assert FILE_KINDS in " ".join(run(command, "--help").stdout.split())
+
+
+def test_compare_judges_in_the_precision_class_asked(tmp_path: Path) -> None:
+    from gdn_layout.generate import make_fixture
+    from gdn_layout.reference._fused import fused_backward
+
+    fx = make_fixture(GdnBackwardLayout(1, 40, 2, 16), regime="mixed", seed=2)
+    save_fixture(tmp_path / "case.safetensors", fx)
+    np.save(tmp_path / "tf32.npy", fused_backward(*fx.inputs, bits=10)[0])
+    files = (str(tmp_path / "tf32.npy"), str(tmp_path / "case.safetensors"))
+    passed = run("compare", *files, "--precision", "tf32")
+    assert passed.returncode == 0, passed.stdout
+    assert "error/floor<=16 (tf32)" in passed.stdout
+    assert run("compare", *files).returncode == 1  # float32's floors: TF32 rounds more
+    bad = run("compare", *files, "--precision", "fp8")
+    assert bad.returncode == 2
+    assert "--precision: the precision must be one of float64, float32, tf32, " in bad.stderr
+    fx.packed.astype(ml_dtypes.bfloat16).tofile(tmp_path / "bf16.bin")
+    finer = run(
+        "compare", tmp_path / "bf16.bin", files[1], "--dtype", "bf16", "--precision", "float32"
+    )
+    assert finer.returncode == 2
+    assert "precision 'float32' judges float32 buffers, got bfloat16 ones" in finer.stderr

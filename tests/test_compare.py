@@ -245,12 +245,12 @@ def test_default_tolerances_follow_the_less_precise_dtype() -> None:
     assert compare(bf16, expected.astype(np.float16), layout, atol=0)["dq"].rtol == 1.6e-2
     assert compare(expected, expected, layout, rtol=0)["dq"].atol == 1e-7
     # Given neither, every dtype is judged against its floors (longdouble as float64).
-    assert compare(expected, expected, layout)["dq"].judged_dtype == "float64"
+    assert compare(expected, expected, layout)["dq"].precision == "float64"
     wide = expected.astype(np.longdouble)
     assert compare(wide, wide, layout)["dq"].criterion == "error/floor<=64 (float64)"
     assert compare(f32, expected, layout)["dq"].mode == "calibrated"
-    assert compare(f32, expected, layout)["dq"].judged_dtype == "float32"
-    assert compare(bf16, expected.astype(np.float16), layout)["dq"].judged_dtype == "bfloat16"
+    assert compare(f32, expected, layout)["dq"].precision == "float32"
+    assert compare(bf16, expected.astype(np.float16), layout)["dq"].precision == "bfloat16"
 
 
 # -- NaN and Inf ----------------------------------------------------------------------------
@@ -370,7 +370,10 @@ def test_large_gradient_is_compared_in_chunks(monkeypatch: pytest.MonkeyPatch) -
     chunked = compare(actual, expected, layout)
     for a, b in zip(chunked.grads, whole.grads, strict=True):  # sums in another order
         assert a.rms_ratio == pytest.approx(b.rms_ratio, rel=1e-14, abs=0)
-        assert dataclasses.replace(a, rms_ratio=b.rms_ratio) == b
+        # the ratio to the floors is the RMS figure's where that is the larger
+        assert a.error_floor_ratio == pytest.approx(b.error_floor_ratio, rel=1e-14, abs=0)
+        same = dataclasses.replace(a, rms_ratio=b.rms_ratio, error_floor_ratio=b.error_floor_ratio)
+        assert same == b
     assert chunked["dk"].worst == (0, 1, 0, 0)
     for a, b in zip(chunked.grads, whole.grads, strict=True):
         np.testing.assert_array_equal(a.error_map, b.error_map)
@@ -494,7 +497,7 @@ def test_to_dict_is_json() -> None:
         *("rtol", "atol", "max_rms_ratio", "max_abs_error", "max_rel_error", "rms_ratio"),
         *("mismatches", "nonfinite_mismatches", "nan_actual", "inf_actual", "nan_expected"),
         *("inf_expected", "worst", "worst_actual", "worst_expected", "elementwise", "floor"),
-        *("judged_dtype", "error_floor_ratio", "term_scale", "passed", "findings"),
+        *("precision", "error_floor_ratio", "term_scale", "passed", "findings"),
     }
 
 

@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.check._criterion import FLOOR_DTYPES
-from gdn_layout.check._floors import _figures, measure_floors, round_to
+from gdn_layout.check._floors import ROUNDINGS, _figures, measure_floors, round_to
 from gdn_layout.reference import backward, chunk_states, forward
 from gdn_layout.reference._states import step_by_step
 
@@ -206,7 +205,7 @@ def _plain_floors(
     low: NDArray[np.float32], truth: NDArray[np.float64], layout: GdnBackwardLayout
 ) -> dict[str, dict[str, tuple[float, float]]]:
     floors: dict[str, dict[str, tuple[float, float]]] = {}
-    for name in FLOOR_DTYPES:
+    for name in ROUNDINGS:
         rounded = round_to(low, name).astype(np.float64)
         floors[name] = {
             seg.name: _figures(

@@ -144,7 +144,7 @@ def test_a_correct_kernels_parts_pass(
     for name, part in _kernel_parts(fixture, 16, method).items():
         result = compare_states(part, fixture, name)
         assert result.passed, result.summary()
-        assert result.judged_dtype == "float32"
+        assert result.precision == "float32"
 
 
 @pytest.mark.slow
@@ -198,7 +198,9 @@ def test_bad_arguments_are_named(fixture: Fixture) -> None:
 def test_check_states_names_the_part_and_where() -> None:
     case = make_case(GdnBackwardLayout(1, 40, 2, 4, carry_state=True), regime="mild", seed=1)
     parts = _kernel_parts(case.fixture, 16)
-    results = case.check_states(chunk=16, **parts)
+    results = case.check_states(
+        chunk=16, y=parts["y"], h=parts["h"], dh=parts["dh"], final_state=parts["final_state"]
+    )
     assert set(results) == set(STATE_TENSORS)
     dh = parts["dh"].copy()
     dh[0, 1, 1] *= 2

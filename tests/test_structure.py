@@ -91,6 +91,7 @@ LAYERS = [
     "reference._chunk_math",
     "reference._chunked",
     "reference._states",
+    "reference._fused",
     "reference",
     "generate",
     "check._records",

@@ -180,6 +180,25 @@ def test_plugin_builds_cases_from_a_layout(pytester: pytest.Pytester) -> None:
     extreme.assert_outcomes(passed=2)
 
 
+TF32_KERNEL = """
+from gdn_layout.reference._fused import fused_backward
+
+def test_tf32_kernel(gdn_case):
+    # the chunked form with its matrix products on TF32 operands: a correct tf32 kernel
+    gdn_case.check(fused_backward(*gdn_case.inputs, bits=10)[0])
+"""
+
+
+@pytest.mark.slow
+def test_plugin_judges_in_the_precision_class_asked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernel=TF32_KERNEL)
+    layout = ("-p", "no:cacheprovider", "--gdn-layout", "1,40,2,16,channel,state")
+    pytester.runpytest(*layout, "--gdn-precision", "TF32").assert_outcomes(passed=6)
+    failed = pytester.runpytest(*layout)  # judged as float32 by default: its rounding is TF32's
+    failed.assert_outcomes(failed=6)
+    failed.stdout.fnmatch_lines(["*error/floor<=16 (float32)*"])
+
+
 def test_plugin_is_idle_unless_asked(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_kernel=KERNEL_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
@@ -197,6 +216,11 @@ def test_plugin_is_idle_unless_asked(pytester: pytest.Pytester) -> None:
         (["--gdn-crossing", "0"], "*--gdn-crossing: expected a positive integer, got '0'*"),
         (["--gdn-min-seq", "-1"], "*--gdn-min-seq: expected a non-negative integer, got '-1'*"),
         (["--gdn-seed", "x"], "*--gdn-seed: expected a non-negative integer, got 'x'*"),
+        (
+            ["--gdn-precision", "fp8"],
+            "*--gdn-precision: the precision must be one of float64, float32, tf32, bfloat16, "
+            "float16, got 'fp8'*",
+        ),
     ],
 )
 def test_plugin_usage_errors(pytester: pytest.Pytester, args: list[str], message: str) -> None:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Iterable
 
 from ._checks import integer_words
-from ._dtypes import SPELLINGS, canonical_name
+from ._dtypes import PRECISIONS, SPELLINGS, canonical_name, precision_of
 from .layout import GRADIENT_NAMES
 
 __all__ = [
@@ -56,6 +56,22 @@ def dtype_arg(text: str) -> str:
             f"expected a floating dtype ({spellings}, in any case), got {text!r}"
         )
     return name
+
+
+def precision_arg(text: str) -> str:
+    """A precision class, in any of its spellings: its name."""
+    try:
+        return precision_of(text, "the precision").name
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+#: The precision classes in words, for help texts.
+PRECISION_HELP = (
+    "the precision class the kernel computes in, whose floors judge it: "
+    + ", ".join(PRECISIONS)
+    + " (tf32: float32 with matrix products on 10-bit operands; default: the buffers' dtype)"
+)
 
 
 def count_arg(text: str) -> int:

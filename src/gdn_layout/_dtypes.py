@@ -1,4 +1,5 @@
-"""The floating dtypes gdn-layout works with; bfloat16 is ml_dtypes', an optional extra.
+"""The floating dtypes gdn-layout works with, and the precision classes a kernel computes in;
+bfloat16 is ml_dtypes', an optional extra.
 
 Every common spelling of a dtype name is accepted, in any case: NumPy's (``float32``),
 safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, ``double``).
@@ -7,13 +8,17 @@ safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, `
 ['bfloat16', 'float32', 'float16', 'float64', 'float64', 'float16']
 >>> itemsize("bfloat16", "dtype")  # no optional package needed to count bytes
 2
+>>> [(p.name, p.buffer, p.k) for p in PRECISIONS.values()]  # doctest: +NORMALIZE_WHITESPACE
+[('float64', 'float64', 64.0), ('float32', 'float32', 16.0), ('tf32', 'float32', 16.0),
+ ('bfloat16', 'bfloat16', 8.0), ('float16', 'float16', 8.0)]
 """
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
+from numpy.typing import NDArray
 
 BF16_HINT: Final = "bfloat16 needs ml_dtypes: pip install 'gdn-layout[bfloat16]'"
 
@@ -34,6 +39,86 @@ UNIT_ROUNDOFF: Final = {
     "float32": 2.0**-24,
     "float64": 2.0**-53,
 }
+
+
+class Precision(NamedTuple):
+    """A precision class: what a kernel computes in, and how it is judged.
+
+    A kernel is judged against the floors of its class (:mod:`gdn_layout.check`): the worst
+    rounding that correct forms computed in that class reach on the case's inputs.
+    """
+
+    #: The class's name, as ``precision=`` takes it.
+    name: str
+    #: The dtype of the kernel's inputs and outputs.
+    buffer: str
+    #: Mantissa bits of the operands of its matrix products (accumulated in float32), or None
+    #: when they are the computation dtype's own.
+    product_bits: int | None
+    #: How far above its floor a correct kernel's error may be (see docs/criterion.md).
+    k: float
+    #: ``(rms, max)`` floors for fixtures that carry none of this class.
+    default_floors: tuple[float, float]
+    #: Other accepted spellings (lower case) besides the name.
+    spellings: tuple[str, ...] = ()
+
+    @property
+    def unit_roundoff(self) -> float:
+        """Of the buffers: the largest relative error of storing a result."""
+        return UNIT_ROUNDOFF[self.buffer]
+
+    @property
+    def compute_roundoff(self) -> float:
+        """Of the computation dtype: float64's for float64, float32's for every other class."""
+        return UNIT_ROUNDOFF["float64" if self.buffer == "float64" else "float32"]
+
+    @property
+    def product_roundoff(self) -> float:
+        """Of a product's terms: its operands' unit roundoff, or the computation dtype's."""
+        if self.product_bits is None:
+            return UNIT_ROUNDOFF["float64" if self.buffer == "float64" else "float32"]
+        return 2.0 ** -(self.product_bits + 1)
+
+
+#: The precision classes, from the most precise. ``float64`` and ``float32`` compute in
+#: their dtype throughout; ``tf32`` is float32 with matrix products on operands rounded to 10
+#: mantissa bits (Triton's default for float32 ``tl.dot`` on tensor cores); ``bfloat16`` and
+#: ``float16`` keep inputs and outputs in that dtype, compute in float32 and multiply matrices
+#: of that dtype. The default floors are the largest measured over the standard suite's first
+#: four regimes on gradients of more than 256 elements, rounded up; float64's are float32's
+#: scaled by the ratio of the unit roundoffs, as measured ones are.
+PRECISIONS: Final = {
+    p.name: p
+    for p in (
+        Precision(
+            "float64", "float64", None, 64.0, (3e-5 * 2.0**-29, 5e-4 * 2.0**-29),
+            SPELLINGS["float64"][1:],
+        ),
+        Precision("float32", "float32", None, 16.0, (3e-5, 5e-4), SPELLINGS["float32"][1:]),
+        Precision("tf32", "float32", 10, 16.0, (3e-3, 3e-2)),
+        Precision("bfloat16", "bfloat16", 7, 8.0, (1e-2, 0.15), SPELLINGS["bfloat16"][1:]),
+        Precision("float16", "float16", 10, 8.0, (6e-3, 3e-2), SPELLINGS["float16"][1:]),
+    )
+}  # fmt: skip
+_PRECISION_NAMES: Final = {
+    alias: p.name for p in PRECISIONS.values() for alias in (p.name, *p.spellings)
+}
+
+
+def precision_of(value: object, where: str) -> Precision:
+    """The precision class spelled ``value`` (any case); a ValueError naming ``where`` and the
+    classes otherwise."""
+    name = _PRECISION_NAMES.get(value.strip().lower()) if isinstance(value, str) else None
+    if name is None:
+        raise ValueError(f"{where} must be one of {', '.join(PRECISIONS)}, got {value!r}")
+    return PRECISIONS[name]
+
+
+def default_precision(*dtypes: np.dtype[Any]) -> Precision:
+    """The class buffers of ``dtypes`` are judged in by default: that of the less precise
+    dtype; any other dtype (longdouble, an integer) counts as float64."""
+    names = [d.name if d.name in UNIT_ROUNDOFF else "float64" for d in dtypes]
+    return PRECISIONS[max(names, key=UNIT_ROUNDOFF.__getitem__)]
 
 
 def canonical_name(text: str) -> str | None:
@@ -84,3 +169,21 @@ def itemsize(dtype: object, where: str) -> int:
     if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
         return _ITEMSIZE[name]
     return resolve(dtype, where).itemsize
+
+
+def round_mantissa(values: NDArray[np.float32], bits: int) -> NDArray[np.float32]:
+    """float32 ``values`` rounded to ``bits`` explicit mantissa bits (to nearest, ties to
+    even), in float32's exponent range: TF32 is 10 bits, bfloat16 7.
+
+    >>> x = np.array([1 + 2.0**-11, 1 + 3 * 2.0**-11, 1.0 + 2.0**-12], np.float32)
+    >>> round_mantissa(x, 10).tolist()  # ties go to the even neighbour
+    [1.0, 1.001953125, 1.0]
+    """
+    drop = 23 - bits
+    raw = np.asarray(values, np.float32).view(np.uint32)
+    out = np.right_shift(raw, np.uint32(drop))
+    out &= np.uint32(1)
+    out += np.uint32((1 << (drop - 1)) - 1)
+    out += raw
+    out &= np.uint32((0xFFFFFFFF >> drop) << drop)
+    return out.view(np.float32)

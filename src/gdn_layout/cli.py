@@ -28,11 +28,13 @@ import numpy as np
 from . import reference
 from ._checks import require_matplotlib
 from ._cli_values import (
+    PRECISION_HELP,
     add_file_arguments,
     add_layout_arguments,
     count_arg,
     dtype_arg,
     positive_arg,
+    precision_arg,
     tolerance,
 )
 from ._dtypes import is_floating, resolve
@@ -238,6 +240,7 @@ def _compare_command(commands: _Commands) -> None:
             metavar="X|NAME=X,...",
             help=f"{what}: one number, or per gradient, e.g. dq=1e-3,dg=2e-3",
         )
+    compare.add_argument("--precision", type=precision_arg, metavar="CLASS", help=PRECISION_HELP)
     compare.add_argument("--json", action="store_true", help="print JSON instead of a report")
     compare.add_argument(
         "--wide", action="store_true", help="every column, even past 100 characters a line"
@@ -440,16 +443,20 @@ def _compare(args: argparse.Namespace) -> int:
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
     with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
-        result = compare(
-            actual.packed,
-            expected.packed,
-            layout,
-            rtol=args.rtol,
-            atol=args.atol,
-            max_rms_ratio=args.max_rms_ratio,
-            floors=expected.floors if expected.floors is not None else actual.floors,
-            scales=expected.scales if expected.scales is not None else actual.scales,
-        )
+        try:
+            result = compare(
+                actual.packed,
+                expected.packed,
+                layout,
+                rtol=args.rtol,
+                atol=args.atol,
+                max_rms_ratio=args.max_rms_ratio,
+                precision=args.precision,
+                floors=expected.floors if expected.floors is not None else actual.floors,
+                scales=expected.scales if expected.scales is not None else actual.scales,
+            )
+        except ValueError as error:  # a precision finer than the files' dtypes, say
+            raise UsageError(str(error)) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -482,7 +489,13 @@ def _compare_tensor(args: argparse.Namespace) -> int:
         )
     try:
         with actual.unchanged():
-            result = compare_states(flat.reshape(shape), expected, args.tensor, chunk=args.chunk)
+            result = compare_states(
+                flat.reshape(shape),
+                expected,
+                args.tensor,
+                chunk=args.chunk,
+                precision=args.precision,
+            )
     except (TypeError, ValueError) as error:  # the file's dtype, say: the user's to fix
         raise UsageError(f"{args.actual}: {error}") from None
     if args.json:

@@ -21,8 +21,9 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import reference
 from ._checks import integer, not_a_layout
+from ._dtypes import precision_of
 from ._version import __version__
-from .check._floors import measure_floors, tensor_floors
+from .check._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, panel_floors
 from .files._atomic import Temporaries, atomic_write, install_folder, remove_abandoned
 from .files._fixture import (
     Fixture,
@@ -34,7 +35,9 @@ from .files._fixture import (
 from .files._manifest import MANIFEST, NotASuite, manifest_entry, manifest_text, read_manifest
 from .files._safetensors import dtype_code
 from .layout import GdnBackwardLayout
+from .reference._fused import fused_backward
 from .reference._states import step_by_step
+from .reference._threads import mapped
 from .regimes import REGIMES, draw_gate
 
 __all__ = ["REGIMES", "draw_inputs", "make_fixture", "write_suite"]
@@ -140,6 +143,7 @@ def make_fixture(
     calibrate: bool = True,
     states: SupportsIndex | None = None,
     workers: int | None = 1,
+    precisions: tuple[str, ...] | None = None,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
@@ -147,12 +151,12 @@ def make_fixture(
     results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
     inputs, up to that final rounding. ``progress`` is passed to the reference backward.
 
-    With ``calibrate=True`` (the default) the spec's step-by-step form also runs in float32 on
-    the stored inputs (the reference's ``method="recurrent"``: the plain float32 arithmetic of
-    the op, not the reference's own, which keeps its backward sweep in float64), and the
-    precision floors of every gradient (float32, and float16 and bfloat16 by rounding that
-    result) are measured against the float64 result and kept in :attr:`Fixture.floors`;
-    :func:`~gdn_layout.compare` judges against them.
+    With ``calibrate=True`` (the default) the correct forms a kernel of each precision class
+    computes run on the stored inputs: the spec's step-by-step form in float32, and the
+    chunked WY/UT form as fused kernels compute it, in float32 and with its matrix products on
+    TF32 or bfloat16 operands. The precision floors of every gradient, the worst rounding of
+    a class's forms against the float64 result, are kept in :attr:`Fixture.floors`;
+    :func:`~gdn_layout.compare` judges against them (see docs/criterion.md).
 
     Parameters
     ----------
@@ -175,9 +179,15 @@ def make_fixture(
         ``states``. Calibrated, their floors and ``y``'s are measured as the gradients' are,
         from the step-by-step form in float32, and kept in :attr:`Fixture.state_floors`.
     workers : int or None
-        Threads for the reference (see :func:`gdn_layout.reference.backward`): 1, the default,
-        computes in the calling thread, None on every core this process may use. The fixture
-        is the same, bit for bit, for every value.
+        Threads for the reference (see :func:`gdn_layout.reference.backward`) and for the
+        floors' forms, which run side by side: 1, the default, computes in the calling
+        thread, None on every core this process may use. The fixture is the same, bit for
+        bit, for every value.
+    precisions : tuple of str, optional
+        The precision classes whose floors are measured. By default those that judge
+        ``dtype``'s buffers: for float32 (and float64) ``float32``, ``tf32`` and
+        ``float16``; for bfloat16 ``bfloat16``; for float16 ``float16``. A class left out is
+        judged against its default floors.
 
     Returns
     -------
@@ -211,7 +221,8 @@ def make_fixture(
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
     if states is not None:
         states = integer(states, "make_fixture: states", least=1, most=_MAX_CHUNK, or_none=True)
-    return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states, threads)
+    classes = precisions_of(x.q.dtype, precisions)
+    return _fixture_of(layout, x, regime, int(seed), progress, calibrate, states, threads, classes)
 
 
 #: The longest chunk a fixture records (``states_chunk`` is read back as at most 18 digits).
@@ -227,6 +238,7 @@ def _fixture_of(
     calibrate: bool = True,
     states: int | None = None,
     workers: int = 1,
+    precisions: tuple[str, ...] | None = None,
 ) -> Fixture:
     """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
     state = None if x.state is None else x.state.astype(np.float64)
@@ -235,11 +247,16 @@ def _fixture_of(
     truth = reference_outputs(wide, states, "chunked", workers)
     packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
-    if calibrate:  # one float32 step-by-step run: the gradients, y and the states
-        low, low_outputs = step_by_step(*x, chunk=states, workers=workers)
-        floors = measure_floors(low, packed, layout)
+    if calibrate:
+        classes = precisions_of(x.q.dtype) if precisions is None else precisions
+        measured = correct_forms_floors(x, _named(packed, truth, layout), states, classes, workers)
+        floors = {
+            c: {n: f for n, f in per.items() if n in layout.names} for c, per in measured.items()
+        }
         if len(truth) > 1:  # the states are kept, and so are their floors and y's
-            state_floors = tensor_floors(low_outputs, truth)
+            state_floors = {
+                c: {n: f for n, f in per.items() if n in truth} for c, per in measured.items()
+            }
     target = x.q.dtype
 
     def kept(name: str) -> NDArray[Any] | None:
@@ -259,6 +276,82 @@ def _fixture_of(
         states_chunk=states,
         state_floors=state_floors,
     )
+
+
+def correct_forms_floors(
+    x: GdnInputs,
+    truth: dict[str, NDArray[Any]],
+    states: int | None,
+    precisions: tuple[str, ...],
+    workers: int = 1,
+) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """The floors of each tensor of ``truth`` (gradients and states, by name, float64) for
+    each class of ``precisions``: the worst rounding of its correct forms
+    (:data:`~gdn_layout.check._floors.PANEL`), run on the stored inputs ``x``, and the least
+    that rounding analysis allows. Forms run side by side on ``workers`` threads."""
+    layout = GdnBackwardLayout.from_inputs(x.q, x.g, x.state)
+    forms = sorted({form for c in precisions for form, _ in PANEL[c]}, key=_FORMS.index)
+    # The rounding analysis's least floor guards tensors of few elements, whose measured
+    # figures are a few samples of one rounding order.
+    sized = next((f for f in forms if f in CHUNKED_RUNS), None)
+    if min((a.size for a in truth.values()), default=0) > FEW_ELEMENTS:
+        sized = None
+
+    def run(form: str) -> tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]] | None]:
+        if form == "step-by-step":
+            return _named(*step_by_step(*x, chunk=states), layout), None
+        low, outputs, magnitudes = fused_backward(
+            *x, chunk=states, bits=CHUNKED_RUNS[form], sizes=form == sized
+        )
+        named = None if magnitudes is None else _named(*magnitudes, layout)
+        return _named(low, outputs, layout), named
+
+    done = dict(zip(forms, mapped(run, forms, workers), strict=True))
+    runs = {form: result[0] for form, result in done.items()}
+    sizes = None if sized is None else done[sized][1]
+    return panel_floors(runs, truth, sizes, precisions)
+
+
+#: Every form of the panel, in the order they run.
+_FORMS: Final = ("step-by-step", *CHUNKED_RUNS)
+
+
+def precisions_of(dtype: np.dtype[Any], asked: object = None) -> tuple[str, ...]:
+    """The precision classes a fixture of ``dtype`` records floors for: ``asked`` (names of
+    classes), or by default every class its buffers can be judged in by default or by a
+    finer class of the same buffers (float32: float32, tf32 and float16, whose floors share
+    the TF32 run; bfloat16: bfloat16; float16: float16; float64: float32's, as float64's are
+    derived, and tf32 and float16)."""
+    if asked is None:
+        return _RECORDED.get(dtype.name, _RECORDED["float32"])
+    if isinstance(asked, str) or not isinstance(asked, (tuple, list)):
+        raise TypeError(
+            f"make_fixture: precisions must be a tuple of precision class names, got {asked!r}"
+        )
+    names = []
+    for value in asked:
+        name = precision_of(value, "make_fixture: precisions").name
+        if name == "float64":
+            name = "float32"  # float64's floors are float32's, scaled
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+_RECORDED: Final = {
+    "float64": ("float32", "tf32", "float16"),
+    "float32": ("float32", "tf32", "float16"),
+    "bfloat16": ("bfloat16",),
+    "float16": ("float16",),
+}
+
+
+def _named(
+    packed: NDArray[Any], outputs: dict[str, NDArray[Any]], layout: GdnBackwardLayout
+) -> dict[str, NDArray[Any]]:
+    """Each gradient of ``packed`` and each tensor of ``outputs``, by name."""
+    grads = {seg.name: packed[seg.offset : seg.offset + seg.length] for seg in layout.segments()}
+    return {**grads, **outputs}
 
 
 def reference_outputs(

@@ -12,6 +12,9 @@ Installed with gdn-layout (through the ``pytest11`` entry point) and idle until 
     the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
     computed by the reference when the tests are collected, in ``--gdn-dtype``
     (float32 by default) with ``--gdn-seed``.
+``--gdn-precision CLASS``
+    ``gdn_case.check`` judges in that precision class (``tf32`` for a kernel whose float32
+    matrix products take TF32 operands); by default the class of the buffers' dtype.
 
 Without either option a test that takes ``gdn_case`` is skipped. A kernel test is then::
 
@@ -25,11 +28,12 @@ tolerances are passed to it.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 
-from ._cli_values import count_arg, positive_arg
+from ._cli_values import PRECISION_HELP, count_arg, positive_arg, precision_arg
 from .regimes import REGIMES
 from .suites import Case
 
@@ -71,6 +75,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--gdn-dtype", default="float32", help="with --gdn-layout: the cases' dtype (float32)"
     )
     group.addoption(
+        "--gdn-precision",
+        type=precision_arg,
+        metavar="CLASS",
+        help=f"{PRECISION_HELP}; gdn_case.check judges in it",
+    )
+    group.addoption(
         "--gdn-seed", type=count_arg, default=0, help="with --gdn-layout: the inputs' seed (0)"
     )
 
@@ -100,7 +110,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"gdn-layout: {err}") from None
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
-    config.stash[_CASES] = cases
+    precision = config.getoption("gdn_precision")
+    config.stash[_CASES] = [dataclasses.replace(c, precision=precision) for c in cases]
 
 
 def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:

@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -33,12 +33,12 @@ from numpy.typing import DTypeLike, NDArray
 from ._arrays import as_framework, as_packed
 from ._checks import integer
 from .check import compare, compare_tensor
-from .check._criterion import Floors, Tolerance
-from .check._floors import tensor_floors
+from .check._compare import Judging
+from .check._criterion import Floors
 from .check._records import Comparison, GradComparison
 from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
 from .files._manifest import MANIFEST, read_manifest
-from .generate import make_fixture, reference_outputs
+from .generate import correct_forms_floors, make_fixture, precisions_of, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .packing import unpack
 from .regimes import REGIMES
@@ -60,9 +60,9 @@ __all__ = [
 STATE_TENSORS = ("y", "h", "dh", "final_state")
 #: The chunk length of ``h`` and ``dh`` when a fixture keeps none: the usual kernels' 64.
 DEFAULT_CHUNK = 64
-#: The reference outputs computed for a case, float64 and float32 step by step, by the chunk
-#: length they were computed with (None: ``y`` and, when carried, the final state alone).
-_Outputs = dict[int | None, tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]]]]
+#: The reference outputs computed for a case and their floors, by the chunk length they were
+#: computed with (None: ``y`` and, when carried, the final state alone).
+_Outputs = dict[int | None, tuple[dict[str, NDArray[Any]], Floors]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,6 +82,9 @@ class Case:
 
     name: str
     fixture: Fixture = field(repr=False)
+    #: The precision class :meth:`compare` and :meth:`check` judge in when not told (None:
+    #: the buffers'); ``pytest --gdn-precision`` sets it.
+    precision: str | None = None
     #: The reference outputs computed for this case's states, by chunk length.
     _states: _Outputs = field(default_factory=dict, repr=False, init=False)
 
@@ -141,17 +144,12 @@ class Case:
     def path(self) -> Path | None:
         return self.fixture.path
 
-    def compare(
-        self,
-        actual: object,
-        *,
-        rtol: Tolerance | None = None,
-        atol: Tolerance | None = None,
-        max_rms_ratio: Tolerance | None = None,
-    ) -> Comparison:
+    def compare(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
         """:func:`~gdn_layout.compare` of ``actual`` (any array: NumPy, torch, anything with
-        ``__dlpack__`` or ``__array__``) with the expected gradient, against the fixture's
-        floors unless tolerances are given.
+        ``__dlpack__`` or ``__array__``) with the fixture: against its floors in the
+        precision class of the buffers (or :attr:`precision`, or ``precision=``) unless
+        tolerances are given. ``judging`` takes :func:`~gdn_layout.compare`'s ``rtol``,
+        ``atol``, ``max_rms_ratio``, ``equal_nan`` and ``precision``.
 
         A fixture memory-mapped from a large file is held unchanged during the comparison
         (:meth:`Fixture.unchanged`), so that a file truncated or rewritten under the mapping
@@ -162,26 +160,11 @@ class Case:
         FixtureError
             The fixture is memory-mapped and its file changed since it was loaded.
         """
-        with self.fixture.unchanged():
-            return compare(
-                actual,  # type: ignore[arg-type]
-                self.expected,
-                self.layout,
-                rtol=rtol,
-                atol=atol,
-                max_rms_ratio=max_rms_ratio,
-                floors=self.fixture.floors,
-                scales=self.fixture.scales,
-            )
+        judging.setdefault("precision", self.precision)
+        with self.fixture.unchanged():  # held from before the comparison reads a page
+            return compare(actual, self.fixture, **judging)  # type: ignore[arg-type]
 
-    def check(
-        self,
-        actual: object,
-        *,
-        rtol: Tolerance | None = None,
-        atol: Tolerance | None = None,
-        max_rms_ratio: Tolerance | None = None,
-    ) -> Comparison:
+    def check(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
         """:meth:`compare`, raising AssertionError with the table and the worst element of
         each failing gradient; returns the comparison when every gradient passes.
 
@@ -193,7 +176,7 @@ class Case:
             The fixture is memory-mapped and its file changed since it was loaded.
         """
         __tracebackhide__ = True  # pytest shows the caller's line, not this one
-        result = self.compare(actual, rtol=rtol, atol=atol, max_rms_ratio=max_rms_ratio)
+        result = self.compare(actual, **judging)
         if not result.passed:
             lines = [f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"]
             lines.extend([*(f"  {line}" for line in result.causes()), ""])
@@ -213,12 +196,14 @@ class Case:
         dh: object = None,
         final_state: object = None,
         chunk: int | None = None,
+        precision: str | None = None,
     ) -> dict[str, GradComparison]:
         """Judge the parts of a kernel given (its ``y``, the state ``h`` entering each chunk
         of ``chunk`` steps, that state's cotangent ``dh``, the ``final_state``) with
         :func:`compare_states`, and raise AssertionError naming each that differs and its worst
         element (chunk, batch, head and ``(i, j)`` for a state); return the comparisons when
         all pass. Compare them in that order to find the first part of a kernel that is wrong.
+        ``precision`` is the class judged in, as for :meth:`compare`.
 
         Raises
         ------
@@ -237,7 +222,12 @@ class Case:
             with self.fixture.unchanged():
                 expected, floors = _state_reference(self.fixture, name, chunk, self._states)
                 results[name] = compare_tensor(
-                    actual, expected, name, floors=floors, func="check_states"
+                    actual,
+                    expected,
+                    name,
+                    floors=floors,
+                    precision=self.precision if precision is None else precision,
+                    func="check_states",
                 )
         failed = [r for r in results.values() if not r.passed]
         if failed:
@@ -252,7 +242,12 @@ class Case:
 
 
 def compare_states(
-    actual: object, fixture: Fixture, tensor: str = "h", *, chunk: int | None = None
+    actual: object,
+    fixture: Fixture,
+    tensor: str = "h",
+    *,
+    chunk: int | None = None,
+    precision: str | None = None,
 ) -> GradComparison:
     """A kernel's ``y``, ``h``, ``dh`` or ``final_state`` (``tensor``) judged against
     ``fixture``'s, as its gradients are: by the calibrated criterion, against floors measured
@@ -276,6 +271,8 @@ def compare_states(
         Which part of the kernel ``actual`` is.
     chunk : int, optional
         The chunk length of ``h`` and ``dh``: the fixture's ``states_chunk``, else 64.
+    precision : str, optional
+        The precision class judged in, as :func:`~gdn_layout.compare` takes it.
 
     Returns
     -------
@@ -314,7 +311,7 @@ def compare_states(
     """
     with fixture.unchanged():  # the inputs the reference reads are mapped too
         expected, floors = _state_reference(fixture, tensor, chunk)
-        return compare_tensor(actual, expected, tensor, floors=floors)
+        return compare_tensor(actual, expected, tensor, floors=floors, precision=precision)
 
 
 def state_shape(fixture: Fixture, tensor: str, chunk: int | None = None) -> tuple[int, ...]:
@@ -349,12 +346,10 @@ def _state_reference(
     if states not in cache:
         x = fixture.inputs
         wide = GdnInputs._make(None if a is None else np.asarray(a, np.float64) for a in x)
-        cache[states] = (
-            reference_outputs(wide, states, "chunked"),
-            reference_outputs(x, states, "recurrent"),
-        )
-    truth, low = cache[states]
-    measured = tensor_floors({tensor: low[tensor]}, {tensor: truth[tensor]})
+        truth = reference_outputs(wide, states, "chunked")
+        precisions = tuple(fixture.floors or ()) or precisions_of(fixture.dtype)
+        cache[states] = (truth, correct_forms_floors(x, truth, states, precisions))
+    truth, measured = cache[states]
     expected = (stored if stored is not None else truth[tensor].astype(fixture.dtype)).view()
     expected.flags.writeable = False  # a view: the fixture's own array is left as it is
     return expected, measured

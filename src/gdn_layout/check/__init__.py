@@ -6,25 +6,24 @@ each judged by its :class:`Criterion`; :func:`assert_close` raises when one fail
 
 Each gradient is judged on its own, by one of these criteria:
 
-calibrated (the default for float32, float16, bfloat16 and float64)
-    A correct kernel differs from the float64 truth by its precision's rounding, whose
-    *floors* a fixture stores per gradient (:attr:`~gdn_layout.Fixture.floors`; pass them as
-    ``floors=``; see :class:`Criterion`): the RMS error ratio and the largest error
-    over the gradient's RMS of the spec's step-by-step form computed in float32 (and rounded
-    to float16 or bfloat16; for float64, float32's scaled by ``2**-29``, the ratio of their
-    unit roundoffs). Judged in the less precise of the two dtypes, a gradient passes when its
-    RMS ratio ``rms(a - e) / rms(e)`` and its largest error ``max|a - e| / rms(e)`` are both
-    at most ``K`` times their floors: 16 for float32, 8 for float16 and bfloat16, 64 for
-    float64 (whose truth is itself rounded to float64), chosen from measurement
-    (``benchmarks/calibrate_tolerances.py``). No floor, as an error, is below half the unit
-    roundoff times the larger of ``rms(e)`` and the scale of the terms that form the gradient
-    (``scales=``, a fixture's :attr:`~gdn_layout.Fixture.scales`): a ``dg`` that is exactly
-    0, or far below the ``q . dq - k . dk`` a chunked kernel forms it from, is judged against
-    those terms, not against its own RMS. ``error_floor_ratio`` is the larger of the two
-    errors over their floors; ``out/size`` counts the elements over the largest error
-    allowed. Without ``floors``, the floors are defaults above every floor measured over the
-    suite's first four regimes: float32 ``(6e-5, 2e-4)``, float16 ``(1e-3, 1e-2)``,
-    bfloat16 ``(4e-3, 5e-2)``, float64 float32's times ``2**-29``.
+calibrated (the default)
+    A correct kernel differs from the float64 truth by the rounding of what it computes,
+    whose *floors* a fixture stores per precision class and gradient
+    (:attr:`~gdn_layout.Fixture.floors`): the worst RMS error ratio and largest error over
+    the gradient's RMS among the correct forms a kernel of the class computes (the
+    step-by-step form, and the chunked WY/UT form as fused kernels compute it, with TF32 or
+    bfloat16 operands for those classes; see docs/criterion.md). Judged in the class
+    ``precision=`` names (by default the less precise buffer's dtype: ``float64``,
+    ``float32``, ``tf32``, ``bfloat16``, ``float16``), a gradient passes when both figures
+    are at most ``K`` times their floors: 16 for float32 and tf32, 8 for float16 and
+    bfloat16, 64 for float64 (whose truth is itself rounded to float64). No floor, as an
+    error, is below half the unit roundoff times ``rms(e)``, nor below half the computation
+    dtype's times the scale of the terms that form the gradient (a fixture's
+    :attr:`~gdn_layout.Fixture.scales`): a ``dg`` that is exactly 0, or far below the
+    ``q . dq - k . dk`` a chunked kernel forms it from, is judged against those terms.
+    ``error_floor_ratio`` is the larger of the two errors over their floors; ``out/size``
+    counts the elements over the largest error allowed. Without floors of the class, the
+    defaults of :data:`~gdn_layout._dtypes.PRECISIONS` apply.
 elementwise (``rtol`` or ``atol`` given)
     ``numpy.isclose`` semantics: ``|a - e| <= atol + rtol * |e|`` for every element; the one
     not given defaults by the less precise dtype (bfloat16: 1.6e-2/1e-5, float16:

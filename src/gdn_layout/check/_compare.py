@@ -4,62 +4,81 @@ inputs are checked, a criterion chosen per gradient, and each gradient scanned o
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .._arrays import as_packed
 from .._checks import not_a_layout
-from .._dtypes import is_floating
+from .._dtypes import Precision, default_precision, is_floating
 from ..layout import GdnBackwardLayout, Segment, layout_caption
 from ._criterion import (
-    CALIBRATED_DTYPES,
     DEFAULT_TOLERANCES,
     Criterion,
     Floors,
     Tolerance,
     checked_floors,
-    least_precise,
+    judged_precision,
     per_grad,
     step_scores,
 )
+
+if TYPE_CHECKING:
+    from ..files._fixture import Fixture
 from ._findings import Finding, buffer_findings, grad_findings, size_findings
 from ._records import Comparison, GradComparison
 from ._scan import cause_maps, scan
 
-__all__ = ["assert_close", "compare", "compare_tensor", "error_map"]
+__all__ = ["Judging", "assert_close", "compare", "compare_tensor", "error_map"]
+
+
+class Judging(TypedDict, total=False):
+    """The keywords that choose how a kernel is judged, as every entry point takes them
+    (:func:`compare`, :func:`assert_close`, :meth:`~gdn_layout.suites.Case.compare`,
+    :meth:`~gdn_layout.suites.Case.check`): each is defined once, by :func:`compare`."""
+
+    rtol: Tolerance | None
+    atol: Tolerance | None
+    max_rms_ratio: Tolerance | None
+    equal_nan: bool
+    precision: str | None
 
 
 def compare(
     actual: NDArray[Any],
-    expected: NDArray[Any],
-    layout: GdnBackwardLayout,
+    expected: NDArray[Any] | Fixture,
+    layout: GdnBackwardLayout | None = None,
     *,
     rtol: Tolerance | None = None,
     atol: Tolerance | None = None,
     max_rms_ratio: Tolerance | None = None,
     equal_nan: bool = False,
+    precision: str | None = None,
     floors: Floors | None = None,
     scales: Tolerance | None = None,
 ) -> Comparison:
     """Compare the packed buffer ``actual`` with ``expected`` under ``layout``.
 
-    Both must be 1-D float arrays (float16, bfloat16, float32, float64) of length
-    ``layout.total_elems``, or anything :func:`as_packed` reads as one (a torch tensor, any
-    object with ``__dlpack__`` or ``__array__``); their dtypes may differ. ``rtol``, ``atol``
-    and ``max_rms_ratio`` are each a float for every gradient or a mapping from gradient name
-    to float. A gradient given none of them is judged by the calibrated criterion against
-    ``floors`` (a fixture's :attr:`~gdn_layout.Fixture.floors`, or the defaults); see the
-    module for the criteria and for how NaN and Inf are judged.
+    ``expected`` is a :class:`~gdn_layout.Fixture` (``compare(actual, fixture)``: its layout,
+    floors and term scales come with it) or a packed buffer with its ``layout``. Buffers are
+    1-D float arrays (float16, bfloat16, float32, float64) of length ``layout.total_elems``,
+    or anything :func:`as_packed` reads as one (a torch tensor, any object with
+    ``__dlpack__`` or ``__array__``); their dtypes may differ. ``rtol``, ``atol`` and
+    ``max_rms_ratio`` are each a float for every gradient or a mapping from gradient name to
+    float. A gradient given none of them is judged by the calibrated criterion of
+    ``precision`` against the fixture's floors (or the defaults); see the module for the
+    criteria and for how NaN and Inf are judged.
 
     Parameters
     ----------
-    actual, expected : array_like
-        1-D float buffers (float16, bfloat16, float32, float64) of ``layout.total_elems``
-        elements, or what :func:`as_packed` reads as one; their dtypes may differ.
-    layout : GdnBackwardLayout
-        The layout of both.
+    actual : array_like
+        A 1-D float buffer (float16, bfloat16, float32, float64) of ``layout.total_elems``
+        elements, or what :func:`as_packed` reads as one.
+    expected : Fixture or array_like
+        The fixture, or a buffer as ``actual`` is (their dtypes may differ).
+    layout : GdnBackwardLayout, optional
+        The layout of both; a fixture's own when left out.
     rtol, atol : float or mapping of str to float, optional
         Elementwise tolerances, for every gradient or by gradient name; the one left out
         defaults by the less precise dtype.
@@ -68,13 +87,19 @@ def compare(
         too when either is given).
     equal_nan : bool
         Whether NaN against NaN matches.
+    precision : str, optional
+        The precision class the kernel computes in, whose floors judge it: ``"float64"``,
+        ``"float32"``, ``"tf32"`` (float32 with matrix products on operands of 10 mantissa
+        bits), ``"bfloat16"`` or ``"float16"``. Left out, the class of the less precise
+        buffer's dtype. A class whose buffers are more precise than the buffers given is
+        refused.
     floors : mapping, optional
-        The precision floors of the calibrated criterion, used for a gradient given none of
-        the three above (:attr:`~gdn_layout.Fixture.floors`); left out, the defaults.
+        With an array ``expected``: the precision floors of the calibrated criterion
+        (:attr:`~gdn_layout.Fixture.floors`); left out, the defaults.
     scales : float or mapping of str to float, optional
-        The scale of the terms that form each gradient (:attr:`~gdn_layout.Fixture.scales`):
-        where it is above ``rms(expected)``, no floor of the calibrated criterion is below
-        half the unit roundoff times it. Left out, ``rms(expected)``.
+        With an array ``expected``: the scale of the terms that form each gradient
+        (:attr:`~gdn_layout.Fixture.scales`); where it is above ``rms(expected)``, no floor
+        of the calibrated criterion is below half the products' unit roundoff times it.
 
     Returns
     -------
@@ -85,10 +110,11 @@ def compare(
     ------
     TypeError
         A buffer or ``layout`` has the wrong type or dtype, a buffer is a masked array or an
-        ndarray subclass whose values may not be its data, or a tolerance is not a number.
+        ndarray subclass whose values may not be its data, a tolerance is not a number, or
+        ``floors`` or ``scales`` is given with a fixture (it brings its own).
     ValueError
-        A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
-        an unknown gradient.
+        A buffer has the wrong shape, a tolerance is negative or infinite, a mapping names
+        an unknown gradient, or ``precision`` is unknown or finer than the buffers.
 
     See Also
     --------
@@ -110,7 +136,60 @@ def compare(
     True
     >>> compare(noisy, expected, layout, rtol={"dg": 1e-2, "dbeta": 1e-2}).failed
     ('dq', 'dk', 'dv')
+
+    A fixture brings its layout, floors and term scales:
+
+    >>> from gdn_layout import make_fixture
+    >>> from gdn_layout.reference import backward
+    >>> fixture = make_fixture(GdnBackwardLayout(1, 8, 2, 4), regime="mild")
+    >>> kernel = backward(*fixture.inputs, dtype=np.float32)
+    >>> compare(kernel, fixture).passed, compare(kernel, fixture, precision="tf32").passed
+    (True, True)
     """
+    from ..files._fixture import Fixture  # the files import the criterion
+
+    if isinstance(expected, Fixture):
+        if floors is not None or scales is not None:
+            raise TypeError(
+                "compare: floors and scales come with the fixture; pass fixture.packed and "
+                "its layout to give others"
+            )
+        if layout is not None and layout != expected.layout:
+            raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
+        fixture = expected
+        with fixture.unchanged():
+            return _compare(
+                actual,
+                fixture.packed,
+                fixture.layout,
+                rtol,
+                atol,
+                max_rms_ratio,
+                equal_nan,
+                precision,
+                fixture.floors,
+                fixture.scales,
+            )
+    if layout is None:
+        raise TypeError("compare: layout is required when expected is an array")
+    return _compare(
+        actual, expected, layout, rtol, atol, max_rms_ratio, equal_nan, precision, floors, scales
+    )
+
+
+def _compare(
+    actual: NDArray[Any],
+    expected: NDArray[Any],
+    layout: GdnBackwardLayout,
+    rtol: Tolerance | None,
+    atol: Tolerance | None,
+    max_rms_ratio: Tolerance | None,
+    equal_nan: bool,
+    precision: str | None,
+    floors: Floors | None,
+    scales: Tolerance | None,
+) -> Comparison:
+    """:func:`compare` of two buffers."""
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
     actual = as_packed(actual, "actual")
@@ -121,8 +200,9 @@ def compare(
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
     floors = None if floors is None else checked_floors(floors, "compare: floors")
-    judged = least_precise(actual.dtype, expected.dtype)
-    default_rtol, default_atol = DEFAULT_TOLERANCES.get(judged, DEFAULT_TOLERANCES["float64"])
+    judged = judged_precision(precision, "compare", actual.dtype, expected.dtype)
+    buffers = default_precision(actual.dtype, expected.dtype).buffer
+    default_rtol, default_atol = DEFAULT_TOLERANCES[buffers]
     rtols = per_grad("rtol", rtol)
     atols = per_grad("atol", atol)
     rms_limits = per_grad("max_rms_ratio", max_rms_ratio)
@@ -134,7 +214,7 @@ def compare(
         a = actual[seg.offset : seg.offset + seg.length]
         e = expected[seg.offset : seg.offset + seg.length]
         r, t, m = (d.get(seg.name) for d in (rtols, atols, rms_limits))
-        if r is None and t is None and m is None and judged in CALIBRATED_DTYPES:
+        if r is None and t is None and m is None:
             criterion = Criterion.calibrated(floors, judged, seg.name, e, term.get(seg.name))
         else:
             criterion = Criterion.tolerances(
@@ -169,7 +249,9 @@ class _Score:
     :data:`~gdn_layout.check._findings.Score`); a gradient of another layout is judged by the
     calibrated criterion."""
 
-    def __init__(self, criteria: dict[str, Criterion], floors: Floors | None, judged: str):
+    def __init__(
+        self, criteria: dict[str, Criterion], floors: Floors | None, judged: Precision
+    ) -> None:
         self.criteria, self.floors, self.judged = criteria, floors, judged
 
     def __call__(
@@ -177,8 +259,7 @@ class _Score:
     ) -> float:
         criterion = self.criteria.get(name)
         if criterion is None:
-            dtype = self.judged if self.judged in CALIBRATED_DTYPES else "float64"
-            criterion = Criterion.calibrated(self.floors, dtype, name, expected)
+            criterion = Criterion.calibrated(self.floors, self.judged, name, expected)
         return criterion.score(actual, expected)
 
     def steps(
@@ -189,15 +270,12 @@ class _Score:
 
 def assert_close(
     actual: NDArray[Any],
-    expected: NDArray[Any],
-    layout: GdnBackwardLayout,
+    expected: NDArray[Any] | Fixture,
+    layout: GdnBackwardLayout | None = None,
     *,
-    rtol: Tolerance | None = None,
-    atol: Tolerance | None = None,
-    max_rms_ratio: Tolerance | None = None,
-    equal_nan: bool = False,
     floors: Floors | None = None,
     scales: Tolerance | None = None,
+    **judging: Unpack[Judging],
 ) -> Comparison:
     """:func:`compare`, raising AssertionError naming each failing gradient; for pytest.
 
@@ -205,8 +283,11 @@ def assert_close(
 
     Parameters
     ----------
-    actual, expected, layout, rtol, atol, max_rms_ratio, equal_nan, floors, scales
+    actual, expected, layout, floors, scales
         As for :func:`compare`.
+    **judging
+        ``rtol``, ``atol``, ``max_rms_ratio``, ``equal_nan``, ``precision``: as for
+        :func:`compare`.
 
     Returns
     -------
@@ -239,23 +320,13 @@ def assert_close(
     >>> assert_close(actual, expected, layout)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     AssertionError: gradients differ: dk (1 of 5 failed) for B=1 S=4 H=2 N=3, ...
-      dk[0, 3, 1, 2]: actual 0.51 expected 0.5; error/floor 5.37e+10 > 64 (floors for ...
+      dk[0, 3, 1, 2]: actual 0.51 expected 0.5; error/floor ... > 64 (floors for float64: ...
     """
-    result = compare(
-        actual,
-        expected,
-        layout,
-        rtol=rtol,
-        atol=atol,
-        max_rms_ratio=max_rms_ratio,
-        equal_nan=equal_nan,
-        floors=floors,
-        scales=scales,
-    )
+    result = compare(actual, expected, layout, floors=floors, scales=scales, **judging)
     if not result.passed:
         lines = [
             f"gradients differ: {', '.join(result.failed)} ({len(result.failed)} of "
-            f"{len(result.grads)} failed) for {layout_caption(layout)}",
+            f"{len(result.grads)} failed) for {layout_caption(result.layout)}",
             *(f"  {line}" for line in result.causes()),
         ]
         lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
@@ -331,12 +402,14 @@ def compare_tensor(
     name: str,
     *,
     floors: Floors | None = None,
+    precision: str | None = None,
     func: str = "compare_states",
 ) -> GradComparison:
     """One tensor besides the gradients (``y``, ``h``, ``dh``, ``final_state``) judged as a
-    gradient is: by the calibrated criterion against ``floors`` (``{dtype: {name: (rms,
-    max)}}``, a fixture's :attr:`~gdn_layout.Fixture.state_floors`), the worst element named
-    in the tensor's own axes (``b, c, h, i, j`` for ``h`` and ``dh``).
+    gradient is: by the calibrated criterion of ``precision`` (as :func:`compare` takes it)
+    against ``floors`` (``{precision: {name: (rms, max)}}``, a fixture's
+    :attr:`~gdn_layout.Fixture.state_floors`), the worst element named in the tensor's own
+    axes (``b, c, h, i, j`` for ``h`` and ``dh``).
 
     Raises
     ------
@@ -358,9 +431,7 @@ def compare_tensor(
         raise ValueError(f"{func}: {name} must have shape {expected.shape}, got {array.shape}")
     seg = Segment(name, 0, expected.size, expected.shape)
     a, e = array.reshape(-1), np.asarray(expected).reshape(-1)
-    judged = least_precise(array.dtype, expected.dtype)
-    if judged not in CALIBRATED_DTYPES:  # pragma: no cover - least_precise names one of them
-        judged = "float64"
+    judged = judged_precision(precision, func, array.dtype, expected.dtype)
     return scan(seg, a, e, Criterion.calibrated(floors, judged, name, e), False)
 
 

@@ -1,27 +1,26 @@
 """The criteria a gradient is judged by, as one type: :class:`Criterion`.
 
 Elementwise tolerances (``numpy.isclose``'s), an RMS ratio (flash-linear-attention's), both,
-or the calibrated criterion: a correct kernel differs from the float64 truth by its
-precision's rounding, whose *floors* a fixture measures (:mod:`gdn_layout.check._floors`).
-The calibrated criterion for an actual buffer whose (less precise) dtype is ``d`` passes a
-gradient when both its RMS error and its largest error are at most :data:`K` (16 for float32,
-8 for float16 and bfloat16, 64 for float64, whose truth has float64's rounding too) times the
-floor for ``d`` times ``rms(expected)``.
+or the calibrated criterion: a correct kernel differs from the float64 truth by the rounding
+of what it computes, whose *floors* a fixture measures per precision class
+(:mod:`gdn_layout.check._floors`: the worst of the correct forms a kernel of the class
+computes). The calibrated criterion of a class (:data:`gdn_layout._dtypes.PRECISIONS`; by
+default that of the less precise buffer) passes a gradient when both its RMS error and its
+largest error are at most the class's ``K`` (16 for float32 and tf32, 8 for bfloat16 and
+float16, 64 for float64, whose truth has float64's rounding too) times its floor times
+``rms(expected)``.
 
 float64's floors are float32's scaled by the ratio of their unit roundoffs, ``2**-29``: to
 first order the rounding error of one order of operations is proportional to the unit
-roundoff, and a float32 floor measured on float32 inputs is the arithmetic's alone (on
-float64 inputs it also holds their rounding to float32, which only makes it larger).
+roundoff.
 
-Each floor, as an error, is taken no lower than half of ``d``'s unit roundoff
-(half its machine epsilon) times the *scale of the terms* that form the gradient, where that
-scale is larger than ``rms(expected)``. A gradient can be far below its terms: ``dg`` is
-exactly 0 at a sequence's first step without a carried state, and of order ``exp(g)`` under
-extreme decay, while chunked kernels form it as ``q . dq - k . dk``, a difference of terms of
-order 1 whose rounding is of order ``u`` (``term_scales``). Judged against its own RMS such
-a gradient would allow no rounding at all; judged against its terms, it allows what rounding
-there produces, and a real error is still orders of magnitude above it. Fixtures without
-floors fall back to :data:`DEFAULT_FLOORS`.
+Each floor, as an error, is taken no lower than half the buffers' unit roundoff times
+``rms(expected)``, and no lower than half the computation dtype's unit roundoff times the
+*scale of the terms* that form the gradient, where that scale is larger. A gradient can be
+far below its terms: ``dg`` is exactly 0 at a sequence's first step without a carried state,
+and of order ``exp(g)`` under extreme decay, while chunked kernels form it as
+``q . dq - k . dk``, a difference of terms of order 1 whose rounding is of order ``u``
+(``term_scales``). Fixtures without floors of the class fall back to :data:`DEFAULT_FLOORS`.
 
 Changing a criterion changes this module alone: its limits, its verdict (:meth:`Criterion.
 passes`), its words in a report (:meth:`Criterion.facts`) and in a picture
@@ -39,16 +38,15 @@ from typing import Any, Final, Literal, Protocol
 import numpy as np
 from numpy.typing import NDArray
 
-from .._dtypes import UNIT_ROUNDOFF
+from .._dtypes import PRECISIONS, Precision, default_precision, precision_of
 from .._norms import finite_rms, rms_rows
 from .._tables import fmt_float
 from ..layout import GRADIENT_NAMES
 
 __all__ = [
-    "CALIBRATED_DTYPES",
     "DEFAULT_FLOORS",
     "DEFAULT_TOLERANCES",
-    "FLOOR_DTYPES",
+    "FLOOR_CLASSES",
     "Criterion",
     "Floors",
     "K",
@@ -56,96 +54,87 @@ __all__ = [
     "Tolerance",
     "checked_floors",
     "floor_for",
-    "least_precise",
+    "judged_precision",
     "per_grad",
     "row_scores",
     "step_scores",
 ]
 
-#: A gradient's floors by dtype name, then gradient name: ``(rms, max)``.
-Floors = Mapping[str, Mapping[str, tuple[float, float]]]
+#: A gradient's floors by precision class, then gradient name: ``(rms, max)``, or
+#: ``(rms, max, reach)`` where ``reach`` says how far the correct forms' rounding goes beyond
+#: the step-by-step form's (the larger figure over the step-by-step form's).
+Floors = Mapping[str, Mapping[str, tuple[float, ...]]]
 Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
 Tolerance = Number | Mapping[str, Number]
 
-#: The dtypes a fixture measures floors for.
-FLOOR_DTYPES: Final = ("float32", "float16", "bfloat16")
-#: The dtypes the calibrated criterion judges: float64's floors are float32's, scaled.
-CALIBRATED_DTYPES: Final = (*FLOOR_DTYPES, "float64")
-#: How far above its floor a correct kernel's error may be, by dtype: float32's floor is the
-#: error of one order of operations (the spec's, step by step), which another correct order
-#: has been measured to exceed 12-fold on a gradient of one element; float16's and bfloat16's
-#: are the output's rounding, which every correct kernel shares (measured at most 2x).
-#: float64's truth is itself a float64 computation, whose own error adds to the kernel's:
-#: over two 264-case suites, the reference against an extended-precision oracle reaches 17.8x
-#: the floor and the float64 step-by-step form against the reference 20.3x, both on a dbeta
-#: of one element whose floor is the least one; so its factor is 64.
-#: benchmarks/README.md has the figures.
-K: Final = {"float32": 16.0, "float16": 8.0, "bfloat16": 8.0, "float64": 64.0}
-#: Floors for fixtures that carry none: ``(rms, max)`` for every gradient, the largest measured
-#: over the first four regimes of the standard suite (float32 inputs), rounded up, when floors
-#: came from the chunked form; the step-by-step floors measured since are all below them.
-#: float64's are float32's, scaled like measured ones.
-DEFAULT_FLOORS: Final = {
-    "float32": (6e-5, 2e-4),
-    "float16": (1e-3, 1e-2),
-    "bfloat16": (4e-3, 5e-2),
-    "float64": (6e-5 * 2.0**-29, 2e-4 * 2.0**-29),
-}
+#: The classes a fixture measures floors for: float64's are float32's, scaled.
+FLOOR_CLASSES: Final = ("float32", "tf32", "bfloat16", "float16")
+#: How far above its floor a correct kernel's error may be, by precision class: 16 for float32
+#: and tf32, 8 for bfloat16 and float16, 64 for float64 (whose truth is itself a float64
+#: computation whose own error adds to the kernel's). docs/criterion.md says how each was
+#: chosen: the floors are the worst of the correct forms a kernel of the class computes, and
+#: the factor is the margin that rounding order alone (a sum taken in another order, a
+#: gradient of a few elements) still needs above them.
+K: Final = {p.name: p.k for p in PRECISIONS.values()}
+#: Floors for fixtures that carry none, by class: ``(rms, max)`` for every gradient.
+DEFAULT_FLOORS: Final = {p.name: p.default_floors for p in PRECISIONS.values()}
 
 
 def checked_floors(
     value: object, where: str, names: tuple[str, ...] = GRADIENT_NAMES
-) -> dict[str, dict[str, tuple[float, float]]]:
-    """``value`` as floors: ``{dtype: {name: (rms, max)}}`` for tensors among ``names`` (the
-    gradients), each figure a finite number >= 0. A floor of inf, or one that is not a number,
-    would let any error pass."""
+) -> dict[str, dict[str, tuple[float, ...]]]:
+    """``value`` as floors: ``{class: {name: (rms, max)}}`` (or ``(rms, max, reach)``) for
+    tensors among ``names`` (the gradients), each figure a finite number >= 0. A floor of inf,
+    or one that is not a number, would let any error pass."""
     if not isinstance(value, Mapping):
         raise TypeError(
-            f"{where} must be a mapping {{dtype: {{gradient: (rms, max)}}}}, "
+            f"{where} must be a mapping {{precision: {{gradient: (rms, max)}}}}, "
             f"got {type(value).__name__}"
         )
-    floors: dict[str, dict[str, tuple[float, float]]] = {}
-    for dtype, per in value.items():
-        if dtype not in FLOOR_DTYPES:
-            raise ValueError(f"{where}: unknown dtype {dtype!r}; expected among {FLOOR_DTYPES}")
+    floors: dict[str, dict[str, tuple[float, ...]]] = {}
+    for precision, per in value.items():
+        if precision not in FLOOR_CLASSES:
+            raise ValueError(
+                f"{where}: unknown precision class {precision!r}; expected among {FLOOR_CLASSES}"
+            )
         if not isinstance(per, Mapping):
-            raise TypeError(f"{where}[{dtype!r}] must be a mapping, got {type(per).__name__}")
+            raise TypeError(f"{where}[{precision!r}] must be a mapping, got {type(per).__name__}")
         parsed = {}
-        for grad, pair in per.items():
-            if grad not in names or not _is_floor(pair):
+        for grad, figures in per.items():
+            if grad not in names or not _is_floor(figures):
                 raise ValueError(
-                    f"{where}[{dtype!r}][{grad!r}] must be (rms, max) for a tensor among "
-                    f"{', '.join(names)}, two finite numbers >= 0; got {pair!r}"
+                    f"{where}[{precision!r}][{grad!r}] must be (rms, max) or (rms, max, reach) "
+                    f"for a tensor among {', '.join(names)}, finite numbers >= 0; got {figures!r}"
                 )
-            parsed[grad] = (float(pair[0]), float(pair[1]))
-        floors[dtype] = parsed
+            parsed[grad] = tuple(float(x) for x in figures)
+        floors[precision] = parsed
     return floors
 
 
-def _is_floor(pair: object) -> bool:
-    if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+def _is_floor(figures: object) -> bool:
+    if not isinstance(figures, (list, tuple)) or len(figures) not in (2, 3):
         return False
     numbers_only = all(
-        isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in pair
+        isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in figures
     )
-    return numbers_only and all(math.isfinite(float(x)) and float(x) >= 0 for x in pair)
+    return numbers_only and all(math.isfinite(float(x)) and float(x) >= 0 for x in figures)
 
 
-def floor_for(floors: Floors | None, dtype: str, grad: str) -> tuple[float, float]:
-    """The ``(rms, max)`` floor used for gradient ``grad`` judged in ``dtype`` (one of
-    :data:`CALIBRATED_DTYPES`): the measured one when ``floors`` has it (for float64, the
-    float32 one times ``2**-29``), else :data:`DEFAULT_FLOORS`; never below half the unit
-    roundoff."""
-    source = "float32" if dtype == "float64" else dtype
+def floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[float, ...]:
+    """The floor used for gradient ``grad`` judged in ``precision``: ``(rms, max)``, with the
+    ``reach`` when the fixture measured it. The measured one when ``floors`` has it (for
+    float64, float32's times ``2**-29``), else :data:`DEFAULT_FLOORS`; never below half the
+    buffers' unit roundoff."""
+    source = "float32" if precision.name == "float64" else precision.name
     measured = (floors or {}).get(source, {}).get(grad)
+    least = precision.unit_roundoff / 2
     if measured is None:
-        rms, peak = DEFAULT_FLOORS[dtype]
-    else:
-        factor = UNIT_ROUNDOFF[dtype] / UNIT_ROUNDOFF[source]
-        rms, peak = measured[0] * factor, measured[1] * factor
-    least = UNIT_ROUNDOFF[dtype] / 2
-    return (max(rms, least), max(peak, least))
+        rms, peak = precision.default_floors
+        return (max(rms, least), max(peak, least))
+    factor = precision.unit_roundoff / PRECISIONS[source].unit_roundoff
+    rms, peak = measured[0] * factor, measured[1] * factor
+    return (max(rms, least), max(peak, least), *measured[2:])
 
 
 Mode = Literal["elementwise", "rms", "both", "calibrated"]
@@ -194,8 +183,13 @@ class Criterion:
         The largest ``rms(a - e) / rms(e)`` allowed, or None.
     floor : (float, float) or None
         Calibrated: the ``(rms, max)`` floors relative to ``rms(expected)``.
-    dtype : str or None
-        Calibrated: the dtype the floors are for, the less precise of the two buffers'.
+    precision : Precision or None
+        Calibrated: the precision class the floors are for (by default that of the less
+        precise of the two buffers).
+    reach : float or None
+        Calibrated, when the fixture measured it: how far the correct forms of the class
+        round beyond the step-by-step form on this case (the floor over the step-by-step
+        form's).
     scale : float
         Calibrated: ``rms(expected)``, the finite values'.
     least : float
@@ -216,7 +210,7 @@ class Criterion:
     'rtol=0.0001 atol=1e-06'
     >>> c = Criterion.calibrated(None, "float32", "dq", np.ones(8))
     >>> c.words, c.floor, c.limit
-    ('error/floor<=16 (float32)', (6e-05, 0.0002), 16.0)
+    ('error/floor<=16 (float32)', (3e-05, 0.0005), 16.0)
     >>> c.score(np.ones(8) * (1 + 1e-6), np.ones(8)) < 1  # within the limit
     True
     """
@@ -226,7 +220,8 @@ class Criterion:
     atol: float = 0.0
     max_rms_ratio: float | None = None
     floor: tuple[float, float] | None = None
-    dtype: str | None = None
+    precision: Precision | None = None
+    reach: float | None = None
     scale: float = 0.0
     least: float = 0.0
     term_scale: float | None = None
@@ -251,28 +246,31 @@ class Criterion:
     def calibrated(
         cls,
         floors: Floors | None,
-        judged: str,
+        precision: Precision | str,
         grad: str,
         expected: NDArray[Any],
         term_scale: float | None = None,
     ) -> Criterion:
-        """The calibrated criterion of gradient ``grad`` judged in ``judged``: RMS error and
-        largest error within :data:`K` times its floors, no floor below half the unit roundoff
-        times the larger of rms(expected) and ``term_scale``."""
+        """The calibrated criterion of gradient ``grad`` judged in ``precision`` (a class or
+        its name): RMS error and
+        largest error within its ``K`` times its floors, no floor below half the buffers' unit
+        roundoff times rms(expected), nor below half the computation dtype's times
+        ``term_scale`` (a kernel that stores bfloat16 computes in float32)."""
+        if isinstance(precision, str):
+            precision = precision_of(precision, "Criterion.calibrated: precision")
         scale = finite_rms(expected)
-        # A kernel stores float16 or bfloat16 but computes in float32: its terms round so.
-        by_scale = UNIT_ROUNDOFF[judged] / 2 * scale
-        by_terms = UNIT_ROUNDOFF[_compute_dtype(judged)] / 2 * (term_scale or 0.0)
-        floor = floor_for(floors, judged, grad)
-        k = K[judged]
+        by_scale = precision.unit_roundoff / 2 * scale
+        by_terms = precision.compute_roundoff / 2 * (term_scale or 0.0)
+        floor = floor_for(floors, precision, grad)
         rms_error = max(floor[0] * scale, by_scale, by_terms)
         return cls(
             "calibrated",
             rtol=0.0,
-            atol=k * max(floor[1] * scale, by_scale, by_terms),
-            max_rms_ratio=k * rms_error / scale if scale > 0 else math.inf,
-            floor=floor,
-            dtype=judged,
+            atol=precision.k * max(floor[1] * scale, by_scale, by_terms),
+            max_rms_ratio=precision.k * rms_error / scale if scale > 0 else math.inf,
+            floor=(floor[0], floor[1]),
+            precision=precision,
+            reach=floor[2] if len(floor) > 2 else None,
             scale=scale,
             least=max(by_scale, by_terms),
             term_scale=term_scale if by_terms > by_scale else None,
@@ -286,7 +284,21 @@ class Criterion:
     @property
     def limit(self) -> float:
         """The calibrated bound on ``error_floor_ratio``, :data:`K` of the dtype; else NaN."""
-        return K.get(self.dtype or "", math.nan)
+        return math.nan if self.precision is None else self.precision.k
+
+    @property
+    def precision_name(self) -> str | None:
+        """The name of the class judged in, or None for a criterion not calibrated."""
+        return None if self.precision is None else self.precision.name
+
+    def _reach_words(self) -> str:
+        """How far this case's correct forms round beyond the step-by-step form, in words."""
+        if self.reach is None or self.reach <= 1.5:
+            return ""
+        return (
+            f"; a correct {self.precision_name} kernel reaches {self.reach:.3g}x the "
+            "step-by-step form's rounding here"
+        )
 
     @property
     def errors(self) -> tuple[float, float]:
@@ -328,7 +340,7 @@ class Criterion:
     def words(self) -> str:
         """The criterion in words, e.g. ``"rtol=1e-05 atol=1e-08"``."""
         if self.mode == "calibrated":
-            return f"error/floor<={self.limit:g} ({self.dtype})"
+            return f"error/floor<={self.limit:g} ({self.precision_name})"
         tolerances = f"rtol={self.rtol:.3g} atol={self.atol:.3g}"
         if self.max_rms_ratio is None:
             return tolerances
@@ -337,19 +349,20 @@ class Criterion:
 
     def facts(self, grad: _Judged) -> list[str]:
         """Why ``grad`` passes or fails, in the words of a report's line."""
-        if self.floor is not None:
+        if self.floor is not None and self.precision is not None:
             ratio = grad.error_floor_ratio
             verb = "<=" if ratio is not None and ratio <= self.limit else ">"
             terms = (
                 ""
                 if self.term_scale is None
-                else f", none below {UNIT_ROUNDOFF[_compute_dtype(self.dtype or '')] / 2:.3g} x "
+                else f", none below {self.precision.compute_roundoff / 2:.3g} x "
                 f"{self.term_scale:.3g}, the scale of its terms"
             )
             return [
                 f"error/floor {fmt_float(ratio)} {verb} {self.limit:g} "
-                f"(floors for {self.dtype}: rms ratio {self.floor[0]:.3g}, "
-                f"max error {self.floor[1]:.3g} x rms(expected){terms}); "
+                f"(floors for {self.precision.name}: rms ratio {self.floor[0]:.3g}, "
+                f"max error {self.floor[1]:.3g} x rms(expected){terms}"
+                f"{self._reach_words()}); "
                 f"{grad.mismatches} of {grad.size} over the max error"
             ]
         facts = []
@@ -436,11 +449,6 @@ def step_scores(
     )
 
 
-def _compute_dtype(judged: str) -> str:
-    """The dtype a kernel that stores ``judged`` computes its terms in."""
-    return "float32" if judged in ("float16", "bfloat16") else judged
-
-
 def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:
     """``error / allowed``, 0 for no error and ``inf`` for an error where none is allowed."""
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -457,11 +465,21 @@ DEFAULT_TOLERANCES: Final = {
 }
 
 
-def least_precise(*dtypes: np.dtype[Any]) -> str:
-    """The name of the less precise dtype, the one of largest unit roundoff; any other dtype
-    (longdouble, an integer) is taken as float64."""
-    names = [d.name if d.name in UNIT_ROUNDOFF else "float64" for d in dtypes]
-    return max(names, key=UNIT_ROUNDOFF.__getitem__)
+def judged_precision(precision: object, func: str, *dtypes: np.dtype[Any]) -> Precision:
+    """The class ``precision`` names (None: that of the less precise of ``dtypes``); a class
+    whose buffers are more precise than those given is a ValueError: their rounding alone
+    would exceed its floors."""
+    buffers = default_precision(*dtypes)
+    if precision is None:
+        return buffers
+    chosen = precision_of(precision, f"{func}: precision")
+    if chosen.unit_roundoff < buffers.unit_roundoff:
+        raise ValueError(
+            f"{func}: precision {chosen.name!r} judges {chosen.buffer} buffers, got "
+            f"{buffers.buffer} ones, whose rounding alone exceeds its floors; pass "
+            f"precision={buffers.name!r} or a coarser class"
+        )
+    return chosen
 
 
 def _number(what: str, value: object) -> float:

@@ -54,7 +54,7 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
     from ``t0`` on fail (or the reverse), or the failing steps all lie within one step of the
     multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them, or they
-    fill at least 3/4 of one run of 3 or more steps (32 elements or more), at most half the
+    fill at least 3/4 of one run of 3 or more steps (24 elements or more), at most half the
     sequence, with right steps on both sides (a state not carried across a step: its error
     fades with the decay on either side; the step is named when the error starts or stops
     by :data:`FALLS` from one step to the next). Each way the wrong part must score above
@@ -164,8 +164,9 @@ _ALIGNED: Final = 0.99  # cos^2 of a fall that counts: within 10% RMS of e times
 _SIMILAR: Final = 0.5  # cos^2 below which an undone actual is not even scored
 _SCAN_ELEMENTS: Final = 1 << 16  # elements of a block of the unwritten and nonfinite scan
 _PREVIEW: Final = 4096  # elements compared before a candidate offset is scored in full
-_WINDOW_ELEMENTS: Final = 32  # the least a run of wrong steps holds, both sides right
+_WINDOW_ELEMENTS: Final = 24  # the least a run of wrong steps holds, both sides right
 _RIGHT_ELEMENTS: Final = 8  # the least a boundary's right side holds: fewer pass by chance
+_IDENTIFIED: Final = 16  # the least non-zero elements a factor is fitted to
 _FIT_ERRORS: Final = 10.0
 #: The least ``|c - 1|`` of a scale, unless 4 unit roundoffs of the actual's dtype are more:
 #: a factor that close to 1 can be one element's rounding.
@@ -364,13 +365,14 @@ class _Context:
 
     def explain(self, u: _Array, e: _Array) -> tuple[float, float] | None:
         """``(score, factor)`` when ``u`` (an undone actual) explains the error as is or
-        times a fitted constant; None when neither holds."""
+        times a fitted constant; None when neither holds. A constant is fitted only to at
+        least :data:`_IDENTIFIED` non-zero expected elements: a handful fits one by chance."""
         if _cos2(*_sample(u, e)) < _SIMILAR or _cos2(u, e) < _SIMILAR:
             return None  # far from e times any factor: no score needed to say no
         plain = self.score(u, e)
         if _holds(self.base, plain, u, e):
             return plain, 1.0
-        c = _fit(u, e, self.floor)
+        c = _fit(u, e, self.floor) if np.count_nonzero(e) >= _IDENTIFIED else None
         if c is None:
             return None
         with np.errstate(all="ignore"):

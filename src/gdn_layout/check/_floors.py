@@ -1,19 +1,21 @@
 """Precision floors: what rounding alone makes of each gradient, measured on a fixture's inputs.
 
-A correct kernel in float32, float16 or bfloat16 differs from the float64 truth by its
-precision's rounding. The *floor* of a gradient for a dtype measures that rounding on the
-fixture's own inputs: the spec's step-by-step form computed in float32 (for float16 and
-bfloat16, its output then rounded to that dtype) against the float64 result, as two figures:
+A correct kernel differs from the float64 truth by the rounding of what it computes. The
+*floor* of a gradient for a precision class is the worst rounding of the correct forms a
+kernel of that class computes (:data:`PANEL`), run on the fixture's own inputs against the
+float64 result, as two figures:
 
 ``rms``
     the RMS error ratio ``rms(low - truth) / rms(truth)``;
 ``max``
     the largest error over the gradient's RMS, ``max|low - truth| / rms(truth)``: an
-    elementwise relative error is unbounded where the truth crosses zero, this is not.
+    elementwise relative error is unbounded where the truth crosses zero, this is not;
 
-A fixture stores them as JSON (:func:`encode_floors`); :mod:`gdn_layout.check._criterion`
-judges a kernel against them. The scale of the terms that form ``dg`` (:func:`term_scales`)
-sets the least floor of a gradient far below its terms.
+and no lower than a rounding analysis allows (:func:`panel_floors`), with the *reach*, how far
+the class's forms go beyond the step-by-step form. A fixture stores them as JSON
+(:func:`encode_floors`); :mod:`gdn_layout.check._criterion` judges a kernel against them. The
+scale of the terms that form ``dg`` (:func:`term_scales`) sets the least floor of a gradient
+far below its terms.
 """
 
 from __future__ import annotations
@@ -21,19 +23,25 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
+from .._dtypes import PRECISIONS
 from .._norms import CHUNK_ELEMENTS, Norm
 from ..layout import GRADIENT_NAMES, GdnBackwardLayout
-from ._criterion import FLOOR_DTYPES, Floors, checked_floors
+from ._criterion import Floors, checked_floors
 
 __all__ = [
+    "CHUNKED_RUNS",
+    "FEW_ELEMENTS",
+    "PANEL",
+    "ROUNDINGS",
     "decode_floors",
     "encode_floors",
     "measure_floors",
+    "panel_floors",
     "round_to",
     "tensor_floors",
     "term_scales",
@@ -80,41 +88,62 @@ def _round_into(
 _SIXTEEN, _ONE = np.uint32(16), np.uint32(1)
 _HALF, _KEEP = np.uint32(0x7FFF), np.uint32(0xFFFF0000)
 
+#: The dtypes a result is rounded to before its figures are taken.
+ROUNDINGS: Final = ("float32", "float16", "bfloat16")
 #: Elements a block of :func:`measure_floors` works on: its buffers stay in cache.
 _FLOOR_BLOCK = 1 << 15
 
 
 def measure_floors(
-    low: NDArray[np.float32], truth: NDArray[np.float64], layout: GdnBackwardLayout
+    low: NDArray[np.float32],
+    truth: NDArray[np.float64],
+    layout: GdnBackwardLayout,
+    dtypes: tuple[str, ...] = ROUNDINGS,
 ) -> dict[str, dict[str, tuple[float, float]]]:
-    """The floors of every gradient for every dtype of :data:`FLOOR_DTYPES`, from a packed
-    float32 result ``low`` and the float64 ``truth`` of the same inputs.
-
-    Each gradient's figures are those of ``_figures(round_to(low, d).astype(float64), truth)``
-    on its segment, bit for bit: every mean is NumPy's over the whole segment, as there; the
-    rounding, the errors and their largest value are formed a block at a time, so that no copy
-    of the whole buffer is made and each element is read from memory once per dtype.
-    """
-    floors: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in FLOOR_DTYPES}
+    """The figures of every gradient of a packed result ``low`` against the float64 ``truth``,
+    with ``low`` rounded to each of ``dtypes`` (float32, float16, bfloat16)."""
     segments = layout.segments()
-    longest = max((seg.length for seg in segments), default=0)
-    squares = np.empty(longest, np.float64)  # one segment's squared errors, for its mean
-    block = min(_FLOOR_BLOCK, longest)
+    return _measure(
+        [
+            (
+                seg.name,
+                low[seg.offset : seg.offset + seg.length],
+                truth[seg.offset : seg.offset + seg.length],
+            )
+            for seg in segments
+        ],
+        dtypes,
+    )
+
+
+def _measure(
+    pairs: list[tuple[str, NDArray[Any], NDArray[Any]]], dtypes: tuple[str, ...]
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """``(rms, max)`` of each ``(name, low, truth)`` pair of 1-D arrays, ``low`` rounded to each
+    of ``dtypes``: bit for bit ``_figures(round_to(low, d).astype(float64), truth)``. Every mean
+    is NumPy's over the whole array, as there; the rounding, the errors and their largest
+    value are formed a block at a time, so that no copy of a whole array is made and each
+    element is read from memory once per dtype."""
+    floors: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in dtypes}
+    longest = max((truth.size for _, _, truth in pairs), default=0)
+    squares = np.empty(longest, np.float64)  # one array's squared errors, for its mean
+    block = max(1, min(_FLOOR_BLOCK, longest))
     rounded, bits = np.empty(block, np.float32), np.empty(block, np.uint32)
     error = np.empty(block, np.float64)
-    for seg in segments:
-        span = slice(seg.offset, seg.offset + seg.length)
-        expected, measured = truth[span], np.ascontiguousarray(low[span], np.float32)
-        if seg.length == 0:
-            for name in FLOOR_DTYPES:
-                floors[name][seg.name] = (0.0, 0.0)
+    for grad, low, truth in pairs:
+        length = truth.size
+        expected = np.asarray(truth, np.float64).reshape(-1)
+        measured = np.ascontiguousarray(low, np.float32).reshape(-1)
+        if length == 0:
+            for name in dtypes:
+                floors[name][grad] = (0.0, 0.0)
             continue
-        sq = squares[: seg.length]
+        sq = squares[:length]
         rms = math.sqrt(float(np.mean(np.square(expected, out=sq))))
-        for name in FLOOR_DTYPES:
+        for name in dtypes:
             peak = np.float64(0.0)
-            for start in range(0, seg.length, block):
-                stop = min(start + block, seg.length)
+            for start in range(0, length, block):
+                stop = min(start + block, length)
                 err = error[: stop - start]
                 part = measured[start:stop]
                 if name != "float32":
@@ -124,27 +153,100 @@ def measure_floors(
                 np.abs(err, out=err)
                 peak = np.maximum(peak, err.max())
                 np.square(err, out=sq[start:stop])
-            floors[name][seg.name] = _floor_figures(rms, float(np.mean(sq)), float(peak))
+            floors[name][grad] = _floor_figures(rms, float(np.mean(sq)), float(peak))
     return floors
 
 
 def tensor_floors(
     low: Mapping[str, NDArray[Any]], truth: Mapping[str, NDArray[Any]]
 ) -> dict[str, dict[str, tuple[float, float]]]:
-    """The floors of each named tensor for every dtype of :data:`FLOOR_DTYPES`, from its float32
-    step-by-step result in ``low`` and its float64 ``truth``."""
-    floors: dict[str, dict[str, tuple[float, float]]] = {}
-    for dtype in FLOOR_DTYPES:
-        floors[dtype] = {
-            name: _figures(
-                round_to(np.ascontiguousarray(low[name], np.float32).ravel(), dtype).astype(
-                    np.float64
-                ),
-                np.asarray(truth[name], np.float64).ravel(),
-            )
-            for name in low
-        }
+    """The figures of each named tensor of ``low`` against its float64 ``truth``, ``low``
+    rounded to each dtype of :data:`ROUNDINGS`."""
+    return _measure([(name, low[name], truth[name]) for name in low], ROUNDINGS)
+
+
+#: The panel of correct forms each class's floors come from: the step-by-step form computed in
+#: float32, and the fused kernels' chunked form (:mod:`gdn_layout.reference._fused`) with its
+#: matrix products on float32, TF32 or bfloat16 operands; each result rounded to the class's
+#: buffers. float16 takes the TF32 run, whose operands have float16's 10 mantissa bits (not
+#: its range: under extreme decay a float16 kernel's underflow is its own).
+PANEL: Final = {
+    "float32": (("step-by-step", "float32"), ("chunked", "float32")),
+    "tf32": (("step-by-step", "float32"), ("chunked", "float32"), ("chunked-tf32", "float32")),
+    "bfloat16": (("step-by-step", "bfloat16"), ("chunked-bfloat16", "bfloat16")),
+    "float16": (("step-by-step", "float16"), ("chunked-tf32", "float16")),
+}
+#: Most elements of a tensor whose floors take the rounding analysis's least.
+FEW_ELEMENTS: Final = 32
+#: The runs of :data:`PANEL`: ``(bits, float16's range)`` of the chunked form's operands.
+CHUNKED_RUNS: Final = {"chunked": None, "chunked-tf32": 10, "chunked-bfloat16": 7}
+
+
+def panel_floors(
+    runs: Mapping[str, Mapping[str, NDArray[Any]]],
+    truth: Mapping[str, NDArray[Any]],
+    sizes: Mapping[str, NDArray[Any]] | None,
+    precisions: tuple[str, ...] = tuple(PANEL),
+) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """The floors of each class of ``precisions`` for every tensor of ``truth``: the worst
+    figures of its forms' ``runs`` (by form name, then tensor name), with the *reach*: the
+    floor's larger figure over the step-by-step form's.
+
+    A tensor of at most :data:`FEW_ELEMENTS` elements is a few samples of each form's
+    rounding, which another order of the same sums can exceed: its floors are no lower than
+    the rounding analysis allows: a sum of terms whose absolute values sum to ``M`` may change
+    by about ``u * M`` in another order, ``u`` the class's product roundoff (``sizes`` holds
+    ``M`` of each tensor's last sums), and the floor is no lower than ``u * M``. On more
+    elements the figures are many samples, and that bound, far above what rounding reaches
+    where terms cancel (100 times a bfloat16 kernel's ``dg`` error), would hide real errors:
+    over the standard suite, correct kernels exceed the panel's figures alone only on
+    tensors of at most 30 elements."""
+    pairs: dict[str, list[tuple[str, NDArray[Any], NDArray[Any]]]] = {
+        form: [(name, runs[form][name], truth[name]) for name in truth] for form in runs
+    }
+    wanted: dict[str, set[str]] = {}
+    for precision in precisions:
+        for form, rounding in PANEL[precision]:
+            wanted.setdefault(form, set()).add(rounding)
+    measured = {
+        form: _measure(pairs[form], tuple(sorted(roundings))) for form, roundings in wanted.items()
+    }
+    magnitude = None if sizes is None else _magnitudes(sizes, truth)
+    floors: dict[str, dict[str, tuple[float, float, float]]] = {}
+    for precision in precisions:
+        forms = PANEL[precision]
+        u = PRECISIONS[precision].product_roundoff
+        floors[precision] = {}
+        for name in truth:
+            step = measured["step-by-step"][forms[0][1]][name]
+            worst = [measured[form][rounding][name] for form, rounding in forms]
+            if magnitude is not None and truth[name].size <= FEW_ELEMENTS:
+                worst.append((u * magnitude[name][0], u * magnitude[name][1]))
+            rms = _short(max(f[0] for f in worst))
+            peak = _short(max(f[1] for f in worst))
+            base = max(step)
+            reach = _short(max(rms, peak) / base) if base > 0 else 1.0
+            floors[precision][name] = (rms, peak, reach)
     return floors
+
+
+def _magnitudes(
+    sizes: Mapping[str, NDArray[Any]], truth: Mapping[str, NDArray[Any]]
+) -> dict[str, tuple[float, float]]:
+    """``(rms(M), max(M))`` of each tensor over rms(truth); zeros where the truth is 0."""
+    out = {}
+    for name, expected in truth.items():
+        m = np.asarray(sizes[name], np.float64).reshape(-1)
+        rms = (
+            math.sqrt(float(np.mean(np.square(np.asarray(expected, np.float64)))))
+            if expected.size
+            else 0.0
+        )
+        if rms == 0 or m.size == 0:
+            out[name] = (0.0, 0.0)
+            continue
+        out[name] = (math.sqrt(float(np.mean(np.square(m)))) / rms, float(m.max()) / rms)
+    return out
 
 
 def _figures(low: NDArray[np.float64], truth: NDArray[np.float64]) -> tuple[float, float]:
@@ -180,7 +282,7 @@ def encode_floors(floors: Floors) -> str:
 
 def decode_floors(
     text: str, names: tuple[str, ...] = GRADIENT_NAMES, key: str = "floors"
-) -> dict[str, dict[str, tuple[float, float]]]:
+) -> dict[str, dict[str, tuple[float, ...]]]:
     """Parse :func:`encode_floors`' text, floors of the tensors ``names`` kept under metadata
     ``key``; a ValueError says what is wrong."""
     try:

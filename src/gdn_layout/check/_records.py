@@ -39,7 +39,7 @@ class GradComparison:
     judged_by
         The :class:`~gdn_layout.check.Criterion` the gradient was judged by; ``rtol``,
         ``atol``, ``max_rms_ratio``, ``mode``, ``criterion``, ``limit``, ``elementwise``,
-        ``floor``, ``judged_dtype`` and ``term_scale`` are read off it.
+        ``floor``, ``precision`` and ``term_scale`` are read off it.
     max_abs_error
         Max ``|a - e|`` over pairs that are both finite (0.0 when none); NaN when a
         non-finite mismatch involves a NaN, else Inf when there is one (as are
@@ -174,9 +174,10 @@ class GradComparison:
         return self.judged_by.floor
 
     @property
-    def judged_dtype(self) -> str | None:
-        """The dtype the calibrated floors are for; else None."""
-        return self.judged_by.dtype
+    def precision(self) -> str | None:
+        """The precision class the calibrated floors are for (``"float32"``, ``"tf32"``,
+        ...); else None."""
+        return self.judged_by.precision_name
 
     @property
     def term_scale(self) -> float | None:
@@ -264,7 +265,7 @@ class GradComparison:
             "worst_expected": _json_float(self.worst_expected),
             "elementwise": self.elementwise,
             "floor": None if self.floor is None else [_json_float(f) for f in self.floor],
-            "judged_dtype": self.judged_dtype,
+            "precision": self.precision,
             "error_floor_ratio": _json_float(self.error_floor_ratio),
             "term_scale": _json_float(self.term_scale),
             "passed": self.passed,

@@ -1,0 +1,418 @@
+"""The chunked form as fused kernels compute it: what a correct kernel's rounding reaches.
+
+The reference's own chunked form (:mod:`._chunked`) is built to round as little as the
+step-by-step form. The kernels of the field are not: flash-linear-attention's
+``chunk_gated_delta_rule`` and ``chunk_kda``, transformers' ``torch_chunk_gated_delta_rule`` and
+the JAX/Pallas ports all compute, per chunk of 64 steps and in the kernel's precision,
+
+* the cumulative log-gate ``G`` of the chunk, and every decay as ``exp(G_t - G_s)``;
+* the delta rule of the chunk as one unit lower-triangular system ``T = (I + L)^-1``,
+  ``L[t, s] = beta_t k_t . k_s exp(G_t - G_s)`` for ``s < t`` (the WY/UT form), solved by
+  substitution;
+* ``W = T (beta exp(G) k)``, ``U = T (beta v)``, the chunk's writes ``u = U - W h``, its output
+  ``c (exp(G) q h + (q k^T * decay) u)`` and its exit state;
+* and the backward by the chain rule through the same steps, the gate's gradient a reverse
+  cumulative sum of differences of terms (a decay's row sums minus its column sums).
+
+Under fast or mixed decay these steps round 10 to 100 times more than the step-by-step form,
+and a correct kernel's error is that large. This module computes the same form in NumPy, every
+matrix product on operands rounded to the precision class's product precision (TF32, bfloat16
+or float16 operands, accumulated in float32), so that a fixture's floors cover it.
+
+With ``dtype=float64`` and no operand rounding it computes the op exactly as the reference
+does, which the tests check; the module is not the reference's, and its results only set
+floors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from .._dtypes import round_mantissa
+from ..packing import empty
+from ._inputs import check_result, validate
+
+_Array = NDArray[Any]
+
+#: The chunk length of the field's fused kernels (flash-linear-attention's ``BT = 64``).
+FUSED_CHUNK = 64
+#: Bytes of the forward's chunks kept for the backward; past it, a chunk is formed again
+#: (as the kernels do), so that memory stays about that of the inputs.
+_KEEP_BYTES = 64 << 20
+
+
+class _Products:
+    """Matrix products on operands rounded to ``bits`` mantissa bits (None: not rounded; with
+    ``half``, also to float16's range and subnormals), accumulated in the computation dtype.
+    An operand used in several products is rounded once: the kernels load it once."""
+
+    def __init__(self, bits: int | None, half: bool) -> None:
+        self.bits, self.half = bits, half
+        self._rounded: dict[int, tuple[_Array, _Array]] = {}
+
+    def operand(self, a: _Array) -> _Array:
+        if self.bits is None:
+            return a
+        kept = self._rounded.get(id(a))
+        if kept is not None and kept[0] is a:
+            return kept[1]
+        rounded = round_mantissa(a, self.bits)
+        if self.half:  # float16's range: subnormals on a grid of 2**-24, overflow to inf
+            tiny = np.abs(rounded) < 2.0**-14
+            rounded[tiny] = np.rint(rounded[tiny] * 2.0**24) * 2.0**-24
+            rounded[np.abs(rounded) > 65504] *= np.inf
+        self._rounded[id(a)] = (a, rounded)
+        return rounded
+
+    def forget(self) -> None:
+        self._rounded.clear()
+
+    def __call__(self, a: _Array, b: _Array, ta: bool = False, tb: bool = False) -> _Array:
+        """``a @ b``, ``a`` transposed first with ``ta``, ``b`` with ``tb``."""
+        ra, rb = self.operand(a), self.operand(b)
+        product: _Array = np.matmul(_t(ra) if ta else ra, _t(rb) if tb else rb)
+        return product
+
+
+def _t(a: _Array) -> _Array:
+    return np.swapaxes(a, -1, -2)
+
+
+def _reverse_cumsum(a: _Array) -> _Array:
+    """The sums from each step to the chunk's end, along axis 2."""
+    out: _Array = np.flip(np.cumsum(np.flip(a, axis=2), axis=2), axis=2)
+    return out
+
+
+def _pairs(a: _Array, b: _Array, decay: _Array) -> _Array:
+    """``sum_n a[t, n] b[s, n] decay[t, s, n]``: a product of decayed keys, per channel."""
+    out: _Array = np.matmul(decay * b[:, :, None, :, :], a[..., None])[..., 0]
+    return out
+
+
+def _rows(w: _Array, b: _Array, decay: _Array) -> _Array:
+    """``sum_s w[t, s] b[s, n] decay[t, s, n]``."""
+    out: _Array = np.matmul(w[:, :, :, None, :], decay * b[:, :, None, :, :])[:, :, :, 0, :]
+    return out
+
+
+def _cols(w: _Array, a: _Array, decay: _Array) -> _Array:
+    """``sum_t w[t, s] a[t, n] decay[t, s, n]``."""
+    by_s = np.swapaxes(decay * a[:, :, :, None, :], 2, 3)  # [B, H, s, t, N]
+    out: _Array = np.matmul(_t(w)[:, :, :, None, :], by_s)[:, :, :, 0, :]
+    return out
+
+
+def _unit_lower_inverse(lower: _Array) -> _Array:
+    """``(I + lower)^-1`` of strictly lower-triangular ``lower`` ``[..., C, C]`` by forward
+    substitution, row by row, as the kernels' ``solve_tril`` does within its blocks."""
+    size = lower.shape[-1]
+    inv = np.zeros_like(lower)
+    eye = np.eye(size, dtype=lower.dtype)
+    for i in range(size):
+        inv[..., i, :] = eye[i] - np.matmul(lower[..., i : i + 1, :i], inv[..., :i, :])[..., 0, :]
+    return inv
+
+
+class _Chunk:
+    """One chunk's quantities that do not depend on the state, for every batch row and head:
+    ``q, k, v, dy`` are ``[B, H, C, N]``, ``g`` ``[B, H, C]`` or ``[B, H, C, N]``, ``beta``
+    ``[B, H, C]``."""
+
+    def __init__(
+        self, q: _Array, k: _Array, v: _Array, g: _Array, beta: _Array, prod: _Products
+    ) -> None:
+        self.q, self.k, self.v, self.beta, self.prod = q, k, v, beta, prod
+        size = q.shape[2]
+        self.per_channel = g.ndim == 4
+        gc = np.cumsum(g, axis=2, dtype=g.dtype)
+        self.incl = incl = np.tril(np.ones((size, size), bool))
+        self.strict = np.tril(incl, -1)
+        self.eg = np.exp(gc)
+        if self.per_channel:
+            diff = gc[:, :, :, None, :] - gc[:, :, None, :, :]  # [B, H, t, s, N]
+            mask = incl[:, :, None]
+            self.decay = np.exp(np.where(mask, diff, 0)) * mask
+            self.g_last = gc[:, :, -1]  # [B, H, N]
+            rk, rq = prod.operand(k), prod.operand(q)
+            self.kk = _pairs(rk, rk, self.decay)
+            self.m = _pairs(rq, rk, self.decay)
+            self.kd_factor = np.exp(self.g_last[:, :, None, :] - gc)
+            self.egn = self.eg
+        else:
+            diff = gc[:, :, :, None] - gc[:, :, None, :]
+            self.decay = np.exp(np.where(incl, diff, 0)) * incl
+            self.g_last = gc[:, :, -1]  # [B, H]
+            self.qk, self.kk_plain = prod(q, k, tb=True), prod(k, k, tb=True)
+            self.kk = self.kk_plain * self.decay
+            self.m = self.qk * self.decay
+            self.kd_factor = np.exp(self.g_last[:, :, None] - gc)[..., None]
+            self.egn = self.eg[..., None]
+        self.kd = k * self.kd_factor
+        self.inv = _unit_lower_inverse(beta[..., None] * self.kk * self.strict)
+        self.bk = beta[..., None] * self.egn * k
+        self.bv = beta[..., None] * v
+        self.w = prod(self.inv, self.bk)
+        self.u = prod(self.inv, self.bv)
+        self.qg = q * self.egn
+        exit_decay = np.exp(self.g_last)
+        self.exit_decay = exit_decay[..., None] if self.per_channel else exit_decay[..., None, None]
+
+    def nbytes(self) -> int:
+        """The bytes of the arrays it holds."""
+        return sum(a.nbytes for a in vars(self).values() if isinstance(a, np.ndarray))
+
+    def forward(self, h: _Array, scale: float) -> tuple[_Array, _Array]:
+        """The outputs and the exit state of the chunk entered with ``h``."""
+        prod = self.prod
+        writes = self.u - prod(self.w, h)
+        y = scale * (prod(self.qg, h) + prod(self.m, writes))
+        return y, self.exit_decay * h + prod(self.kd, writes, ta=True)
+
+    def backward(
+        self, h: _Array, dh_exit: _Array, dy: _Array, scale: float, sizes: dict[str, _Array] | None
+    ) -> tuple[_Array, ...]:
+        """``dq, dk, dv, dg, dbeta`` of the chunk and the cotangent of its entry state; with
+        ``sizes``, the sums of absolute terms of each one's last sums are written there."""
+        prod, q, k, v, beta = self.prod, self.q, self.k, self.v, self.beta
+        writes = self.u - prod(self.w, h)
+        d_writes = scale * prod(self.m, dy, ta=True) + prod(self.kd, dh_exit)
+        dh = (
+            scale * prod(self.qg, dy, ta=True)
+            + self.exit_decay * dh_exit
+            - prod(self.w, d_writes, ta=True)
+        )
+        dqg = scale * prod(dy, h, tb=True)
+        dm = scale * prod(dy, writes, tb=True) * self.incl
+        dkd = prod(writes, dh_exit, tb=True)
+        # T = (I + L)^-1, W = T bk and U = T bv: dL = -T^T dT T^T.
+        dw = -prod(d_writes, h, tb=True)
+        dt = prod(d_writes, self.bv, tb=True) + prod(dw, self.bk, tb=True)
+        dbv, dbk = prod(self.inv, d_writes, ta=True), prod(self.inv, dw, ta=True)
+        dl = -prod(prod(self.inv, dt, ta=True), self.inv, tb=True) * self.strict
+        dbl = beta[..., None] * dl  # the cotangent of the decayed k . k
+        if self.per_channel:
+            decay = self.decay
+            dq = _rows(dm, k, decay)
+            dk = _cols(dm, q, decay)
+            dk += _rows(dbl, k, decay)
+            dk += _cols(dbl, k, decay)
+            terms = dbl[..., None] * k[:, :, :, None, :] + dm[..., None] * q[:, :, :, None, :]
+            terms *= k[:, :, None, :, :] * decay  # [B, H, t, s, N]
+            dgc = terms.sum(axis=3) - terms.sum(axis=2)
+            dgc += dqg * self.qg - dkd * self.kd + dbk * self.bk
+            dg_last = np.sum(h * dh_exit, axis=-1) * np.exp(self.g_last)
+            dg_last += np.sum(dkd * self.kd, axis=2)
+        else:
+            dmd, dbld = dm * self.decay, dbl * self.decay
+            dq = prod(dmd, k)
+            dk = prod(dmd, q, ta=True) + prod(dbld, k) + prod(dbld, k, ta=True)
+            terms = (dm * self.qk + dbl * self.kk_plain) * self.decay
+            dgc = terms.sum(axis=-1) - terms.sum(axis=-2)
+            dgc += np.sum(dqg * self.qg - dkd * self.kd + dbk * self.bk, axis=-1)
+            dg_last = np.sum(h * dh_exit, axis=(-2, -1)) * np.exp(self.g_last)
+            dg_last += np.sum(dkd * self.kd, axis=(-2, -1))
+        dq += dqg * self.egn
+        dk += dkd * self.kd_factor + dbk * beta[..., None] * self.egn
+        dbeta = np.sum(dl * self.kk, axis=-1) + np.sum(dbk * k * self.egn + dbv * v, axis=-1)
+        dv = dbv * beta[..., None]
+        dgc[:, :, -1] += dg_last
+        dg = _reverse_cumsum(dgc)
+        if sizes is not None:
+            # The gate's terms: each decay's row and column sums, and the products with q, k.
+            a = np.abs(terms)
+            plain = np.abs(dqg * self.qg) + np.abs(dkd * self.kd) + np.abs(dbk * self.bk)
+            if self.per_channel:
+                size_c = a.sum(axis=3) + a.sum(axis=2) + plain
+                last = np.sum(np.abs(h * dh_exit), axis=-1) * np.exp(self.g_last)
+                last += np.sum(np.abs(dkd * self.kd), axis=2)
+            else:
+                size_c = a.sum(axis=-1) + a.sum(axis=-2) + plain.sum(axis=-1)
+                last = np.sum(np.abs(h * dh_exit), axis=(-2, -1)) * np.exp(self.g_last)
+                last += np.sum(np.abs(dkd * self.kd), axis=(-2, -1))
+            size_c[:, :, -1] += last
+            sizes["dg"] = _reverse_cumsum(size_c)
+            self._sizes(sizes, h, dh_exit, dy, scale, writes, d_writes, dm, dw, dbk, dbv, dl)
+        return dq, dk, dv, dg, dbeta, dh
+
+    def _sizes(
+        self,
+        out: dict[str, _Array],
+        h: _Array,
+        dh_exit: _Array,
+        dy: _Array,
+        scale: float,
+        writes: _Array,
+        d_writes: _Array,
+        dm: _Array,
+        dw: _Array,
+        dbk: _Array,
+        dbv: _Array,
+        dl: _Array,
+    ) -> None:
+        """The sums of absolute terms of the last sums that form each result (the terms'
+        own values as computed): what another order of those sums can change by ``u`` each."""
+        a = np.abs
+        k, q, beta = a(self.k), a(self.q), self.beta[..., None]
+        if self.per_channel:
+            dq = _rows(a(dm), k, self.decay)
+            dk = _cols(a(dm), q, self.decay)
+            dbl = a(self.beta[..., None] * dl)
+            dk += _rows(dbl, k, self.decay)
+            dk += _cols(dbl, k, self.decay)
+        else:
+            dmd, dbld = a(dm) * self.decay, a(beta * dl) * self.decay
+            dq, dk = dmd @ k, _t(dmd) @ q + dbld @ k + _t(dbld) @ k
+        dq += (a(dy) @ _t(a(h))) * scale * self.egn
+        dk += (a(writes) @ _t(a(dh_exit))) * self.kd_factor
+        dk += (_t(a(self.inv)) @ a(dw)) * beta * self.egn
+        out["dq"], out["dk"] = dq, dk
+        out["dv"] = (_t(a(self.inv)) @ a(d_writes)) * beta
+        out["dbeta"] = np.sum(a(dl * self.kk), axis=-1) + np.sum(
+            a(dbk * self.k * self.egn) + a(dbv * self.v), axis=-1
+        )
+        out["dh"] = scale * (_t(a(self.qg)) @ a(dy)) + self.exit_decay * a(dh_exit)
+        out["dh"] += _t(a(self.w)) @ a(d_writes)
+        out["y"] = scale * (a(self.qg) @ a(h) + a(self.m) @ a(writes))
+        out["h"] = self.exit_decay * a(h) + _t(a(self.kd)) @ a(writes)
+
+
+def chunk_bounds(seq: int, every: int | None, length: int = FUSED_CHUNK) -> list[int]:
+    """The chunks' first steps, and ``seq``: every ``length`` steps, and every ``every`` (the
+    boundaries whose states are recorded) too."""
+    starts = set(range(0, seq, length))
+    if every is not None:
+        starts |= set(range(0, seq, every))
+    return [*sorted(starts), seq]
+
+
+def fused_backward(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    chunk: int | None = None,
+    bits: int | None = None,
+    half: bool = False,
+    dtype: Any = np.float32,
+    sizes: bool = False,
+    length: int = FUSED_CHUNK,
+) -> tuple[_Array, dict[str, _Array], tuple[_Array, dict[str, _Array]] | None]:
+    """Everything the fused kernels' chunked form gives, as :func:`._states.step_by_step`
+    returns it: the packed gradients and ``{"y", "final_state", "h", "dh"}`` (the last three
+    as there: the final state with ``state`` or ``chunk``, the states with ``chunk``), in
+    ``dtype``, every matrix product on operands rounded to ``bits`` mantissa bits (to
+    float16 with ``half``). With ``sizes``, also the same of the sums of absolute terms of
+    each result's last sums, in float64 (None otherwise): a sum taken in another order may
+    change by ``u`` times its own.
+
+    Chunks are of ``length`` steps, cut also at every multiple of ``chunk``.
+    """
+    x = validate(q, k, v, g, beta, state, dy, dtype)
+    assert x.dy is not None
+    layout = x.layout
+    batch, heads, seq, n = x.q.shape
+    compute = x.q.dtype
+    gate = x.g if layout.gate_per_channel else x.g[..., 0]
+    prod = _Products(bits, half)
+    bounds = chunk_bounds(seq, chunk, length)
+    h = np.zeros((len(bounds), batch, heads, n, n), compute)
+    if x.state is not None:
+        h[0] = x.state
+    flat, grads = empty(layout, compute)
+    y = np.empty((batch, heads, seq, n), compute)
+
+    kept: dict[int, _Chunk] = {}  # the forward's chunks, for the backward, within a budget
+    budget = _KEEP_BYTES
+
+    def part(i: int) -> _Chunk:
+        if i in kept:
+            return kept.pop(i)
+        span = slice(bounds[i], bounds[i + 1])
+        return _Chunk(
+            x.q[:, :, span],
+            x.k[:, :, span],
+            x.v[:, :, span],
+            gate[:, :, span],
+            x.beta[:, :, span],
+            prod,
+        )
+
+    sized = _Sized(layout, seq, len(bounds)) if sizes else None
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        for i in range(len(bounds) - 1):
+            chunk_i = part(i)
+            y[:, :, bounds[i] : bounds[i + 1]], h[i + 1] = chunk_i.forward(h[i], x.scale)
+            prod.forget()
+            size = chunk_i.nbytes()
+            if size <= budget:
+                kept[i], budget = chunk_i, budget - size
+        dh = np.zeros_like(h)
+        out = [np.moveaxis(a, 1, 2) for a in grads[:5]]  # [B, H, S, ...] views
+        for i in reversed(range(len(bounds) - 1)):
+            span = slice(bounds[i], bounds[i + 1])
+            found: dict[str, _Array] | None = None if sized is None else {}
+            *values, dh[i] = part(i).backward(h[i], dh[i + 1], x.dy[:, :, span], x.scale, found)
+            prod.forget()
+            for target, value in zip(out, values, strict=True):
+                target[:, :, span] = value
+            if sized is not None and found is not None:
+                sized.add(i, span, found)
+    if grads.dstate is not None:
+        grads.dstate[...] = dh[0]
+    outputs = _outputs(np.moveaxis(y, 1, 2), h, dh, bounds, chunk, x.state is not None)
+    for name, array in (*zip(layout.names, grads, strict=False), *outputs.items()):
+        if array is not None:
+            check_result("the fused chunked form", name, array)
+    if sized is None:
+        return flat, outputs, None
+    return flat, outputs, sized.result(bounds, chunk, x.state is not None)
+
+
+def _outputs(
+    y: _Array, h: _Array, dh: _Array, bounds: list[int], chunk: int | None, carried: bool
+) -> dict[str, _Array]:
+    """``y`` and the states as :func:`._states.step_by_step` gives them, from the states at
+    every boundary ``[K + 1, B, H, N, N]``."""
+    outputs = {"y": y}
+    if chunk is not None:
+        keep = [i for i, t in enumerate(bounds[:-1]) if t % chunk == 0]
+        outputs.update(h=np.moveaxis(h[keep], 0, 1), dh=np.moveaxis(dh[keep], 0, 1))
+    if chunk is not None or carried:
+        outputs["final_state"] = h[-1]
+    return outputs
+
+
+class _Sized:
+    """The sums of absolute terms of every result, chunk by chunk, in float64."""
+
+    def __init__(self, layout: Any, seq: int, count: int) -> None:
+        self.flat, grads = empty(layout, np.float64)
+        self.grads = grads
+        self.out = [np.moveaxis(a, 1, 2) for a in grads[:5]]
+        batch, heads, n = layout.batch, layout.heads, layout.state_size
+        self.y = np.zeros((batch, heads, seq, n))
+        self.h = np.zeros((count, batch, heads, n, n))
+        self.dh = np.zeros((count, batch, heads, n, n))
+
+    def add(self, i: int, span: slice, found: dict[str, _Array]) -> None:
+        for name, target in zip(("dq", "dk", "dv", "dg", "dbeta"), self.out, strict=True):
+            target[:, :, span] = found[name]
+        self.y[:, :, span] = found["y"]
+        self.h[i + 1], self.dh[i] = found["h"], found["dh"]
+
+    def result(
+        self, bounds: list[int], chunk: int | None, carried: bool
+    ) -> tuple[_Array, dict[str, _Array]]:
+        if self.grads.dstate is not None:
+            self.grads.dstate[...] = self.dh[0]
+        return self.flat, _outputs(
+            np.moveaxis(self.y, 1, 2), self.h, self.dh, bounds, chunk, carried
+        )
