@@ -499,7 +499,7 @@ def test_compare_judges_in_the_precision_class_asked(tmp_path: Path) -> None:
 
     fx = make_fixture(GdnBackwardLayout(1, 40, 2, 16), regime="mixed", seed=2)
     save_fixture(tmp_path / "case.safetensors", fx)
-    np.save(tmp_path / "tf32.npy", fused_backward(*fx.inputs, bits=10)[0])
+    np.save(tmp_path / "tf32.npy", fused_backward(*fx.inputs, bits=10, length=32)[0])
     files = (str(tmp_path / "tf32.npy"), str(tmp_path / "case.safetensors"))
     passed = run("compare", *files, "--precision", "tf32")
     assert passed.returncode == 0, passed.stdout

@@ -66,7 +66,7 @@ def test_a_class_s_floors_are_measured_when_asked() -> None:
     assert 1e-3 < fx.floors["bfloat16"]["dq"][0] < 1
     with pytest.raises(ValueError, match="make_fixture: precisions must be one of float64, "):
         make_fixture(GdnBackwardLayout(1, 2, 1, 4), precisions=("fp8",))
-    with pytest.raises(TypeError, match="make_fixture: precisions must be a tuple"):
+    with pytest.raises(TypeError, match="make_fixture: precisions must be a sequence of precision"):
         make_fixture(GdnBackwardLayout(1, 2, 1, 4), precisions="tf32")  # type: ignore[arg-type]
 
 
@@ -304,7 +304,9 @@ def test_a_tf32_kernel_passes_as_tf32_and_fails_as_float32(fixture: Fixture) -> 
     # The chunked form with its products on TF32 operands: a correct kernel of that class.
     from gdn_layout.reference._fused import fused_backward
 
-    low = fused_backward(*fixture.inputs, bits=10)[0]
+    low = fused_backward(*fixture.inputs, bits=10, length=32)[
+        0
+    ]  # chunks of 32: not the floors' own run
     assert compare(low, fixture, precision="tf32").passed
     assert not compare(low, fixture).passed
 
@@ -419,3 +421,61 @@ def test_transformers_chunked_function_passes_every_case(suite: tuple[Path, list
         result = compare(panel.transformers_chunked(fx), fx)
         assert result.passed, (path.name, result.failed)
     assert judged == len(suite[1]) // 2
+
+
+def test_panel_floors_are_the_worst_form_with_the_least_on_few_elements() -> None:
+    from gdn_layout.check._floors import FEW_ELEMENTS, panel_floors
+
+    rng = np.random.default_rng(0)
+    few, many = rng.standard_normal(FEW_ELEMENTS), rng.standard_normal(FEW_ELEMENTS + 1)
+    truth = {"dbeta": few, "dq": many}
+    # the step-by-step form exact; the chunked form 1e-6 off; the terms' sums 1e3 each
+    runs = {
+        "step-by-step": {"dbeta": few, "dq": many},
+        "chunked": {"dbeta": few * (1 + 1e-6), "dq": many * (1 + 1e-6)},
+    }
+    sizes = {"dbeta": np.full(few.size, 1e3), "dq": np.full(many.size, 1e3)}
+    floors = panel_floors(runs, truth, sizes, ("float32",))["float32"]
+    u = 2.0**-24
+    chunked = {n: _figures_of_named(runs["chunked"][n], truth[n]) for n in truth}
+    # Many elements: the chunked form's figures, the rounding analysis left out.
+    assert floors["dq"][:2] == pytest.approx(chunked["dq"], rel=1e-2)
+    # Few: no lower than u * M over rms(truth), M the terms' absolute sums.
+    assert floors["dbeta"][0] == pytest.approx(u * 1e3 / _rms(few), rel=1e-2)
+    # The reach is over the step-by-step form's figure (here float32's rounding of the truth),
+    # no lower than half the roundoff.
+    step = max(*_figures_of_named(many, many), u / 2)
+    assert floors["dq"][2] == pytest.approx(max(floors["dq"][:2]) / step, rel=1e-2)
+
+
+def _figures_of_named(low: NDArray[Any], truth: NDArray[np.float64]) -> tuple[float, float]:
+    err = np.abs(np.asarray(low, np.float32).astype(np.float64) - truth)
+    return (_rms(err) / _rms(truth), float(err.max()) / _rms(truth))
+
+
+def test_a_class_is_checked_only_where_a_gradient_is_calibrated(fixture: Fixture) -> None:
+    half = _f32(fixture).astype(ml_dtypes.bfloat16)
+    judged = compare(half, fixture, precision="float32", rtol=1e-1, atol=1e-1)
+    assert {g.mode for g in judged.grads} == {"elementwise"}
+
+
+def test_a_case_judges_in_its_class_unless_told() -> None:
+    from gdn_layout.suites import Case
+
+    fx = make_fixture(GdnBackwardLayout(1, 20, 2, 8), regime="mild")
+    case = Case("tf32 case", fx, precision="tf32")
+    out = _f32(fx)
+    assert case.compare(out)["dq"].precision == "tf32"
+    assert case.compare(out, precision=None)["dq"].precision == "tf32"
+    assert case.compare(out, precision="float32")["dq"].precision == "float32"
+
+
+def test_gradient_floors_do_not_depend_on_the_states_kept() -> None:
+    # The kernels' chunks are 64 steps whatever states a fixture keeps: states at 16-step
+    # boundaries come from a run of their own.
+    layout = GdnBackwardLayout(1, 100, 2, 8, gate_per_channel=True)
+    plain = make_fixture(layout, regime="qwen", seed=2)
+    with_states = make_fixture(layout, regime="qwen", seed=2, states=16)
+    assert plain.floors == with_states.floors
+    assert with_states.state_floors is not None
+    assert set(with_states.state_floors["float32"]) == {"y", "h", "dh", "final_state"}

@@ -184,8 +184,8 @@ TF32_KERNEL = """
 from gdn_layout.reference._fused import fused_backward
 
 def test_tf32_kernel(gdn_case):
-    # the chunked form with its matrix products on TF32 operands: a correct tf32 kernel
-    gdn_case.check(fused_backward(*gdn_case.inputs, bits=10)[0])
+    # chunks of 32, products on TF32 operands: a correct tf32 kernel, not the floors own run
+    gdn_case.check(fused_backward(*gdn_case.inputs, bits=10, length=32)[0])
 """
 
 
@@ -216,6 +216,10 @@ def test_plugin_is_idle_unless_asked(pytester: pytest.Pytester) -> None:
         (["--gdn-crossing", "0"], "*--gdn-crossing: expected a positive integer, got '0'*"),
         (["--gdn-min-seq", "-1"], "*--gdn-min-seq: expected a non-negative integer, got '-1'*"),
         (["--gdn-seed", "x"], "*--gdn-seed: expected a non-negative integer, got 'x'*"),
+        (
+            ["--gdn-layout", "1,2,1,4", "--gdn-dtype", "bf16", "--gdn-precision", "float32"],
+            "*--gdn-precision: precision 'float32' judges float32 buffers, got bfloat16 ones*",
+        ),
         (
             ["--gdn-precision", "fp8"],
             "*--gdn-precision: the precision must be one of float64, float32, tf32, bfloat16, "

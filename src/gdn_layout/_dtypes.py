@@ -106,9 +106,15 @@ _PRECISION_NAMES: Final = {
 
 
 def precision_of(value: object, where: str) -> Precision:
-    """The precision class spelled ``value`` (any case); a ValueError naming ``where`` and the
-    classes otherwise."""
-    name = _PRECISION_NAMES.get(value.strip().lower()) if isinstance(value, str) else None
+    """The precision class spelled ``value`` (any case), or of the dtype ``value`` (``np.float32``
+    is ``float32``); a ValueError naming ``where`` and the classes otherwise."""
+    if isinstance(value, str):
+        name = _PRECISION_NAMES.get(value.strip().lower())
+    else:  # a dtype, or a scalar type: its class
+        try:
+            name = _PRECISION_NAMES.get(np.dtype(value).name)  # type: ignore[call-overload]
+        except TypeError:
+            name = None
     if name is None:
         raise ValueError(f"{where} must be one of {', '.join(PRECISIONS)}, got {value!r}")
     return PRECISIONS[name]
@@ -178,12 +184,21 @@ def round_mantissa(values: NDArray[np.float32], bits: int) -> NDArray[np.float32
     >>> x = np.array([1 + 2.0**-11, 1 + 3 * 2.0**-11, 1.0 + 2.0**-12], np.float32)
     >>> round_mantissa(x, 10).tolist()  # ties go to the even neighbour
     [1.0, 1.001953125, 1.0]
+    >>> bool(np.isnan(round_mantissa(np.array([0x7FFFFFFF], np.uint32).view(np.float32), 7)[0]))
+    True
     """
+    if not 0 < bits < 23:
+        raise ValueError(f"round_mantissa: bits must be from 1 to 22, got {bits!r}")
     drop = 23 - bits
-    raw = np.asarray(values, np.float32).view(np.uint32)
+    x = np.asarray(values, np.float32)
+    raw = x.view(np.uint32)
     out = np.right_shift(raw, np.uint32(drop))
     out &= np.uint32(1)
     out += np.uint32((1 << (drop - 1)) - 1)
     out += raw
     out &= np.uint32((0xFFFFFFFF >> drop) << drop)
-    return out.view(np.float32)
+    rounded = out.view(np.float32)
+    nan = np.isnan(x)
+    if nan.any():  # a NaN stays one, whatever its payload
+        rounded[nan] = x[nan]
+    return rounded

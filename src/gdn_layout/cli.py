@@ -44,6 +44,7 @@ from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
 from .check import compare
+from .check._criterion import judged_precision
 from .files._fixture import FixtureError, load_fixture, save_fixture
 from .files._outputs import FILE_KINDS, PackedFile, open_packed
 from .generate import make_fixture, write_suite
@@ -442,21 +443,25 @@ def _compare(args: argparse.Namespace) -> int:
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
-    with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
+    if args.precision is not None:  # a class finer than the files' dtypes is the user's to fix
         try:
-            result = compare(
-                actual.packed,
-                expected.packed,
-                layout,
-                rtol=args.rtol,
-                atol=args.atol,
-                max_rms_ratio=args.max_rms_ratio,
-                precision=args.precision,
-                floors=expected.floors if expected.floors is not None else actual.floors,
-                scales=expected.scales if expected.scales is not None else actual.scales,
+            judged_precision(
+                args.precision, "--precision", actual.packed.dtype, expected.packed.dtype
             )
-        except ValueError as error:  # a precision finer than the files' dtypes, say
+        except ValueError as error:
             raise UsageError(str(error)) from None
+    with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
+        result = compare(
+            actual.packed,
+            expected.packed,
+            layout,
+            rtol=args.rtol,
+            atol=args.atol,
+            max_rms_ratio=args.max_rms_ratio,
+            precision=args.precision,
+            floors=expected.floors if expected.floors is not None else actual.floors,
+            scales=expected.scales if expected.scales is not None else actual.scales,
+        )
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

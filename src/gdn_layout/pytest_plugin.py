@@ -111,6 +111,14 @@ def pytest_configure(config: pytest.Config) -> None:
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
     precision = config.getoption("gdn_precision")
+    if precision is not None:  # a class finer than a case's dtype, refused once
+        from .check._criterion import judged_precision
+
+        for case in cases:
+            try:
+                judged_precision(precision, "--gdn-precision", case.fixture.dtype)
+            except ValueError as err:
+                raise pytest.UsageError(f"gdn-layout: {case.name}: {err}") from None
     config.stash[_CASES] = [dataclasses.replace(c, precision=precision) for c in cases]
 
 

@@ -160,7 +160,8 @@ class Case:
         FixtureError
             The fixture is memory-mapped and its file changed since it was loaded.
         """
-        judging.setdefault("precision", self.precision)
+        if judging.get("precision") is None:
+            judging["precision"] = self.precision
         with self.fixture.unchanged():  # held from before the comparison reads a page
             return compare(actual, self.fixture, **judging)  # type: ignore[arg-type]
 
@@ -338,7 +339,7 @@ def _state_reference(
     if tensor in ("h", "dh") and size != fixture.states_chunk:
         stored = None
     floors = fixture.state_floors
-    if stored is not None and floors is not None and tensor in floors.get("float32", {}):
+    if stored is not None and floors is not None and any(tensor in per for per in floors.values()):
         return stored, floors
     chunked = tensor in ("h", "dh") or (tensor == "final_state" and not fixture.layout.carry_state)
     states = size if chunked else None

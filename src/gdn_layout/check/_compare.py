@@ -154,6 +154,8 @@ def compare(
                 "compare: floors and scales come with the fixture; pass fixture.packed and "
                 "its layout to give others"
             )
+        if layout is not None and not isinstance(layout, GdnBackwardLayout):
+            raise not_a_layout(layout, "compare")
         if layout is not None and layout != expected.layout:
             raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
         fixture = expected
@@ -200,12 +202,15 @@ def _compare(
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
     floors = None if floors is None else checked_floors(floors, "compare: floors")
-    judged = judged_precision(precision, "compare", actual.dtype, expected.dtype)
-    buffers = default_precision(actual.dtype, expected.dtype).buffer
-    default_rtol, default_atol = DEFAULT_TOLERANCES[buffers]
+    buffers = default_precision(actual.dtype, expected.dtype)
+    default_rtol, default_atol = DEFAULT_TOLERANCES[buffers.buffer]
     rtols = per_grad("rtol", rtol)
     atols = per_grad("atol", atol)
     rms_limits = per_grad("max_rms_ratio", max_rms_ratio)
+    tolerated = set(rtols) | set(atols) | set(rms_limits)
+    judged = buffers  # a class is judged in, and checked, only where a gradient is calibrated
+    if any(name not in tolerated for name in layout.names):
+        judged = judged_precision(precision, "compare", actual.dtype, expected.dtype)
     term = per_grad("scales", scales)
     grads = []
     criteria: dict[str, Criterion] = {}

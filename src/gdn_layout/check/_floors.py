@@ -178,7 +178,8 @@ PANEL: Final = {
 }
 #: Most elements of a tensor whose floors take the rounding analysis's least.
 FEW_ELEMENTS: Final = 32
-#: The runs of :data:`PANEL`: ``(bits, float16's range)`` of the chunked form's operands.
+#: The runs of :data:`PANEL`: the mantissa bits of the chunked form's product operands (None:
+#: float32's own).
 CHUNKED_RUNS: Final = {"chunked": None, "chunked-tf32": 10, "chunked-bfloat16": 7}
 
 
@@ -220,12 +221,14 @@ def panel_floors(
         for name in truth:
             step = measured["step-by-step"][forms[0][1]][name]
             worst = [measured[form][rounding][name] for form, rounding in forms]
-            if magnitude is not None and truth[name].size <= FEW_ELEMENTS:
+            if magnitude is not None and name in magnitude and truth[name].size <= FEW_ELEMENTS:
                 worst.append((u * magnitude[name][0], u * magnitude[name][1]))
             rms = _short(max(f[0] for f in worst))
             peak = _short(max(f[1] for f in worst))
-            base = max(step)
-            reach = _short(max(rms, peak) / base) if base > 0 else 1.0
+            # Over the step-by-step form's figure, which is no lower than the least floor:
+            # a form that happened to round exactly reaches nothing.
+            base = max(*step, PRECISIONS[precision].unit_roundoff / 2)
+            reach = _short(max(rms, peak) / base)
             floors[precision][name] = (rms, peak, reach)
     return floors
 
@@ -236,6 +239,8 @@ def _magnitudes(
     """``(rms(M), max(M))`` of each tensor over rms(truth); zeros where the truth is 0."""
     out = {}
     for name, expected in truth.items():
+        if name not in sizes:
+            continue
         m = np.asarray(sizes[name], np.float64).reshape(-1)
         rms = (
             math.sqrt(float(np.mean(np.square(np.asarray(expected, np.float64)))))
