@@ -199,11 +199,71 @@ def test_plugin_judges_in_the_precision_class_asked(pytester: pytest.Pytester) -
     failed.stdout.fnmatch_lines(["*error/floor<=16 (float32)*"])
 
 
-def test_plugin_is_idle_unless_asked(pytester: pytest.Pytester) -> None:
+def test_plugin_skips_without_a_suite_only_when_asked(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_kernel=KERNEL_TESTS)
-    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-skip", "-rs")
     result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["*gdn_case needs --gdn-suite DIR or --gdn-layout*"])
+    result.stdout.fnmatch_lines(["*gdn_case is skipped without --gdn-suite DIR or --gdn-layout*"])
+    pytester.makeini("[pytest]\ngdn_skip = true\n")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(skipped=2)
+    # Without the cache to make the standard suite in, a run that asks for cases fails.
+    pytester.makeini("[pytest]\n")
+    failed = pytester.runpytest("-p", "no:cacheprovider")
+    assert failed.ret != pytest.ExitCode.OK
+    failed.stdout.fnmatch_lines(["*gdn_case needs --gdn-suite DIR, --gdn-layout B,S,H,N or*"])
+
+
+CORRECT_KERNEL = """
+import numpy as np
+from gdn_layout.reference import backward
+
+def test_correct(gdn_case):
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+"""
+
+
+@pytest.mark.slow
+def test_plugin_makes_the_standard_suite_once_in_pytest_s_cache(
+    pytester: pytest.Pytester,
+) -> None:
+    # The whole first run: a test file and pytest. The suite is made once, verified on reuse,
+    # and made again when it is damaged.
+    from gdn_layout import __version__
+    from gdn_layout.suites import suite_files
+
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    selected = ("--gdn-regime", "zero")
+    first = pytester.runpytest(*selected)
+    folder = pytester.path / ".pytest_cache" / "d" / "gdn-layout" / f"suite-{__version__}-float32"
+    cases = suite_files(folder, regime="zero")
+    first.assert_outcomes(passed=len(cases))
+    stamps = {p: p.stat().st_mtime_ns for p in folder.iterdir()}
+    pytester.runpytest(*selected).assert_outcomes(passed=len(cases))
+    assert {p: p.stat().st_mtime_ns for p in folder.iterdir()} == stamps  # reused
+    victim = folder / cases[0]
+    victim.write_bytes(victim.read_bytes()[:-8] + bytes(8))  # damaged: made again
+    pytester.runpytest(*selected).assert_outcomes(passed=len(cases))
+    assert victim.stat().st_mtime_ns != stamps[victim]
+
+
+@pytest.mark.slow
+def test_plugin_reads_its_settings_from_the_configuration(
+    suite: Suite, pytester: pytest.Pytester
+) -> None:
+    root, _ = suite
+    pytester.makepyfile(test_kernel=TF32_KERNEL)
+    pytester.makeini(f"[pytest]\ngdn_suite = {root}\ngdn_precision = tf32\n")
+    args = ("-p", "no:cacheprovider", "--gdn-regime", "mild")
+    passed = pytester.runpytest(*args)
+    assert passed.ret == pytest.ExitCode.OK
+    assert passed.parseoutcomes()["passed"] > 0
+    # The command line wins over the file: judged as float32, the TF32 kernel fails.
+    failed = pytester.runpytest(*args, "--gdn-precision", "float32")
+    assert failed.parseoutcomes()["failed"] == passed.parseoutcomes()["passed"]
+    pytester.makeini("[pytest]\ngdn_suite = nowhere\n")
+    missing = pytester.runpytest(*args)
+    assert missing.ret == pytest.ExitCode.USAGE_ERROR
+    missing.stderr.fnmatch_lines(["*gdn-layout: gdn_suite = *nowhere (*tox.ini*"])
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,8 @@ module                    concern
 :mod:`~.files`            :class:`Fixture`, :func:`load_fixture`, :func:`save_fixture`,
                           :class:`FixtureError`, kernel-output files (``open_packed``)
 :mod:`~.generate`         :func:`draw_inputs`, :func:`make_fixture`, :func:`write_suite`
-:mod:`~.suites`           :func:`load_suite`, :func:`verify_suite`, :class:`Case`
+:mod:`~.suites`           :func:`load_suite`, :func:`verify_suite`, :func:`make_case`,
+                          :class:`Case`
 :mod:`~.reference`        the float64 reference forward, backward and chunk states
 :mod:`~.regimes`          the gate regimes inputs are drawn in
 :mod:`~.plot`             pictures (``gdn-layout[plot]``)
@@ -33,7 +34,7 @@ from .files import Fixture, FixtureError, load_fixture, save_fixture
 from .generate import draw_inputs, make_fixture, write_suite
 from .layout import GdnBackwardLayout, Segment
 from .packing import GdnGrads, empty, pack, unpack, zeros
-from .suites import Case, load_suite, verify_suite
+from .suites import Case, load_suite, make_case, verify_suite
 
 __all__ = [
     "Case",
@@ -52,6 +53,7 @@ __all__ = [
     "error_map",
     "load_fixture",
     "load_suite",
+    "make_case",
     "make_fixture",
     "pack",
     "save_fixture",

@@ -1,6 +1,7 @@
 """A pytest plugin: the cases of a fixture suite as the parameters of a ``gdn_case`` fixture.
 
-Installed with gdn-layout (through the ``pytest11`` entry point) and idle until asked:
+Installed with gdn-layout (through the ``pytest11`` entry point); a test that takes ``gdn_case``
+runs over the cases of:
 
 ``pytest --gdn-suite DIR``
     every test that takes ``gdn_case`` runs once per case of the suite in ``DIR``
@@ -16,10 +17,20 @@ Installed with gdn-layout (through the ``pytest11`` entry point) and idle until 
     ``gdn_case.check`` judges in that precision class (``tf32`` for a kernel whose float32
     matrix products take TF32 operands); by default the class of the buffers' dtype.
 
-Without either option a test that takes ``gdn_case`` is skipped. A kernel test is then::
+With neither, a test that takes ``gdn_case`` runs over the standard suite, written once into
+pytest's cache folder (``.pytest_cache/d/gdn-layout``, one per gdn-layout version and dtype,
+verified against its manifest on reuse and written again when it is not intact; under
+pytest-xdist by the first worker that needs it): ``pytest test_my_kernel.py`` is the whole
+first run. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel test
+is then::
 
     def test_my_kernel(gdn_case):
         gdn_case.check(my_backward(*gdn_case.inputs))
+
+Each option has a configuration key of the same name in ``pytest.ini`` (``[tool.pytest.
+ini_options]`` of ``pyproject.toml``): ``gdn_suite`` (a folder, relative to the configuration
+file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``; an option given on the command line
+wins.
 
 :meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
 and the coordinates of its worst element; the criterion is the calibrated one unless
@@ -28,12 +39,15 @@ tolerances are passed to it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import fcntl
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from ._cli_values import PRECISION_HELP, count_arg, positive_arg, precision_arg
+from ._cli_values import PRECISION_HELP, count_arg, dtype_arg, positive_arg, precision_arg
 from .regimes import REGIMES
 from .suites import Case
 
@@ -72,7 +86,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="with --gdn-suite: only the cases that cross a boundary of a C-step chunk",
     )
     group.addoption(
-        "--gdn-dtype", default="float32", help="with --gdn-layout: the cases' dtype (float32)"
+        "--gdn-dtype",
+        type=dtype_arg,
+        help="the cases' dtype with --gdn-layout, and the cached standard suite's (float32)",
     )
     group.addoption(
         "--gdn-precision",
@@ -83,10 +99,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--gdn-seed", type=count_arg, default=0, help="with --gdn-layout: the inputs' seed (0)"
     )
+    group.addoption(
+        "--gdn-skip",
+        action="store_true",
+        default=None,
+        help="skip the tests that take gdn_case when no suite or layout is given, instead of "
+        "running them over the standard suite made in pytest's cache",
+    )
+    parser.addini("gdn_suite", "as --gdn-suite, relative to this file", type="paths")
+    parser.addini("gdn_dtype", "as --gdn-dtype, and the cached suite's dtype", default="float32")
+    parser.addini("gdn_precision", "as --gdn-precision")
+    parser.addini("gdn_skip", "as --gdn-skip", type="bool", default=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     suite = config.getoption("gdn_suite", None)
+    from_ini = None
+    if suite is None and (paths := config.getini("gdn_suite")):
+        suite, from_ini = str(paths[0]), f"gdn_suite = {paths[0]} ({config.inipath})"
     spec = config.getoption("gdn_layout", None)
     if suite is None and spec is None:
         return
@@ -107,19 +137,64 @@ def pytest_configure(config: pytest.Config) -> None:
         else:
             cases = _layout_cases(config, spec)
     except (FixtureError, ValueError, TypeError, ImportError) as err:
-        raise pytest.UsageError(f"gdn-layout: {err}") from None
+        where = "" if from_ini is None else f"{from_ini}: "
+        raise pytest.UsageError(f"gdn-layout: {where}{err}") from None
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
-    precision = config.getoption("gdn_precision")
-    if precision is not None:  # a class finer than a case's dtype, refused once
-        from .check._criterion import judged_precision
+    config.stash[_CASES] = _judged_in(config, cases)
 
+
+def _setting(config: pytest.Config, name: str) -> Any:
+    """An option's value, else its configuration key's."""
+    value = config.getoption(name)
+    return config.getini(name) if value is None else value
+
+
+def _judged_in(config: pytest.Config, cases: list[Case]) -> list[Case]:
+    """``cases`` judged in ``--gdn-precision``'s class; a class finer than a case's dtype is
+    one usage error."""
+    precision = _setting(config, "gdn_precision") or None
+    if precision is None:
+        return cases
+    from .check._criterion import judged_precision
+
+    try:
+        precision = precision_arg(str(precision))
         for case in cases:
-            try:
-                judged_precision(precision, "--gdn-precision", case.fixture.dtype)
-            except ValueError as err:
-                raise pytest.UsageError(f"gdn-layout: {case.name}: {err}") from None
-    config.stash[_CASES] = [dataclasses.replace(c, precision=precision) for c in cases]
+            judged_precision(precision, "--gdn-precision", case.fixture.dtype)
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        raise pytest.UsageError(f"gdn-layout: {err}") from None
+    return [dataclasses.replace(c, precision=precision) for c in cases]
+
+
+def _cached_cases(config: pytest.Config) -> list[Case]:
+    """The standard suite in pytest's cache folder: written once per gdn-layout version and
+    dtype (by the first process that needs it, under a lock), verified on reuse."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        raise pytest.UsageError(
+            "gdn-layout: gdn_case needs --gdn-suite DIR, --gdn-layout B,S,H,N or pytest's "
+            "cache (-p no:cacheprovider is set) to make the standard suite in"
+        )
+    from ._version import __version__
+    from .generate import write_suite
+    from .suites import load_suite, verify_suite
+
+    dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
+    root = Path(cache.mkdir("gdn-layout"))
+    folder = root / f"suite-{__version__}-{dtype}"
+    with open(root / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read it
+        intact = (folder / "manifest.json").exists() and not verify_suite(folder)
+        if not intact:
+            write_suite(folder, dtype=dtype, overwrite=folder.exists())
+        cases = load_suite(
+            folder,
+            min_seq=config.getoption("gdn_min_seq"),
+            regime=config.getoption("gdn_regime"),
+            crossing=config.getoption("gdn_crossing"),
+        )
+    return _judged_in(config, cases)
 
 
 def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
@@ -150,7 +225,7 @@ def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
         raise ValueError(why)
     regime = config.getoption("gdn_regime")
     regimes = REGIMES if regime is None else (regime,)
-    dtype = config.getoption("gdn_dtype")
+    dtype = _setting(config, "gdn_dtype") or "float32"
     seed = config.getoption("gdn_seed")
     return [make_case(layout, dtype=dtype, regime=r, seed=seed) for r in regimes]
 
@@ -158,15 +233,20 @@ def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "gdn_case" not in metafunc.fixturenames:
         return
-    cases = metafunc.config.stash.get(_CASES, None)
+    config = metafunc.config
+    cases = config.stash.get(_CASES, None)
+    if cases is None and not _setting(config, "gdn_skip"):
+        # Made here, when a test first asks: pytest-xdist's controller collects nothing.
+        cases = config.stash[_CASES] = _cached_cases(config)
     if cases is not None:
         metafunc.parametrize("gdn_case", cases, ids=[c.name for c in cases], indirect=True)
 
 
 @pytest.fixture
 def gdn_case(request: pytest.FixtureRequest) -> Any:
-    """One case of the suite given by ``--gdn-suite`` (or of ``--gdn-layout``): a
-    :class:`gdn_layout.suites.Case` with ``inputs``, ``expected``, ``layout`` and ``check``."""
+    """One case of the suite given by ``--gdn-suite`` (or of ``--gdn-layout``, or of the
+    standard suite in pytest's cache): a :class:`gdn_layout.suites.Case` with ``inputs``,
+    ``expected``, ``layout`` and ``check``."""
     if not hasattr(request, "param"):
-        pytest.skip("gdn_case needs --gdn-suite DIR or --gdn-layout B,S,H,N")
+        pytest.skip("gdn_case is skipped without --gdn-suite DIR or --gdn-layout (--gdn-skip)")
     return request.param
