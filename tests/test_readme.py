@@ -86,3 +86,38 @@ def test_console_sessions(path: Path, tmp_path: Path) -> None:
             assert "compare passed" in stdout
         else:
             assert stdout == shown, command
+
+
+SWAPPED_HEADS = """
+import numpy as np
+from gdn_layout import unpack
+from gdn_layout.reference import backward
+
+def test_my_kernel(gdn_case):
+    out = backward(*gdn_case.inputs, dtype=np.float32, method="recurrent")
+    dv = unpack(out, gdn_case.layout).dv
+    dv[:, :, [0, 1]] = dv[:, :, [1, 0]]  # heads 0 and 1 swapped
+    gdn_case.check(out)
+"""
+
+
+@pytest.mark.slow
+def test_the_failure_the_readme_shows_is_pytest_s(pytester: pytest.Pytester) -> None:
+    text = README.read_text()
+    part = text[text.index("**What a failure looks like.**") :]
+    command = re.search(r"`pytest (--gdn-layout [^`]*) test_my_kernel\.py`", part)
+    shown = re.search(r"```text\n(.*?)```", part, re.DOTALL)
+    assert command is not None
+    assert shown is not None
+    pytester.makepyfile(test_my_kernel=SWAPPED_HEADS)
+    result = pytester.runpytest("-p", "no:cacheprovider", *command.group(1).split())
+    result.assert_outcomes(failed=1)
+    printed = [line.rstrip() for line in result.outlines if line.startswith("E ")]
+    expected = shown.group(1).splitlines()
+    assert len(printed) == len(expected)
+    for got, want in zip(printed, expected, strict=True):
+        if want.endswith(" ok"):  # float32 figures of a passing row: by machine
+            got_fields, want_fields = re.split(r"\s{2,}", got), re.split(r"\s{2,}", want)
+            assert got_fields[:3] + got_fields[-1:] == want_fields[:3] + want_fields[-1:]
+        else:
+            assert got == want
