@@ -104,6 +104,70 @@ def test_npy_and_raw_files(case: Path, tmp_path: Path) -> None:
         assert "compare FAILED (dk)" in result.stdout
 
 
+def _gradients(case: Path) -> dict[str, np.ndarray]:
+    grads = unpack(_kernel(case), LAYOUT)
+    return {n: np.array(getattr(grads, n)) for n in LAYOUT.names}
+
+
+def test_npz_files(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = _kernel(case)
+    np.savez(tmp_path / "one.npz", kernel)
+    np.savez_compressed(tmp_path / "packed.npz", packed=kernel, other=np.zeros(3))
+    np.savez(tmp_path / "grads.npz", **_gradients(case))  # type: ignore[arg-type]
+    for name in ("one.npz", "packed.npz", "grads.npz"):
+        source = open_packed(str(tmp_path / name))
+        assert source.kind == ".npz"
+        assert np.array_equal(source.packed, kernel)
+        result = run("compare", name, case, cwd=tmp_path)
+        assert result.returncode == 1, result.stderr
+        assert "compare FAILED (dk)" in result.stdout
+    # Gradients by name give the layout themselves.
+    assert open_packed(str(tmp_path / "grads.npz")).layout == LAYOUT
+    named = run("inspect", "grads.npz", cwd=tmp_path)
+    assert named.returncode == 0, named.stderr
+    np.savez(tmp_path / "bad.npz", a=kernel, b=kernel)
+    assert_user_error(
+        run("compare", "bad.npz", case, cwd=tmp_path),
+        "bad.npz: holds a, b; expected one array, one named 'packed', or the gradients dq, dk, "
+        "dv, dg, dbeta (and dstate)",
+    )
+    grads = _gradients(case)
+    grads["dq"] = grads["dq"][:, :2]
+    np.savez(tmp_path / "short.npz", **grads)  # type: ignore[arg-type]
+    assert_user_error(run("compare", "short.npz", case, cwd=tmp_path), "its gradients do not pack")
+    # A member that says it holds more than the memory left is refused before it is read.
+    monkeypatch.setattr("gdn_layout.files._outputs.available_memory", lambda: (64, "a test"))
+    assert_user_error(
+        run("compare", "packed.npz", case, cwd=tmp_path),
+        "packed.npz: its member 'packed.npy' says it holds",
+    )
+    (tmp_path / "broken.npz").write_bytes(b"PK\x03\x04 not a zip")
+    assert_user_error(run("compare", "broken.npz", case, cwd=tmp_path), "not a .npz or torch.save")
+
+
+@pytest.mark.slow  # imports torch: about a second, once per process
+def test_torch_save_files(case: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    kernel = _kernel(case)
+    tensor = torch.from_numpy(kernel.copy()).requires_grad_(True) * 1  # as a backward gives it
+    torch.save(tensor, tmp_path / "one.pt")
+    torch.save({n: torch.from_numpy(a) for n, a in _gradients(case).items()}, tmp_path / "g.pt")
+    torch.save(tensor.detach().to(torch.bfloat16), tmp_path / "half.pt")
+    for name in ("one.pt", "g.pt"):
+        source = open_packed(str(tmp_path / name))
+        assert source.kind == ".pt"
+        assert np.array_equal(source.packed, kernel)
+        result = run("compare", name, case, cwd=tmp_path)
+        assert result.returncode == 1, result.stderr
+        assert "compare FAILED (dk)" in result.stdout
+    assert open_packed(str(tmp_path / "half.pt")).packed.dtype == ml_dtypes.bfloat16
+    torch.save({"packed": [1, 2]}, tmp_path / "list.pt")
+    assert_user_error(
+        run("compare", "list.pt", case, cwd=tmp_path),
+        "list.pt: holds list under 'packed'; expected a tensor or a dict of tensors",
+    )
+
+
 def test_any_array_in_python(case: Path) -> None:
     fx = load_fixture(case)
     kernel = _kernel(case)

@@ -608,7 +608,7 @@ def _resolve_layout(sources: list[PackedFile], args: argparse.Namespace) -> GdnB
 def _open(path: str, dtype: str | None) -> PackedFile:
     try:
         return open_packed(path, dtype)
-    except ValueError as error:  # the file is not a packed buffer: the user's to fix
+    except (ValueError, ImportError) as error:  # not a packed buffer, or torch missing: the user's
         raise UsageError(str(error)) from None
 
 

@@ -12,6 +12,7 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from .._dtypes import resolve
+from .._limits import available_memory, human_bytes
 from ..check._criterion import Floors
 from ..layout import GdnBackwardLayout
 from . import _mapping
@@ -24,13 +25,19 @@ from ._safetensors import FixtureError, looks_like_safetensors
 __all__ = ["FILE_KINDS", "PackedFile", "open_packed"]
 
 #: The kinds of file :func:`open_packed` reads, as help texts name them.
-FILE_KINDS: Final = "a fixture, a plain safetensors file, a .npy or a raw file"
+FILE_KINDS: Final = (
+    "a fixture, a plain safetensors file, a .npy, a .npz, a torch.save file (.pt) or a raw file"
+)
+#: The names a file of several arrays may give the packed gradient: ``packed``, or each
+#: gradient by its name (``dstate`` when the state is carried).
+_GRADIENTS: Final = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
 
 
 class PackedFile(NamedTuple):
     """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
-    plain safetensors file), ``".npy"`` or ``"raw"``; ``layout`` and ``floors`` are a
-    fixture's (``fixture`` the fixture itself), else None.
+    plain safetensors file), ``".npy"``, ``".npz"``, ``".pt"`` or ``"raw"``; ``layout`` is a
+    fixture's, or that of gradients given by name; ``floors`` a fixture's (``fixture`` the
+    fixture itself), else None.
 
     See Also
     --------
@@ -74,7 +81,12 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
         The file. What it holds is known from its first bytes; a damaged fixture or .npy
         file by its suffix. A safetensors file that is not a fixture (what a Rust test writes
         with the ``safetensors`` crate) gives its tensor named ``packed``, or its only tensor,
-        flattened; the layout then comes from elsewhere.
+        flattened; the layout then comes from elsewhere. A ``.npz`` (``numpy.savez``) and a
+        ``torch.save`` file (read by torch with ``weights_only=True``, so no code runs) give
+        their only array or tensor, the one named ``packed``, or the gradients named ``dq``,
+        ``dk``, ``dv``, ``dg``, ``dbeta`` (and ``dstate``), packed, which also give the
+        layout. A member that says it is larger than the memory available is refused before
+        it is read.
     dtype
         The dtype of a raw binary file; fixtures and .npy files carry their own.
 
@@ -108,6 +120,8 @@ def _read_packed(
     path: str, file: Path, head: bytes, size: int, dtype: DTypeLike | None
 ) -> PackedFile:
     kind = _sniff(file, head, size)
+    if kind == "zip":
+        return _zipped(path, file)
     if kind == "fixture":
         if not _is_fixture(file):
             packed, stamp = _plain_safetensors(file)
@@ -202,8 +216,91 @@ def _sniff(path: Path, head: bytes, size: int) -> str:
     name = path.name.lower()
     if head.startswith(b"\x93NUMPY"):
         return ".npy"
+    if head.startswith(b"PK\x03\x04") or name.endswith((".npz", ".pt", ".pth")):
+        return "zip"  # numpy.savez and torch.save both write zip archives
     if looks_like_safetensors(head, size):  # whatever its name says
         return "fixture"
     if name.endswith(".npy"):
         return ".npy"
     return "fixture" if name.endswith(".safetensors") else "raw"
+
+
+def _zipped(path: str, file: Path) -> PackedFile:
+    """The packed gradient of a ``.npz`` or a ``torch.save`` file (both zip archives)."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(file) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, OSError) as error:
+        raise ValueError(f"{path}: not a .npz or torch.save file: {error}") from None
+    room = available_memory()
+    for member in members:  # a declared size is checked before anything is inflated
+        if room is not None and member.file_size > room[0]:
+            raise ValueError(
+                f"{path}: its member {member.filename!r} says it holds "
+                f"{human_bytes(member.file_size)}, more than the {human_bytes(room[0])} "
+                f"available ({room[1]})"
+            )
+    if any(m.filename.endswith("/data.pkl") or m.filename == "data.pkl" for m in members):
+        return _arrays(path, ".pt", _torch_arrays(path, file))
+    with np.load(file, allow_pickle=False) as archive:
+        try:
+            arrays = {name: np.asarray(archive[name]) for name in archive.files}
+        except (ValueError, OSError, EOFError) as error:
+            raise ValueError(f"{path}: cannot be read as a .npz: {error}") from None
+    return _arrays(path, ".npz", arrays)
+
+
+def _torch_arrays(path: str, file: Path) -> dict[str, NDArray[Any]]:
+    """The tensors of a ``torch.save`` file, loaded with ``weights_only=True``, as arrays."""
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            f"{path}: a torch.save file needs PyTorch to read: pip install torch"
+        ) from None
+    from .._arrays import as_packed
+
+    try:
+        loaded = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch's own errors: not a file it reads with weights only
+        raise ValueError(
+            f"{path}: cannot be read by torch.load(weights_only=True): {error}"
+        ) from None
+    items = loaded.items() if isinstance(loaded, dict) else [("", loaded)]
+    arrays = {}
+    for name, value in items:
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(
+                f"{path}: holds {type(value).__name__} under {name!r}; expected a tensor or a "
+                "dict of tensors"
+            )
+        arrays[str(name)] = np.asarray(as_packed(value.detach(), f"{path}[{name!r}]", "compare"))
+    return arrays
+
+
+def _arrays(path: str, kind: str, arrays: dict[str, NDArray[Any]]) -> PackedFile:
+    """The packed gradient among named ``arrays``: the only one, ``packed``, or the gradients
+    by name (then packed, and their layout given)."""
+    from ..packing import pack
+
+    if "packed" in arrays or len(arrays) == 1:
+        packed = arrays.get("packed", next(iter(arrays.values())))
+        return PackedFile(path, kind, packed.reshape(-1), None)
+    names = [n for n in _GRADIENTS if n in arrays]
+    if set(names) < set(_GRADIENTS[:5]) or set(arrays) - set(_GRADIENTS):
+        raise ValueError(
+            f"{path}: holds {', '.join(sorted(arrays)) or 'nothing'}; expected one array, one "
+            "named 'packed', or the gradients dq, dk, dv, dg, dbeta (and dstate)"
+        )
+    grads = [arrays[n] for n in _GRADIENTS[:5]]
+    dstate = arrays.get("dstate")
+    try:
+        layout = GdnBackwardLayout.from_grads(
+            grads[0], grads[1], grads[2], grads[3], grads[4], dstate
+        )
+        packed = pack(grads[0], grads[1], grads[2], grads[3], grads[4], dstate, layout=layout)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{path}: its gradients do not pack: {error}") from None
+    return PackedFile(path, kind, packed, layout)
