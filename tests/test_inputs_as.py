@@ -68,7 +68,9 @@ def test_inputs_as_torch_takes_a_dtype_and_requires_grad() -> None:
 
 def test_inputs_as_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case(LAYOUT, seed=3)
-    with pytest.raises(ValueError, match=r"framework must be one of \('torch', 'jax'\), got 'tf'"):
+    with pytest.raises(
+        ValueError, match=r"framework must be one of \('torch', 'jax', 'numpy'\), got 'tf'"
+    ):
         case.inputs_as("tf")
     with pytest.raises(ValueError, match="requires_grad is torch's"):
         case.inputs_as("jax", requires_grad=True)
@@ -148,3 +150,14 @@ def test_the_readme_torch_kernel_test_runs_as_written(
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", layout)
     result.assert_outcomes(failed=len(REGIMES))
     result.stdout.fnmatch_lines(["*gradient(s) dbeta differ*"])
+
+
+def test_numpy_inputs_are_writable_copies() -> None:
+    case = make_case(GdnBackwardLayout(1, 4, 2, 4, carry_state=True), regime="mild")
+    x = case.inputs_as("numpy")
+    assert all(a.flags.writeable and a.flags.c_contiguous for a in x)
+    assert not any(np.shares_memory(a, b) for a, b in zip(x, case.inputs, strict=True))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(x, case.inputs, strict=True))
+    assert case.inputs_as("numpy", dtype="float64").q.dtype == np.float64
+    with pytest.raises(ValueError, match="requires_grad is torch's; NumPy arrays have no"):
+        case.inputs_as("numpy", requires_grad=True)

@@ -8,7 +8,7 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from ._dtypes import bfloat16
+from ._dtypes import bfloat16, resolve
 
 __all__ = ["FRAMEWORKS", "as_framework", "as_packed"]
 
@@ -38,7 +38,7 @@ def as_packed(buffer: object, which: str = "actual", func: str = "compare") -> N
 
 
 #: The libraries :func:`as_framework` makes tensors of.
-FRAMEWORKS: Final = ("torch", "jax")
+FRAMEWORKS: Final = ("torch", "jax", "numpy")
 
 
 def as_framework(
@@ -49,8 +49,9 @@ def as_framework(
     requires_grad: bool = False,
     func: str = "inputs_as",
 ) -> Any:
-    """``array`` as a new tensor of ``framework`` (``"torch"`` or ``"jax"``), in ``dtype``
-    (the framework's dtype or its name, e.g. ``"bfloat16"``; default: the array's own).
+    """``array`` as a new tensor of ``framework`` (``"torch"``, ``"jax"`` or ``"numpy"``), in
+    ``dtype`` (the framework's dtype or its name, e.g. ``"bfloat16"``; default: the array's
+    own).
 
     A copy: a fixture's arrays are read-only, and a kernel may write its inputs. bfloat16
     arrays (ml_dtypes') become torch bfloat16 tensors through their bits. ``requires_grad``
@@ -58,6 +59,11 @@ def as_framework(
     """
     if framework not in FRAMEWORKS:
         raise ValueError(f"{func}: framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if framework == "numpy":
+        if requires_grad:
+            raise ValueError(f"{func}: requires_grad is torch's; NumPy arrays have no gradient")
+        copy = np.array(array)  # writable, C-ordered
+        return copy if dtype is None else copy.astype(resolve(dtype, f"{func}: dtype"))
     if framework == "jax":
         if requires_grad:
             raise ValueError(f"{func}: requires_grad is torch's; JAX differentiates functions")

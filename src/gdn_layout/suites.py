@@ -111,17 +111,19 @@ class Case:
     def inputs_as(
         self, framework: str, *, dtype: object = None, requires_grad: bool = False
     ) -> Any:
-        """:attr:`inputs` as new tensors of ``framework``, ``"torch"`` or ``"jax"``, in the
-        framework's ``dtype`` (or its name; default: the fixture's own, bfloat16 included): a
-        :class:`~gdn_layout.files.GdnInputs` of tensors (``state`` None when not carried).
+        """:attr:`inputs` as new tensors of ``framework``, ``"torch"``, ``"jax"`` or
+        ``"numpy"``, in the framework's ``dtype`` (or its name; default: the fixture's own,
+        bfloat16 included): a :class:`~gdn_layout.files.GdnInputs` of tensors (``state`` None
+        when not carried).
 
-        Each is a copy, since a fixture's arrays are read-only; ``requires_grad`` is torch's.
+        Each is a writable copy, since a fixture's arrays (:attr:`inputs`, :attr:`rlx_inputs`)
+        are read-only views; ``requires_grad`` is torch's.
 
         Raises
         ------
         ValueError
             ``framework`` is unknown, ``dtype`` names no dtype of it, or ``requires_grad``
-            is asked of JAX.
+            is asked of JAX or NumPy.
         ImportError
             ``framework`` is not installed.
         """
