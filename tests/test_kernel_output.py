@@ -141,6 +141,22 @@ def test_npz_files(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         run("compare", "packed.npz", case, cwd=tmp_path),
         "packed.npz: its member 'packed.npy' says it holds",
     )
+    monkeypatch.undo()
+    grads = _gradients(case)
+    del grads["dq"]
+    np.savez(tmp_path / "no_dq.npz", **grads)  # type: ignore[arg-type]
+    assert_user_error(run("compare", "no_dq.npz", case, cwd=tmp_path), "no_dq.npz: holds dbeta, dg")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "text.npz", "w") as archive:
+        archive.writestr("readme.txt", "hello")
+    assert_user_error(
+        run("compare", "text.npz", case, cwd=tmp_path),
+        "a zip archive that is neither a .npz (members all .npy) nor a torch.save file; it "
+        "holds readme.txt",
+    )
+    save_file({"packed": kernel}, str(tmp_path / "named.pt"))  # its content, not its name
+    assert open_packed(str(tmp_path / "named.pt")).kind == "safetensors"
     (tmp_path / "broken.npz").write_bytes(b"PK\x03\x04 not a zip")
     assert_user_error(run("compare", "broken.npz", case, cwd=tmp_path), "not a .npz or torch.save")
 
@@ -161,10 +177,15 @@ def test_torch_save_files(case: Path, tmp_path: Path) -> None:
         assert result.returncode == 1, result.stderr
         assert "compare FAILED (dk)" in result.stdout
     assert open_packed(str(tmp_path / "half.pt")).packed.dtype == ml_dtypes.bfloat16
+    torch.save(tensor.detach().to_sparse(), tmp_path / "sparse.pt")
+    assert_user_error(
+        run("compare", "sparse.pt", case, cwd=tmp_path),
+        "sparse.pt: holds torch.sparse_coo under ''; expected a dense tensor",
+    )
     torch.save({"packed": [1, 2]}, tmp_path / "list.pt")
     assert_user_error(
         run("compare", "list.pt", case, cwd=tmp_path),
-        "list.pt: holds list under 'packed'; expected a tensor or a dict of tensors",
+        "list.pt: holds list under 'packed'; expected a dense tensor or a dict of dense",
     )
 
 

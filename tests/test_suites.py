@@ -210,7 +210,11 @@ def test_plugin_skips_without_a_suite_only_when_asked(pytester: pytest.Pytester)
     pytester.makeini("[pytest]\n")
     failed = pytester.runpytest("-p", "no:cacheprovider")
     assert failed.ret != pytest.ExitCode.OK
-    failed.stdout.fnmatch_lines(["*gdn_case needs --gdn-suite DIR, --gdn-layout B,S,H,N or*"])
+    failed.stdout.fnmatch_lines(
+        ["*gdn-layout: gdn_case makes the standard suite in pytest's cache, which is off*"]
+    )
+    # --gdn-dtype names the suite's dtype, or is a usage error.
+    pytester.makeini("[pytest]\n")
 
 
 CORRECT_KERNEL = """
@@ -244,6 +248,9 @@ def test_plugin_makes_the_standard_suite_once_in_pytest_s_cache(
     victim.write_bytes(victim.read_bytes()[:-8] + bytes(8))  # damaged: made again
     pytester.runpytest(*selected).assert_outcomes(passed=len(cases))
     assert victim.stat().st_mtime_ns != stamps[victim]
+    manifest = folder / "manifest.json"
+    manifest.write_text(manifest.read_text()[:100])  # cut short: made again too
+    pytester.runpytest(*selected).assert_outcomes(passed=len(cases))
 
 
 @pytest.mark.slow
@@ -263,7 +270,11 @@ def test_plugin_reads_its_settings_from_the_configuration(
     pytester.makeini("[pytest]\ngdn_suite = nowhere\n")
     missing = pytester.runpytest(*args)
     assert missing.ret == pytest.ExitCode.USAGE_ERROR
-    missing.stderr.fnmatch_lines(["*gdn-layout: gdn_suite = *nowhere (*tox.ini*"])
+    missing.stderr.fnmatch_lines(["*gdn-layout: gdn_suite = nowhere (*tox.ini): *nowhere*"])
+    other = pytester.runpytest("-p", "no:cacheprovider", "--gdn-suite", str(root), "--gdn-dtype",
+                               "bf16")  # fmt: skip
+    assert other.ret == pytest.ExitCode.USAGE_ERROR
+    other.stderr.fnmatch_lines([f"*--gdn-dtype bfloat16: the suite {root} holds float32*"])
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -77,13 +78,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--gdn-min-seq",
         type=count_arg,
         metavar="S",
-        help="with --gdn-suite: only the cases of at least S steps",
+        help="only the suite's cases of at least S steps",
     )
     group.addoption(
         "--gdn-crossing",
         type=positive_arg,
         metavar="C",
-        help="with --gdn-suite: only the cases that cross a boundary of a C-step chunk",
+        help="only the suite's cases that cross a boundary of a C-step chunk",
     )
     group.addoption(
         "--gdn-dtype",
@@ -106,7 +107,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="skip the tests that take gdn_case when no suite or layout is given, instead of "
         "running them over the standard suite made in pytest's cache",
     )
-    parser.addini("gdn_suite", "as --gdn-suite, relative to this file", type="paths")
+    parser.addini("gdn_suite", "as --gdn-suite, relative to this file")
     parser.addini("gdn_dtype", "as --gdn-dtype, and the cached suite's dtype", default="float32")
     parser.addini("gdn_precision", "as --gdn-precision")
     parser.addini("gdn_skip", "as --gdn-skip", type="bool", default=False)
@@ -115,8 +116,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     suite = config.getoption("gdn_suite", None)
     from_ini = None
-    if suite is None and (paths := config.getini("gdn_suite")):
-        suite, from_ini = str(paths[0]), f"gdn_suite = {paths[0]} ({config.inipath})"
+    if suite is None and (setting := str(config.getini("gdn_suite")).strip()):
+        base = config.inipath.parent if config.inipath is not None else config.rootpath
+        suite = str(base / setting)
+        from_ini = f"gdn_suite = {setting}" + (
+            f" ({config.inipath})" if config.inipath is not None else ""
+        )
     spec = config.getoption("gdn_layout", None)
     if suite is None and spec is None:
         return
@@ -134,6 +139,12 @@ def pytest_configure(config: pytest.Config) -> None:
                 regime=config.getoption("gdn_regime"),
                 crossing=config.getoption("gdn_crossing"),
             )
+            asked = config.getoption("gdn_dtype")
+            dtypes = {c.fixture.dtype.name for c in cases}
+            if asked is not None and dtypes - {asked}:
+                raise ValueError(
+                    f"--gdn-dtype {asked}: the suite {suite} holds {', '.join(sorted(dtypes))}"
+                )
         else:
             cases = _layout_cases(config, spec)
     except (FixtureError, ValueError, TypeError, ImportError) as err:
@@ -169,30 +180,47 @@ def _judged_in(config: pytest.Config, cases: list[Case]) -> list[Case]:
 
 def _cached_cases(config: pytest.Config) -> list[Case]:
     """The standard suite in pytest's cache folder: written once per gdn-layout version and
-    dtype (by the first process that needs it, under a lock), verified on reuse."""
+    dtype (by the first process that needs it, under a lock), verified on reuse, and written
+    again, whole, when it is not intact (the folder is the plugin's own)."""
+    instead = "give --gdn-suite DIR or --gdn-layout B,S,H,N, or --gdn-skip to skip such tests"
     cache = getattr(config, "cache", None)
     if cache is None:
-        raise pytest.UsageError(
-            "gdn-layout: gdn_case needs --gdn-suite DIR, --gdn-layout B,S,H,N or pytest's "
-            "cache (-p no:cacheprovider is set) to make the standard suite in"
+        pytest.fail(
+            "gdn-layout: gdn_case makes the standard suite in pytest's cache, which is off "
+            f"(-p no:cacheprovider): {instead}",
+            pytrace=False,
         )
     from ._version import __version__
+    from .files._fixture import FixtureError
     from .generate import write_suite
     from .suites import load_suite, verify_suite
 
-    dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
-    root = Path(cache.mkdir("gdn-layout"))
-    folder = root / f"suite-{__version__}-{dtype}"
-    with open(root / f"{folder.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read it
-        intact = (folder / "manifest.json").exists() and not verify_suite(folder)
-        if not intact:
-            write_suite(folder, dtype=dtype, overwrite=folder.exists())
-        cases = load_suite(
-            folder,
-            min_seq=config.getoption("gdn_min_seq"),
-            regime=config.getoption("gdn_regime"),
-            crossing=config.getoption("gdn_crossing"),
+    try:
+        dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
+    except argparse.ArgumentTypeError as err:
+        raise pytest.UsageError(f"gdn-layout: gdn_dtype: {err}") from None
+    try:
+        root = Path(cache.mkdir("gdn-layout"))
+        folder = root / f"suite-{__version__}-{dtype}"
+        with open(root / f"{folder.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read it
+            try:
+                intact = (folder / "manifest.json").exists() and not verify_suite(folder)
+            except FixtureError:  # a manifest cut short, say
+                intact = False
+            if not intact:
+                shutil.rmtree(folder, ignore_errors=True)
+                write_suite(folder, dtype=dtype)
+            cases = load_suite(
+                folder,
+                min_seq=config.getoption("gdn_min_seq"),
+                regime=config.getoption("gdn_regime"),
+                crossing=config.getoption("gdn_crossing"),
+            )
+    except OSError as err:  # a read-only project, a full disk
+        pytest.fail(
+            f"gdn-layout: cannot make the standard suite in pytest's cache: {err}; {instead}",
+            pytrace=False,
         )
     return _judged_in(config, cases)
 
@@ -225,7 +253,10 @@ def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
         raise ValueError(why)
     regime = config.getoption("gdn_regime")
     regimes = REGIMES if regime is None else (regime,)
-    dtype = _setting(config, "gdn_dtype") or "float32"
+    try:
+        dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"gdn_dtype: {err}") from None
     seed = config.getoption("gdn_seed")
     return [make_case(layout, dtype=dtype, regime=r, seed=seed) for r in regimes]
 

@@ -216,10 +216,10 @@ def _sniff(path: Path, head: bytes, size: int) -> str:
     name = path.name.lower()
     if head.startswith(b"\x93NUMPY"):
         return ".npy"
-    if head.startswith(b"PK\x03\x04") or name.endswith((".npz", ".pt", ".pth")):
-        return "zip"  # numpy.savez and torch.save both write zip archives
     if looks_like_safetensors(head, size):  # whatever its name says
         return "fixture"
+    if head.startswith(b"PK\x03\x04") or name.endswith((".npz", ".pt", ".pth")):
+        return "zip"  # numpy.savez and torch.save (since PyTorch 1.6) write zip archives
     if name.endswith(".npy"):
         return ".npy"
     return "fixture" if name.endswith(".safetensors") else "raw"
@@ -233,7 +233,10 @@ def _zipped(path: str, file: Path) -> PackedFile:
         with zipfile.ZipFile(file) as archive:
             members = archive.infolist()
     except (zipfile.BadZipFile, OSError) as error:
-        raise ValueError(f"{path}: not a .npz or torch.save file: {error}") from None
+        raise ValueError(
+            f"{path}: not a .npz or torch.save file ({error}; torch.save's format before "
+            "PyTorch 1.6 is not read: save with torch 1.6 or later)"
+        ) from None
     room = available_memory()
     for member in members:  # a declared size is checked before anything is inflated
         if room is not None and member.file_size > room[0]:
@@ -244,10 +247,16 @@ def _zipped(path: str, file: Path) -> PackedFile:
             )
     if any(m.filename.endswith("/data.pkl") or m.filename == "data.pkl" for m in members):
         return _arrays(path, ".pt", _torch_arrays(path, file))
+    others = [m.filename for m in members if not m.filename.endswith(".npy")]
+    if others or not members:
+        raise ValueError(
+            f"{path}: a zip archive that is neither a .npz (members all .npy) nor a torch.save "
+            f"file; it holds {', '.join(others[:3]) or 'nothing'}"
+        )
     with np.load(file, allow_pickle=False) as archive:
         try:
             arrays = {name: np.asarray(archive[name]) for name in archive.files}
-        except (ValueError, OSError, EOFError) as error:
+        except (ValueError, OSError, EOFError, zipfile.BadZipFile) as error:
             raise ValueError(f"{path}: cannot be read as a .npz: {error}") from None
     return _arrays(path, ".npz", arrays)
 
@@ -271,10 +280,11 @@ def _torch_arrays(path: str, file: Path) -> dict[str, NDArray[Any]]:
     items = loaded.items() if isinstance(loaded, dict) else [("", loaded)]
     arrays = {}
     for name, value in items:
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+            what = type(value).__name__ if not isinstance(value, torch.Tensor) else value.layout
             raise ValueError(
-                f"{path}: holds {type(value).__name__} under {name!r}; expected a tensor or a "
-                "dict of tensors"
+                f"{path}: holds {what} under {name!r}; expected a dense tensor or a dict of "
+                "dense tensors"
             )
         arrays[str(name)] = np.asarray(as_packed(value.detach(), f"{path}[{name!r}]", "compare"))
     return arrays
@@ -288,8 +298,7 @@ def _arrays(path: str, kind: str, arrays: dict[str, NDArray[Any]]) -> PackedFile
     if "packed" in arrays or len(arrays) == 1:
         packed = arrays.get("packed", next(iter(arrays.values())))
         return PackedFile(path, kind, packed.reshape(-1), None)
-    names = [n for n in _GRADIENTS if n in arrays]
-    if set(names) < set(_GRADIENTS[:5]) or set(arrays) - set(_GRADIENTS):
+    if not set(_GRADIENTS[:5]) <= set(arrays) or set(arrays) - set(_GRADIENTS):
         raise ValueError(
             f"{path}: holds {', '.join(sorted(arrays)) or 'nothing'}; expected one array, one "
             "named 'packed', or the gradients dq, dk, dv, dg, dbeta (and dstate)"
