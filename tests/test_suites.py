@@ -280,7 +280,7 @@ def test_plugin_reads_its_settings_from_the_configuration(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--gdn-suite", "nowhere"], "*gdn-layout: nowhere: not a suite*"),
+        (["--gdn-suite", "nowhere"], "*gdn-layout: --gdn-suite: nowhere: not a suite*"),
         (["--gdn-layout", "1,2,3"], "*--gdn-layout expects B,S,H,N*"),
         (["--gdn-layout", "1,2,x,4"], "*four integers*"),
         (["--gdn-layout", "1,2,1,2", "--gdn-suite", "x"], "*give one of them*"),

@@ -148,7 +148,8 @@ def pytest_configure(config: pytest.Config) -> None:
         else:
             cases = _layout_cases(config, spec)
     except (FixtureError, ValueError, TypeError, ImportError) as err:
-        where = "" if from_ini is None else f"{from_ini}: "
+        setting = "--gdn-suite" if from_ini is None else from_ini
+        where = "" if suite is None else f"{setting}: "
         raise pytest.UsageError(f"gdn-layout: {where}{err}") from None
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
