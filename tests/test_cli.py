@@ -322,7 +322,9 @@ def test_compare_plot_problems_are_found_before_the_work(
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
         result = run("compare", fixture_path, fixture_path, "--plot", tmp_path / "e.png")
-    assert_user_error(result, "pip install gdn-layout[plot]")
+    assert_user_error(
+        result, "pip install 'gdn-layout[plot]' (from a clone: pip install '.[plot]')"
+    )
     assert result.stdout == ""
     for bad, message in ((tmp_path / "e.foo", "by its suffix"), (tmp_path, "by its suffix")):
         result = run("compare", fixture_path, fixture_path, "--plot", bad)
@@ -468,7 +470,9 @@ def test_bfloat16_without_its_extra_names_the_extra(
 ) -> None:
     monkeypatch.setitem(sys.modules, "ml_dtypes", None)  # makes `import ml_dtypes` fail
     result = run("fixture", "--dtype", "bf16", "-o", tmp_path / "x.safetensors")
-    assert_user_error(result, "pip install 'gdn-layout[bfloat16]'")
+    assert_user_error(
+        result, "pip install 'gdn-layout[bfloat16]' (from a clone: pip install '.[bfloat16]')"
+    )
     assert run("describe", "--dtype", "bfloat16").returncode == 0  # byte counts need no extra
 
 

@@ -540,6 +540,9 @@ def test_plot_errors_argument_errors() -> None:
     assert _panels(plot_errors(result, batch=np.int64(1), chunk=np.int32(2)))
 
 
+EXTRA = re.escape("pip install 'gdn-layout[plot]' (from a clone: pip install '.[plot]')")
+
+
 def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     # A None entry in sys.modules makes the import raise ImportError, as if not installed.
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
@@ -547,17 +550,17 @@ def test_missing_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.delitem(sys.modules, "gdn_layout._picture", raising=False)
     layout = GdnBackwardLayout(1, 2, 1, 2)
-    with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
+    with pytest.raises(ImportError, match=EXTRA):
         plot_layout(layout)
-    with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
+    with pytest.raises(ImportError, match=EXTRA):
         layout.plot()
     flat = np.zeros(layout.total_elems)
-    with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]") as info:
+    with pytest.raises(ImportError, match=EXTRA) as info:
         compare(flat, flat, layout).plot()
     assert isinstance(info.value.__cause__, ImportError)
     import gdn_layout.plot as plot
 
-    with pytest.raises(ImportError, match=r"pip install gdn-layout\[plot\]"):
+    with pytest.raises(ImportError, match=EXTRA):
         _ = plot.Picture
 
 

@@ -27,7 +27,7 @@ __all__ = [
 #: The most bytes a NumPy array can span: a shape beyond it is refused, even one with a 0 in it.
 MAX_NBYTES = int(np.iinfo(np.intp).max)
 
-PLOT_HINT = "pip install gdn-layout[plot]"
+PLOT_HINT = "pip install 'gdn-layout[plot]' (from a clone: pip install '.[plot]')"
 #: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
 USIZE_LIMIT = 1 << 64
 

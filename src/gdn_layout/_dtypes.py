@@ -20,7 +20,10 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
-BF16_HINT: Final = "bfloat16 needs ml_dtypes: pip install 'gdn-layout[bfloat16]'"
+BF16_HINT: Final = (
+    "bfloat16 needs ml_dtypes: pip install 'gdn-layout[bfloat16]' "
+    "(from a clone: pip install '.[bfloat16]')"
+)
 
 #: Every accepted spelling (lower case) of each floating dtype, by its NumPy name.
 SPELLINGS: Final = {
