@@ -109,18 +109,23 @@ def _gradients(case: Path) -> dict[str, np.ndarray]:
     return {n: np.array(getattr(grads, n)) for n in LAYOUT.names}
 
 
+def _read_and_judged(path: Path, kind: str, kernel: np.ndarray, case: Path) -> None:
+    """``path`` reads as ``kernel``, of ``kind``, and the command line fails it in dk."""
+    source = open_packed(str(path))
+    assert source.kind == kind
+    assert np.array_equal(source.packed, kernel)
+    result = run("compare", path.name, case, cwd=path.parent)
+    assert result.returncode == 1, result.stderr
+    assert "compare FAILED (dk)" in result.stdout
+
+
 def test_npz_files(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = _kernel(case)
     np.savez(tmp_path / "one.npz", kernel)
     np.savez_compressed(tmp_path / "packed.npz", packed=kernel, other=np.zeros(3))
     np.savez(tmp_path / "grads.npz", **_gradients(case))  # type: ignore[arg-type]
     for name in ("one.npz", "packed.npz", "grads.npz"):
-        source = open_packed(str(tmp_path / name))
-        assert source.kind == ".npz"
-        assert np.array_equal(source.packed, kernel)
-        result = run("compare", name, case, cwd=tmp_path)
-        assert result.returncode == 1, result.stderr
-        assert "compare FAILED (dk)" in result.stdout
+        _read_and_judged(tmp_path / name, ".npz", kernel, case)
     # Gradients by name give the layout themselves.
     assert open_packed(str(tmp_path / "grads.npz")).layout == LAYOUT
     named = run("inspect", "grads.npz", cwd=tmp_path)
@@ -170,12 +175,7 @@ def test_torch_save_files(case: Path, tmp_path: Path) -> None:
     torch.save({n: torch.from_numpy(a) for n, a in _gradients(case).items()}, tmp_path / "g.pt")
     torch.save(tensor.detach().to(torch.bfloat16), tmp_path / "half.pt")
     for name in ("one.pt", "g.pt"):
-        source = open_packed(str(tmp_path / name))
-        assert source.kind == ".pt"
-        assert np.array_equal(source.packed, kernel)
-        result = run("compare", name, case, cwd=tmp_path)
-        assert result.returncode == 1, result.stderr
-        assert "compare FAILED (dk)" in result.stdout
+        _read_and_judged(tmp_path / name, ".pt", kernel, case)
     assert open_packed(str(tmp_path / "half.pt")).packed.dtype == ml_dtypes.bfloat16
     torch.save(tensor.detach().to_sparse(), tmp_path / "sparse.pt")
     assert_user_error(

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, Final, Literal, NamedTuple, SupportsIndex
+from typing import IO, Any, Final, NamedTuple, SupportsIndex
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -244,7 +244,7 @@ def _fixture_of(
     state = None if x.state is None else x.state.astype(np.float64)
     q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
     wide = GdnInputs(q, k, v, g, beta, dy, state)
-    truth = reference_outputs(wide, states, "chunked", workers)
+    truth = reference_outputs(wide, states, workers)
     packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
     if calibrate:
@@ -368,24 +368,16 @@ def _named(
 
 
 def reference_outputs(
-    x: GdnInputs,
-    states: int | None,
-    method: Literal["chunked", "recurrent"],
-    workers: int = 1,
+    x: GdnInputs, states: int | None, workers: int = 1
 ) -> dict[str, NDArray[Any]]:
-    """``y``, and the states a fixture keeps (``final_state`` when the state is carried or
-    ``states`` given, ``h`` and ``dh`` with ``states``), by ``method``: the float64 truth
-    (``"chunked"``, of float64 inputs) or the float32 step-by-step form (``"recurrent"``)."""
-    if method == "recurrent" and states is not None:  # h and dh come from a backward anyway
-        return step_by_step(*x, chunk=states, workers=workers)[1]
-    dtype = np.float64 if method == "chunked" else np.float32
-    result = reference.forward(*x[:5], state=x.state, dtype=dtype, method=method, workers=workers)
+    """The float64 truth of float64 inputs ``x``: ``y``, and the states a fixture keeps
+    (``final_state`` when the state is carried or ``states`` given, ``h`` and ``dh`` with
+    ``states``)."""
+    result = reference.forward(*x[:5], state=x.state, workers=workers)
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}
     if states is not None:
-        h, dh, final = reference.chunk_states(
-            *x, chunk=states, dtype=dtype, method=method, workers=workers
-        )
+        h, dh, final = reference.chunk_states(*x, chunk=states, workers=workers)
         outputs.update(h=h, dh=dh)
     if final is not None:
         outputs["final_state"] = final

@@ -349,7 +349,7 @@ def _state_reference(
     if states not in cache:
         x = fixture.inputs
         wide = GdnInputs._make(None if a is None else np.asarray(a, np.float64) for a in x)
-        truth = reference_outputs(wide, states, "chunked")
+        truth = reference_outputs(wide, states)
         precisions = tuple(fixture.floors or ()) or precisions_of(fixture.dtype)
         cache[states] = (truth, correct_forms_floors(x, truth, states, precisions))
     truth, measured = cache[states]

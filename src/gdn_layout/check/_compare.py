@@ -23,12 +23,12 @@ from ._criterion import (
     per_grad,
     step_scores,
 )
-
-if TYPE_CHECKING:
-    from ..files._fixture import Fixture
 from ._findings import Finding, buffer_findings, grad_findings, size_findings
 from ._records import Comparison, GradComparison
 from ._scan import cause_maps, scan
+
+if TYPE_CHECKING:
+    from ..files._fixture import Fixture
 
 __all__ = ["Judging", "assert_close", "compare", "compare_tensor", "error_map"]
 
@@ -99,7 +99,8 @@ def compare(
     scales : float or mapping of str to float, optional
         With an array ``expected``: the scale of the terms that form each gradient
         (:attr:`~gdn_layout.Fixture.scales`); where it is above ``rms(expected)``, no floor
-        of the calibrated criterion is below half the products' unit roundoff times it.
+        of the calibrated criterion is below half the computation dtype's unit roundoff times
+        it.
 
     Returns
     -------
@@ -158,19 +159,18 @@ def compare(
             raise not_a_layout(layout, "compare")
         if layout is not None and layout != expected.layout:
             raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
-        fixture = expected
-        with fixture.unchanged():
+        with expected.unchanged():
             return _compare(
                 actual,
-                fixture.packed,
-                fixture.layout,
+                expected.packed,
+                expected.layout,
                 rtol,
                 atol,
                 max_rms_ratio,
                 equal_nan,
                 precision,
-                fixture.floors,
-                fixture.scales,
+                expected.floors,
+                expected.scales,
             )
     if layout is None:
         raise TypeError("compare: layout is required when expected is an array")

@@ -43,7 +43,6 @@ __all__ = [
     "measure_floors",
     "panel_floors",
     "round_to",
-    "tensor_floors",
     "term_scales",
 ]
 
@@ -155,14 +154,6 @@ def _measure(
                 np.square(err, out=sq[start:stop])
             floors[name][grad] = _floor_figures(rms, float(np.mean(sq)), float(peak))
     return floors
-
-
-def tensor_floors(
-    low: Mapping[str, NDArray[Any]], truth: Mapping[str, NDArray[Any]]
-) -> dict[str, dict[str, tuple[float, float]]]:
-    """The figures of each named tensor of ``low`` against its float64 ``truth``, ``low``
-    rounded to each dtype of :data:`ROUNDINGS`."""
-    return _measure([(name, low[name], truth[name]) for name in low], ROUNDINGS)
 
 
 #: The panel of correct forms each class's floors come from: the step-by-step form computed in

@@ -304,11 +304,10 @@ def fused_backward(
     """Everything the fused kernels' chunked form gives, as :func:`._states.step_by_step`
     returns it: the packed gradients and ``{"y", "final_state", "h", "dh"}`` (the last three
     as there: the final state with ``state`` or ``chunk``, the states with ``chunk``), in
-    ``dtype``, every matrix product on operands rounded to ``bits`` mantissa bits (to
-    (a per-channel gate's decayed key products, and the triangular solve, are float32's).
-    With ``sizes``, also the same of the sums of absolute terms of
-    each result's last sums, in float64 (None otherwise): a sum taken in another order may
-    change by ``u`` times its own.
+    ``dtype``, the state's matrix products on operands rounded to ``bits`` mantissa bits (a
+    per-channel gate's decayed key products, and the triangular solve, are left unrounded).
+    With ``sizes``, also the same of the sums of absolute terms of each result's last sums, in
+    float64 (None otherwise): a sum taken in another order may change by ``u`` times its own.
 
     Chunks are of ``length`` steps, cut also at every multiple of ``chunk``.
     """
