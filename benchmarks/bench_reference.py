@@ -442,8 +442,9 @@ def matmul_gflops(dtype: str, size: int = 512, repeats: int = 30) -> float:
 def fixture_worker(config: Config) -> dict[str, Any]:
     """Time ``make_fixture`` and its parts against the float64 backward (the truth)."""
     from gdn_layout import reference
-    from gdn_layout.check._floors import measure_floors
+    from gdn_layout.check._floors import CHUNKED_RUNS, measure_floors
     from gdn_layout.generate import draw_inputs, make_fixture
+    from gdn_layout.reference._fused import fused_backward
     from gdn_layout.reference._states import step_by_step
 
     layout = GdnBackwardLayout(
@@ -464,7 +465,10 @@ def fixture_worker(config: Config) -> dict[str, Any]:
     _, times["forward"] = timed(lambda: reference.forward(q, k, v, g, beta, state))
     (low, _), times["step by step"] = timed(lambda: step_by_step(*x))
     _, times["floors"] = timed(lambda: measure_floors(low, packed, layout))
+    for form in ("chunked", "chunked-tf32"):  # a float32 fixture's chunked runs
+        _, times[form] = timed(lambda: fused_backward(*x, bits=CHUNKED_RUNS[form]))  # noqa: B023
     _, times["fixture"] = timed(lambda: make_fixture(layout))
+    _, times["float32 floors only"] = timed(lambda: make_fixture(layout, precisions=("float32",)))
     _, times["truth again"] = timed(lambda: backward(*wide, dtype=np.float64))
     return times
 
@@ -862,12 +866,13 @@ def fixture_and_workers(quick: bool) -> None:
         config = Config(batch, seq, heads, size, "float32", False, True, 1)
         times = measure("fixture", config)
         truth = min(times["truth"], times["truth again"])
-        parts = ", ".join(
-            f"{name} {times[name]:.2f}s" for name in ("forward", "step by step", "floors")
-        )
+        named = ("forward", "step by step", "chunked", "chunked-tf32", "floors")
+        parts = ", ".join(f"{name} {times[name]:.2f}s" for name in named)
+        only = times["float32 floors only"]
         print(
             f"B={batch} S={seq} H={heads} N={size}: fixture {times['fixture']:.2f}s, truth "
-            f"{truth:.2f}s, ratio {times['fixture'] / truth:.2f} ({parts})"
+            f"{truth:.2f}s, ratio {times['fixture'] / truth:.2f} ({parts}); with float32's "
+            f"floors only {only:.2f}s, ratio {only / truth:.2f}"
         )
     print("\nworkers: the float64 backward, one BLAS thread per worker")
     config = Config(1, 512 if quick else 4096, 4 if quick else 16, 64, "float64", False, True, 3)
