@@ -10,6 +10,12 @@ kernel's output, the reference's float32 chunked backward, and injects one bug a
     nonfinite  one NaN in dq                  layout     dk and dv exchanged in the buffer
     rounding   float32 noise 2**-18 relative on every gradient (about 30 ulp)
 
+Then the misreading panel (with torch installed): every reading of
+``gdn_layout.check._misreadings.READINGS`` applied by tests/panel.py's ``misread``, a
+step-by-step PyTorch kernel under autograd glued to the op with that reading (not the
+reference on transformed inputs), over the same cases: per reading, how many cases it
+changed (failed), how often it was named, and how often another reading was named instead.
+
 A bug is applied only where it can exist (two heads for a head swap, a state for a transpose,
 ...) and where it changes the output. Per kind it prints how many cases it was applied to,
 how many failed, how often the finding of that kind was named for the bugged gradient (or the
@@ -184,6 +190,73 @@ def _correct_outputs(case: Case) -> dict[str, NDArray[Any]]:
     return outputs
 
 
+#: Each reading and the variants a port has of it, as ``panel.misread`` takes them.
+MISREADINGS = (
+    ("state_transposed", ""),
+    ("gate_as_decay", ""),
+    ("gate_exp_twice", ""),
+    ("gate_shift", ""),
+    ("gate_shift", "early"),
+    ("gate_axis", ""),
+    ("g_beta_swapped", ""),
+    ("beta_missing", ""),
+    ("beta_missing", "dv"),
+    ("qk_normalized", ""),
+    ("qk_swapped", ""),
+    ("final_state_cotangent", ""),
+    ("scale", "1"),
+    ("scale", "1/N"),
+    ("scale", "128"),
+    ("batch_folded", ""),
+)
+
+
+def misreading_panel(cases: list[Case]) -> None:
+    """Per reading: cases it failed, how often named, how often another reading instead."""
+    import sys
+
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("\nmisreading panel: needs torch (pip install torch)")
+        return
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import panel
+    from gdn_layout.check._misreadings import READINGS
+
+    applies = {r.name: r.applies for r in READINGS}
+    print(
+        f"\n{'reading':28s} {'cases':>5s} {'failed':>6s} {'named':>6s} {'rate':>6s} {'other':>6s}"
+    )
+    misses: list[str] = []
+    for reading, variant in MISREADINGS:
+        counts = collections.Counter[str]()
+        for case in cases:
+            layout = case.layout
+            if not applies[reading](layout) or layout.seq < 2 or layout.state_size < 2:
+                continue
+            counts["cases"] += 1
+            result = case.compare(panel.misread(case.fixture, reading, variant))
+            if result.passed:
+                continue
+            counts["failed"] += 1
+            named = [f.details["reading"] for f in result.findings if f.kind == "misreading"]
+            counts["named"] += reading in named
+            counts["other"] += bool(set(named) - {reading})
+            if reading not in named:
+                misses.append(f"{reading}/{variant or '-'} {case.name}: {result.causes()[:2]}")
+        label = f"{reading}{'/' + variant if variant else ''}"
+        rate = counts["named"] / counts["failed"] if counts["failed"] else float("nan")
+        print(
+            f"{label:28s} {counts['cases']:5d} {counts['failed']:6d} {counts['named']:6d} "
+            f"{rate:6.1%} {counts['other']:6d}"
+        )
+    regimes = collections.Counter(line.split(":")[0].rsplit("-", 1)[1] for line in misses)
+    print(f"\nmisreadings not named: {len(misses)} (by regime: {dict(regimes)}), the first:")
+    for line in misses[:8]:
+        print(f"  {line}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", type=Path, help="a standard suite to read (else written)")
@@ -265,6 +338,7 @@ def main() -> None:
         print(f"\nstructural findings on correct kernels ({len(structural_texts)}):")
         for line in structural_texts[:10]:
             print(f"  {line}")
+    misreading_panel(cases)
 
 
 if __name__ == "__main__":

@@ -182,3 +182,84 @@ def transformers_chunked(fx: Fixture) -> NDArray[Any]:
         use_qk_l2norm_in_kernel=False,
     )
     return _packed(fx, leaves, y)
+
+
+def misread(fx: Fixture, reading: str, variant: str = "") -> NDArray[Any]:
+    """A step-by-step kernel in float32 under autograd, glued to the op with the misreading
+    ``reading`` (the vocabulary of ``gdn_layout.check._misreadings``) as a port has it: the
+    glue passes the inputs as the kernel reads them, and the kernel's gradients, with respect
+    to what it read, are packed as they come. ``variant`` picks a form of a reading:
+    ``"early"`` for ``gate_shift``, ``"dv"`` for ``beta_missing``, ``"1"``, ``"1/N"`` or a
+    padded size such as ``"16"`` for ``scale``."""
+    t = _torch()
+    x = {
+        n: np.asarray(a, np.float32).copy()
+        for n, a in zip(("q", "k", "v", "g", "beta", "dy", "state"), fx.inputs, strict=True)
+        if a is not None
+    }
+    if reading == "state_transposed":
+        x["state"] = np.ascontiguousarray(x["state"].swapaxes(-1, -2))
+    elif reading == "gate_exp_twice":
+        x["g"] = np.exp(x["g"])
+    elif reading == "g_beta_swapped":
+        x["g"], x["beta"] = x["beta"], x["g"]
+    elif reading == "qk_swapped":
+        x["q"], x["k"] = x["k"], x["q"]
+    batch, seq = x["q"].shape[:2]
+    folded = reading == "batch_folded"
+    if folded:
+        for n in ("q", "k", "v", "g", "beta", "dy"):
+            x[n] = x[n].reshape(1, batch * seq, *x[n].shape[2:])
+        if "state" in x:
+            x["state"] = x["state"][:1].copy()
+    leaves = {n: t.from_numpy(a).requires_grad_(n != "dy") for n, a in x.items()}
+    q, k, v, g, beta = (leaves[n] for n in ("q", "k", "v", "g", "beta"))
+    _, steps, heads, size = q.shape
+    if reading == "qk_normalized":
+        q = q / q.norm(dim=-1, keepdim=True)
+        k = k / k.norm(dim=-1, keepdim=True)
+    scale = size**-0.5
+    if reading == "scale":
+        scale = {"1": 1.0, "1/N": 1.0 / size}.get(variant) or int(variant) ** -0.5
+    state = leaves.get("state", t.zeros(q.shape[0], heads, size, size))
+    outputs = []
+    for s in range(steps):
+        if reading == "gate_shift":
+            near = s - 1 if variant != "early" else s + 1
+            decay = g[:, near].exp() if 0 <= near < steps else t.ones_like(g[:, s])
+        elif reading == "gate_as_decay":
+            decay = g[:, s]
+        else:
+            decay = g[:, s].exp()
+        if g.dim() == 3:
+            state = state * decay[..., None, None]
+        elif reading == "gate_axis":
+            state = state * decay[..., None, :]
+        else:
+            state = state * decay[..., None]
+        key = k[:, s]
+        write = v[:, s] - (key[..., None, :] @ state)[..., 0, :]
+        if not (reading == "beta_missing" and variant != "dv"):
+            write = write * beta[:, s, :, None]
+        state = state + key[..., :, None] * write[..., None, :]
+        outputs.append(scale * (q[:, s, :, None, :] @ state)[..., 0, :])
+    y = t.stack(outputs, 1)
+    loss = (y * leaves["dy"]).sum()
+    if reading == "final_state_cotangent":
+        loss = loss + state.sum()
+    loss.backward()
+    grads = {
+        n: (leaves[n].grad if leaves[n].grad is not None else t.zeros_like(leaves[n])).numpy()
+        for n in ("q", "k", "v", "g", "beta")
+    }
+    if reading == "beta_missing" and variant == "dv":
+        grads["v"] = grads["v"] / x["beta"][..., None]
+    if folded:
+        grads = {n: a.reshape(batch, seq, *a.shape[2:]) for n, a in grads.items()}
+    dstate = None
+    if "state" in leaves:
+        dstate = leaves["state"].grad.numpy()
+        if folded:
+            dstate = np.concatenate([dstate, np.zeros((batch - 1, *dstate.shape[1:]), "f4")])
+    out = pack(grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], dstate)
+    return out.astype(fx.dtype)

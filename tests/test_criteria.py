@@ -24,7 +24,7 @@ LAYOUT = GdnBackwardLayout(2, 9, 3, 8, gate_per_channel=True, carry_state=True)
 
 @pytest.fixture(scope="module")
 def fixture() -> Fixture:
-    return make_fixture(LAYOUT, regime="mixed", seed=7)
+    return make_fixture(LAYOUT, regime="mixed", seed=7, precisions="all")
 
 
 def _rms(x: NDArray[np.float64]) -> float:
@@ -43,7 +43,7 @@ def _figures_of(low: NDArray[Any], truth: NDArray[np.float64]) -> dict[str, tupl
 
 def test_floors_are_the_worst_of_each_class_s_correct_forms(fixture: Fixture) -> None:
     assert fixture.floors is not None
-    assert tuple(fixture.floors) == precisions_of(np.dtype(np.float32))
+    assert tuple(fixture.floors) == precisions_of(np.dtype(np.float32), "all")
     q, k, v, g, beta, dy = (np.asarray(a, np.float64) for a in fixture.inputs[:6])
     truth = backward(q, k, v, g, beta, dy, np.asarray(fixture.state, np.float64))
     step = _figures_of(backward(*fixture.inputs, dtype=np.float32, method="recurrent"), truth)
@@ -59,6 +59,15 @@ def test_floors_are_the_worst_of_each_class_s_correct_forms(fixture: Fixture) ->
     assert fixture.floors["float16"]["dq"][0] >= fixture.floors["tf32"]["dq"][0]
 
 
+def test_a_fixture_records_its_buffers_class_unless_asked() -> None:
+    layout = GdnBackwardLayout(1, 3, 1, 4)
+    for dtype, recorded in (("float32", "float32"), ("float64", "float32"), ("float16", "float16")):
+        assert tuple(make_fixture(layout, dtype=dtype).floors or ()) == (recorded,)
+    assert tuple(make_fixture(layout, dtype=ml_dtypes.bfloat16).floors or ()) == ("bfloat16",)
+    every = make_fixture(layout, precisions="all").floors or {}
+    assert tuple(every) == ("float32", "tf32", "float16")
+
+
 def test_a_class_s_floors_are_measured_when_asked() -> None:
     fx = make_fixture(GdnBackwardLayout(1, 20, 2, 8), regime="mild", precisions=("bfloat16",))
     assert fx.floors is not None
@@ -66,8 +75,8 @@ def test_a_class_s_floors_are_measured_when_asked() -> None:
     assert 1e-3 < fx.floors["bfloat16"]["dq"][0] < 1
     with pytest.raises(ValueError, match="make_fixture: precisions must be one of float64, "):
         make_fixture(GdnBackwardLayout(1, 2, 1, 4), precisions=("fp8",))
-    with pytest.raises(TypeError, match="make_fixture: precisions must be a sequence of precision"):
-        make_fixture(GdnBackwardLayout(1, 2, 1, 4), precisions="tf32")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="make_fixture: precisions must be 'all' or a sequence"):
+        make_fixture(GdnBackwardLayout(1, 2, 1, 4), precisions="tf32")
 
 
 def test_bfloat16_rounding_needs_no_ml_dtypes() -> None:

@@ -78,6 +78,7 @@ LAYERS = [
     "check._criterion",
     "check._findings",
     "check._floors",
+    "check._misreadings",
     "files._atomic",
     "files._safetensors",
     "files._mapping",

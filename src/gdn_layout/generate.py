@@ -143,7 +143,7 @@ def make_fixture(
     calibrate: bool = True,
     states: SupportsIndex | None = None,
     workers: int | None = 1,
-    precisions: tuple[str, ...] | None = None,
+    precisions: tuple[str, ...] | str | None = None,
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
@@ -184,10 +184,11 @@ def make_fixture(
         thread, None on every core this process may use. The fixture is the same, bit for
         bit, for every value.
     precisions : tuple of str, optional
-        The precision classes whose floors are measured. By default those that judge
-        ``dtype``'s buffers: for float32 (and float64) ``float32``, ``tf32`` and
-        ``float16``; for bfloat16 ``bfloat16``; for float16 ``float16``. A class left out is
-        judged against its default floors.
+        The precision classes whose floors are measured. By default the class of ``dtype``'s
+        buffers alone (float64's floors are float32's, scaled); each other class costs its
+        own runs (see docs/criterion.md). ``"all"`` asks for every class ``dtype``'s buffers
+        can be judged in: for float32 and float64 ``float32``, ``tf32`` and ``float16``, as
+        the standard suite records. A class left out is judged against its default floors.
 
     Returns
     -------
@@ -238,7 +239,7 @@ def _fixture_of(
     calibrate: bool = True,
     states: int | None = None,
     workers: int = 1,
-    precisions: tuple[str, ...] | None = None,
+    precisions: tuple[str, ...] = ("float32",),
 ) -> Fixture:
     """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
     state = None if x.state is None else x.state.astype(np.float64)
@@ -248,7 +249,7 @@ def _fixture_of(
     packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
     if calibrate:
-        classes = precisions_of(x.q.dtype) if precisions is None else precisions
+        classes = precisions_of(x.q.dtype, precisions)
         measured = correct_forms_floors(x, _named(packed, truth, layout), states, classes, workers)
         floors = {
             c: {n: f for n, f in per.items() if n in layout.names} for c, per in measured.items()
@@ -329,15 +330,18 @@ _FORMS: Final = ("step-by-step", *CHUNKED_RUNS)
 
 def precisions_of(dtype: np.dtype[Any], asked: object = None) -> tuple[str, ...]:
     """The precision classes a fixture of ``dtype`` records floors for: ``asked`` (names of
-    classes), or by default every class its buffers can be judged in by default or by a
-    finer class of the same buffers (float32: float32, tf32 and float16, whose floors share
-    the TF32 run; bfloat16: bfloat16; float16: float16; float64: float32's, as float64's are
-    derived, and tf32 and float16)."""
+    classes, or ``"all"``), by default the class of its buffers (float64's is float32's, as
+    float64's floors are derived from them). ``"all"`` is every class the buffers can be
+    judged in (float32 and float64: float32, tf32 and float16, whose floors share the TF32
+    run)."""
     if asked is None:
+        return _RECORDED.get(dtype.name, _RECORDED["float32"])[:1]
+    if asked == "all":
         return _RECORDED.get(dtype.name, _RECORDED["float32"])
     if isinstance(asked, str) or not isinstance(asked, Iterable):
         raise TypeError(
-            f"make_fixture: precisions must be a sequence of precision class names, got {asked!r}"
+            "make_fixture: precisions must be 'all' or a sequence of precision class names, "
+            f"got {asked!r}"
         )
     names: list[str] = []
     for value in asked:
@@ -483,7 +487,8 @@ def _identical_rows_fixture(
     x = draw_inputs(one, regime=regime, seed=seed, dtype=dtype)
     q, k, v, g, beta, dy = (np.repeat(a, layout.batch, axis=0) for a in x[:6])
     state = None if x.state is None else np.repeat(x.state, layout.batch, axis=0)
-    return _fixture_of(layout, GdnInputs(q, k, v, g, beta, dy, state), regime, seed)
+    inputs = GdnInputs(q, k, v, g, beta, dy, state)
+    return _fixture_of(layout, inputs, regime, seed, precisions=precisions_of(dtype, "all"))
 
 
 def boundaries_crossed(seq: int) -> dict[int, int]:
@@ -674,7 +679,9 @@ def _write_suite_files(
         _name, layout, regime, identical_rows = cases[index]
         if identical_rows:
             return _identical_rows_fixture(layout, target, regime, seed + index)
-        return make_fixture(layout, dtype=target, regime=regime, seed=seed + index)
+        return make_fixture(
+            layout, dtype=target, regime=regime, seed=seed + index, precisions="all"
+        )
 
     for index, fixture in enumerate(_in_order(make, len(cases), workers)):
         name, layout, regime, identical_rows = cases[index]

@@ -401,7 +401,7 @@ def make_case(
     load_suite : Cases from files.
     make_fixture : The fixture alone.
     """
-    fixture = make_fixture(layout, dtype=dtype, regime=regime, seed=seed)
+    fixture = make_fixture(layout, dtype=dtype, regime=regime, seed=seed, precisions="all")
     if name is None:
         gate = "channel" if layout.gate_per_channel else "scalar"
         state = "state" if layout.carry_state else "nostate"

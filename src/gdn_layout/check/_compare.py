@@ -11,19 +11,22 @@ from numpy.typing import NDArray
 
 from .._arrays import as_packed
 from .._checks import not_a_layout
-from .._dtypes import Precision, default_precision, is_floating
+from .._dtypes import PRECISIONS, Precision, default_precision, is_floating
 from ..layout import GdnBackwardLayout, Segment, layout_caption
+from ..packing import unpack
 from ._criterion import (
     DEFAULT_TOLERANCES,
     Criterion,
     Floors,
     Tolerance,
     checked_floors,
+    floor_for,
     judged_precision,
     per_grad,
     step_scores,
 )
 from ._findings import Finding, buffer_findings, grad_findings, size_findings
+from ._misreadings import misreading_findings, overflow_finding
 from ._records import Comparison, GradComparison
 from ._scan import cause_maps, scan
 
@@ -171,6 +174,7 @@ def compare(
                 precision,
                 expected.floors,
                 expected.scales,
+                expected.inputs,
             )
     if layout is None:
         raise TypeError("compare: layout is required when expected is an array")
@@ -190,8 +194,10 @@ def _compare(
     precision: str | None,
     floors: Floors | None,
     scales: Tolerance | None,
+    inputs: tuple[NDArray[Any] | None, ...] | None = None,
 ) -> Comparison:
-    """:func:`compare` of two buffers."""
+    """:func:`compare` of two buffers; with the case's ``inputs``, the misreadings are
+    tried where it fails."""
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
     actual = as_packed(actual, "actual")
@@ -244,9 +250,59 @@ def _compare(
             )
         grads.append(grad)
     whole: tuple[Finding, ...] = ()
-    if not all(g.passed for g in grads):
+    if not all(g.passed for g in grads) and inputs is not None:
+        whole = _misreadings(actual, expected, layout, inputs, criteria, floors, judged)
+        if whole:  # it explains every gradient: the per-gradient guesses go
+            grads = [dataclasses.replace(g, findings=()) for g in grads]
+        mine = unpack(actual, layout)
+        nonfinite = {
+            g.name: getattr(mine, g.name)
+            for g in grads
+            if any(f.kind == "nonfinite" for f in g.findings)
+        }
+        overflow = overflow_finding(nonfinite, np.asarray(inputs[3]), actual.dtype)
+        whole = whole if overflow is None else (overflow, *whole)
+    if not whole and not all(g.passed for g in grads):
         whole = buffer_findings(actual, expected, layout, score)
     return Comparison(layout, tuple(grads), whole)
+
+
+def _misreadings(
+    actual: NDArray[Any],
+    expected: NDArray[Any],
+    layout: GdnBackwardLayout,
+    inputs: tuple[NDArray[Any] | None, ...],
+    criteria: dict[str, Criterion],
+    floors: Floors | None,
+    judged: Precision,
+) -> tuple[Finding, ...]:
+    """:func:`~gdn_layout.check._misreadings.misreading_findings` with each gradient's
+    criterion, calibrated ones made again against each re-run's values."""
+
+    def criterion(
+        name: str,
+        values: NDArray[np.float64],
+        term: float | None,
+        least: tuple[float, float] | None,
+    ) -> Criterion:
+        given = criteria[name]
+        if given.mode != "calibrated":
+            return given
+        merged = floors
+        if least is not None:  # the fixture's floors, or the reading's rounding if more
+            source = PRECISIONS["float32"] if judged.name == "float64" else judged
+            base = floor_for(floors, source, name)
+            merged = {source.name: {name: (max(base[0], least[0]), max(base[1], least[1]))}}
+        return Criterion.calibrated(merged, judged, name, values, term)
+
+    mine, theirs = unpack(actual, layout), unpack(expected, layout)
+    return misreading_findings(
+        {n: getattr(mine, n) for n in layout.names},
+        {n: getattr(theirs, n) for n in layout.names},
+        inputs,
+        layout,
+        criterion,
+    )
 
 
 class _Score:

@@ -17,9 +17,16 @@ wrong scale is still named, with its factor. An undone actual far from ``e`` tim
 
 The kinds (:data:`KINDS`, in the order findings are returned: most specific first):
 
+``misreading``
+    (:mod:`~gdn_layout.check._misreadings`, with a fixture's inputs) every gradient matches
+    the op computed with its inputs read another way, verified by re-running it.
+``overflow``
+    (with a fixture's inputs) gradients are non-finite where the truth is finite, and a chunk
+    of 64 steps spans more log-decay than the kernel's ``exp`` can take (88.7 in float32): a
+    masked, anti-causal decay difference ``exp(G_i - G_j)`` overflowing before the mask.
 ``unwritten``
     every element is zero (where the expected values do not all round to zero in the actual's
-    dtype), or one constant (NaN included), or looks like memory never written: at least 1%
+    dtype), or one finite constant, or looks like memory never written: at least 1%
     of the values below ``1e-30`` where the expected ones are not, and the magnitudes spread
     over more than 16 binades (a standard deviation of ``log2|x|``), as stale pointers (their
     high halves read as subnormals) and freed data of another type read by ``np.empty`` are.
@@ -127,6 +134,8 @@ __all__ = [
 
 #: Every kind of finding, most specific first: the order findings are returned in.
 KINDS: Final = (
+    "misreading",
+    "overflow",
     "unwritten",
     "nonfinite",
     "layout",
@@ -528,14 +537,13 @@ class _Scan:
                 "zeros)",
                 {"value": 0.0, "how": "zeros"},
             )
-        if self.constant and self.size > 1:
-            value = self.first_value
-            shown = "NaN" if math.isnan(value) else f"{value:.6g}"
+        if self.constant and self.size > 1 and math.isfinite(self.first_value):
+            value = self.first_value  # a NaN or Inf everywhere is nonfinite's to name
             return Finding(
                 "unwritten",
                 name,
-                f"{name} is {shown} everywhere: filled and never written?",
-                {"value": None if math.isnan(value) else value, "how": "constant"},
+                f"{name} is {value:.6g} everywhere: filled and never written?",
+                {"value": value, "how": "constant"},
             )
         if self._garbage():
             nonzero = self.size - self.zeros

@@ -1,0 +1,610 @@
+"""Misreadings: the op computed with its inputs read another way, verified by re-running it.
+
+A port's first bugs are in how it reads the op's inputs: the state taken as ``[V, K]``, the
+decay passed where the log-gate is expected, ``g`` and ``beta`` in another library's order.
+Each misreading of :data:`READINGS` re-runs the op's step-by-step form in float64 with the
+inputs read that way and is named only when the kernel's every judged gradient *passes the
+same criterion* against that re-run: the cause is then shown, not guessed. The gradients
+compared are the kernel's with respect to what it read (for ``state_transposed`` its
+``dstate`` is transposed too; for ``g_beta_swapped`` its ``dg`` is the gradient of the
+``beta`` it took as a gate).
+
+**When one is named.** The reading must judge some gradient the kernel fails, change the
+op's values in some gradient it judges (else a bug of another kind, a ``dg`` stored a step
+off under a constant gate, would pass for it), and the kernel must pass against it in every
+gradient it judges. A reading of the inputs changes the forward and with it every gradient,
+so a case failing in one gradient alone is tried only against ``beta_missing``, whose ``dv``
+variant touches ``dv`` alone.
+
+**Cost.** A re-run is the step-by-step form on a slice of the case: the first two batch rows
+(one when ``B = 1``) and as many heads as keep it within :data:`BUDGET` state elements
+stepped (``rows * heads * S * N**2``; at least one head), its states kept at every 64th step
+and recomputed in between. It runs only when the kernel fails on that slice, once per
+reading and variant (a scale is the truth times a factor); where a reading's op grows (its
+gradients a thousand times the op's, or not finite) it runs again in float32, whose own
+rounding then raises the floors and whose overflow frees the kernel's values there.
+
+>>> import numpy as np
+>>> from gdn_layout import GdnBackwardLayout, make_fixture, compare
+>>> from gdn_layout.reference import backward
+>>> fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")
+>>> q, k, v, g, beta, dy, state = fx.inputs
+>>> kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+>>> print(compare(kernel, fx).findings[0].text)  # doctest: +NORMALIZE_WHITESPACE
+every gradient matches the op with the initial state read transposed (state[b, h, j, i]):
+the kernel reads the state as [V, K]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final, NamedTuple
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ..layout import GdnBackwardLayout
+from ._criterion import Criterion
+from ._findings import Finding
+from ._floors import term_scales
+
+__all__ = ["BUDGET", "READINGS", "Reading", "misreading_findings", "overflow_finding"]
+
+_Array = NDArray[Any]  # float64, or float32 for the re-run that rounds as a kernel does
+#: The gradients of one re-run, by name; None where the reading says nothing of one.
+_Grads = dict[str, _Array | None]
+
+#: The most state elements a re-run steps through (``rows * heads * S * N**2``).
+BUDGET: Final = 1 << 24
+_CHECKPOINT: Final = 64  # steps between the states a re-run keeps
+_PADDED: Final = (16, 32, 64, 128, 256)  # head sizes a library pads N to
+#: Values within 16 binades of float32's largest may overflow in another order of the sums
+#: that form them: a kernel's value there is free.
+_NEAR_OVERFLOW: Final = float(np.finfo(np.float32).max) * 2.0**-16
+
+
+class _Case(NamedTuple):
+    """The slice of a case a re-run reads: float64, in the op's ``[B, S, H, N]`` shapes."""
+
+    q: _Array
+    k: _Array
+    v: _Array
+    g: _Array
+    beta: _Array
+    dy: _Array
+    state: _Array | None
+    per_channel: bool
+
+
+def _step_form(
+    x: _Case,
+    *,
+    q: _Array | None = None,
+    k: _Array | None = None,
+    decay: _Array | None = None,
+    beta: _Array | None = None,
+    state: _Array | None = None,
+    columns: bool = False,
+    cotangent: _Array | None = None,
+    fold: bool = False,
+) -> dict[str, _Array]:
+    """The op's step-by-step form in float64 (the spec's steps), with the decay ``decay``
+    given directly (``exp(g)`` by default) and scaling value columns when ``columns``; a
+    cotangent ``cotangent`` on the final state; the batch rows as one sequence when ``fold``.
+    Returns ``dq, dk, dv, da`` (the decay's gradient), ``dbeta`` and ``dstate``."""
+    q = x.q if q is None else q
+    k = x.k if k is None else k
+    a = np.exp(x.g) if decay is None else decay
+    b = x.beta if beta is None else beta
+    s0 = x.state if state is None else state
+    rows, seq, heads, n = q.shape
+    if fold:  # [B, S, ...] as [1, B*S, ...]: row r's first step follows row r-1's last
+        q, k, v, dy = (t.reshape(1, rows * seq, heads, n) for t in (q, k, x.v, x.dy))
+        a = a.reshape(1, rows * seq, *a.shape[2:])
+        b = b.reshape(1, rows * seq, heads)
+        s0 = None if s0 is None else s0[:1]
+    else:
+        v, dy = x.v, x.dy
+    grads = _run(q, k, v, a, b, dy, s0, columns, cotangent)
+    if fold:
+        for name in ("dq", "dk", "dv", "da", "dbeta"):
+            grads[name] = grads[name].reshape(rows, seq, *grads[name].shape[2:])
+        grads["dstate"] = np.concatenate([grads["dstate"], np.zeros_like(grads["dstate"])])[:rows]
+    return grads
+
+
+def _run(
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    a: _Array,
+    beta: _Array,
+    dy: _Array,
+    state: _Array | None,
+    columns: bool,
+    cotangent: _Array | None,
+) -> dict[str, _Array]:
+    """The forward and backward sweeps, vectorised over batch rows and heads."""
+    rows, seq, heads, n = q.shape
+    c = 1.0 / math.sqrt(n)
+    per_channel = a.ndim == 4
+    # [B, H, S, ...]: a step is one index of axis 2
+    q, k, v, dy = (np.ascontiguousarray(t.transpose(0, 2, 1, 3)) for t in (q, k, v, dy))
+    a = np.ascontiguousarray(np.moveaxis(a, 2, 1))
+    beta = np.ascontiguousarray(beta.transpose(0, 2, 1))
+
+    def scaled(s: _Array, t: int) -> _Array:
+        at = a[:, :, t]
+        if not per_channel:
+            return s * at[..., None, None]
+        return s * (at[..., None, :] if columns else at[..., :, None])
+
+    def step(s: _Array, t: int) -> tuple[_Array, _Array, _Array, _Array]:
+        p = scaled(s, t)
+        m = np.matmul(k[:, :, t, None, :], p)[:, :, 0]
+        u = (v[:, :, t] - m) * beta[:, :, t, None]
+        return p + k[:, :, t, :, None] * u[:, :, None, :], p, m, u
+
+    dtype = q.dtype
+    s = np.zeros((rows, heads, n, n), dtype) if state is None else state.copy()
+    kept = {}
+    for t in range(seq):
+        if t % _CHECKPOINT == 0:
+            kept[t] = s
+        s = step(s, t)[0]
+    dq, dk, dv = (np.zeros((rows, heads, seq, n), dtype) for _ in range(3))
+    da = np.zeros(a.shape, dtype)
+    dbeta = np.zeros((rows, heads, seq), dtype)
+    ds = np.zeros((rows, heads, n, n), dtype) if cotangent is None else cotangent.astype(dtype)
+    for start in range(_CHECKPOINT * ((seq - 1) // _CHECKPOINT), -1, -_CHECKPOINT):
+        states = [kept[start]]
+        for t in range(start, min(start + _CHECKPOINT, seq)):
+            states.append(step(states[-1], t)[0])
+        for t in range(min(start + _CHECKPOINT, seq) - 1, start - 1, -1):
+            prev = states[t - start]
+            new, p, m, u = step(prev, t)
+            dq[:, :, t] = c * np.matmul(new, dy[:, :, t, :, None])[..., 0]
+            ds = ds + c * q[:, :, t, :, None] * dy[:, :, t, None, :]
+            du = np.matmul(k[:, :, t, None, :], ds)[:, :, 0]
+            dk[:, :, t] = np.matmul(ds, u[..., None])[..., 0]
+            dv[:, :, t] = beta[:, :, t, None] * du
+            dbeta[:, :, t] = np.sum((v[:, :, t] - m) * du, axis=-1)
+            dm = -beta[:, :, t, None] * du
+            dk[:, :, t] += np.matmul(p, dm[..., None])[..., 0]
+            ds = ds + k[:, :, t, :, None] * dm[:, :, None, :]
+            terms = prev * ds
+            if not per_channel:
+                da[:, :, t] = terms.sum(axis=(-1, -2))
+            else:
+                da[:, :, t] = terms.sum(axis=-2 if columns else -1)
+            ds = scaled(ds, t)
+    back = {name: g.transpose(0, 2, 1, 3) for name, g in (("dq", dq), ("dk", dk), ("dv", dv))}
+    return {
+        **back,
+        "da": np.moveaxis(da, 1, 2),
+        "dbeta": dbeta.transpose(0, 2, 1),
+        "dstate": ds,
+    }
+
+
+def _op(grads: dict[str, _Array], decay: _Array) -> _Grads:
+    """The gradients with respect to the log-gate read: ``dg = da * decay``."""
+    out: _Grads = dict(grads)
+    out["dg"] = grads["da"] * decay
+    return out
+
+
+# -- the readings ------------------------------------------------------------------------
+
+
+class Reading(NamedTuple):
+    """One misreading of the op's inputs or conventions.
+
+    ``name`` is ``details["reading"]``; ``computes`` completes "every gradient matches the op
+    with ..."; ``applies`` says whether it can change a case of a layout; ``truths`` yields,
+    for a slice of the case, each variant's words (``""`` for one variant alone) and its
+    gradients (None for a gradient the reading leaves unjudged).
+    """
+
+    name: str
+    computes: str
+    applies: Callable[[GdnBackwardLayout], bool]
+    truths: Callable[[_Case], Iterator[tuple[str, _Grads]]]
+
+
+def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    assert x.state is not None
+    yield "", _op(_step_form(x, state=x.state.swapaxes(-1, -2)), np.exp(x.g))
+
+
+def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    grads: _Grads = dict(_step_form(x, decay=x.g))
+    grads["dg"] = grads["da"]
+    yield "", grads
+
+
+def _gate_exp_twice(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    decay = np.exp(np.exp(x.g))
+    yield "", _op(_step_form(x, decay=decay), decay)
+
+
+def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    for late in (True, False):
+        g = np.zeros_like(x.g)  # the step without a gate reads g = 0: no decay
+        if late:
+            g[:, 1:] = x.g[:, :-1]
+        else:
+            g[:, :-1] = x.g[:, 1:]
+        if np.array_equal(g, x.g):  # a constant gate reads the same either way: only a
+            continue  # dg stored a step off would differ, which is a shift, not a reading
+        decay = np.exp(g)
+        grads = _op(_step_form(x, decay=decay), decay)
+        dg = grads["dg"]
+        assert dg is not None
+        moved = np.zeros_like(dg)  # the gradient of g[t] stored where g[t] is, not at step t
+        if late:
+            moved[:, :-1] = dg[:, 1:]
+        else:
+            moved[:, 1:] = dg[:, :-1]
+        words = "g[t - 1] at step t (the gate read one step late)"
+        if not late:
+            words = "g[t + 1] at step t (the gate read one step early)"
+        yield f"{words}, dg[t] the gradient of the gate step t used", grads
+        yield f"{words}, dg[t] the gradient of g[t]", {**grads, "dg": moved}
+
+
+def _gate_axis(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    decay = np.exp(x.g)
+    yield "", _op(_step_form(x, columns=True), decay)
+
+
+def _g_beta_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    decay = np.exp(x.beta)
+    grads = _op(_step_form(x, decay=decay, beta=x.g), decay)
+    yield "", grads
+
+
+def _beta_missing(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    truth = _op(_step_form(x), np.exp(x.g))
+    yield (
+        "beta = 1 in the update (dbeta not judged)",
+        {
+            **_op(_step_form(x, beta=np.ones_like(x.beta)), np.exp(x.g)),
+            "dbeta": None,
+        },
+    )
+    dv = truth["dv"]
+    assert dv is not None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        without = np.where(x.beta[..., None] != 0, dv / x.beta[..., None], 0.0)
+    yield "dv formed without beta (dv = du, not beta * du)", {**truth, "dv": without}
+
+
+def _unit(t: _Array) -> tuple[_Array, _Array]:
+    norm = np.sqrt(np.sum(t * t, axis=-1, keepdims=True))
+    return t / np.where(norm > 0, norm, 1.0), norm
+
+
+def _qk_normalized(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    (q, nq), (k, nk) = _unit(x.q), _unit(x.k)
+    grads = _op(_step_form(x, q=q, k=k), np.exp(x.g))
+    chained = dict(grads)
+    for name, unit, norm in (("dq", q, nq), ("dk", k, nk)):
+        d = grads[name]
+        assert d is not None
+        along = np.sum(unit * d, axis=-1, keepdims=True)
+        chained[name] = (d - unit * along) / np.where(norm > 0, norm, 1.0)
+    yield "", chained
+    yield "its dq and dk those of the normalized q and k", grads
+
+
+def _qk_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    yield "", _op(_step_form(x, q=x.k, k=x.q), np.exp(x.g))
+
+
+def _final_state_cotangent(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    rows, _, heads, n = x.q.shape
+    ones = np.ones((rows, heads, n, n), x.q.dtype)
+    yield "", _op(_step_form(x, cotangent=ones), np.exp(x.g))
+
+
+def _batch_folded(x: _Case) -> Iterator[tuple[str, _Grads]]:
+    grads = _op(_step_form(x, fold=True), np.exp(x.g))
+    yield "", {**grads, "dstate": None}  # a folded run has one initial state
+
+
+READINGS: Final[tuple[Reading, ...]] = (
+    Reading(
+        "state_transposed",
+        "the initial state read transposed (state[b, h, j, i]): the kernel reads the state "
+        "as [V, K]",
+        lambda layout: layout.carry_state,
+        _state_transposed,
+    ),
+    Reading(
+        "gate_as_decay",
+        "the decay g itself instead of exp(g): the kernel takes a decay and was passed the "
+        "log-gate",
+        lambda layout: True,
+        _gate_as_decay,
+    ),
+    Reading(
+        "gate_exp_twice",
+        "the decay exp(exp(g)): the kernel takes a log-gate and was passed the decay exp(g)",
+        lambda layout: True,
+        _gate_exp_twice,
+    ),
+    Reading("gate_shift", "", lambda layout: layout.seq > 1, _gate_shift),
+    Reading(
+        "gate_axis",
+        "the per-channel decay on value columns instead of key rows",
+        lambda layout: layout.gate_per_channel,
+        _gate_axis,
+    ),
+    Reading(
+        "g_beta_swapped",
+        "g and beta exchanged (argument order?)",
+        lambda layout: not layout.gate_per_channel,
+        _g_beta_swapped,
+    ),
+    Reading("beta_missing", "", lambda layout: True, _beta_missing),
+    Reading(
+        "qk_normalized",
+        "q and k L2-normalized again inside (an l2norm flag left on?)",
+        lambda layout: True,
+        _qk_normalized,
+    ),
+    Reading("qk_swapped", "q and k exchanged", lambda layout: True, _qk_swapped),
+    Reading(
+        "final_state_cotangent",
+        "a cotangent of ones on the final state added (the op has none)",
+        lambda layout: True,
+        _final_state_cotangent,
+    ),
+    Reading("scale", "", lambda layout: True, lambda x: iter(())),  # a factor: _scales
+    Reading(
+        "batch_folded",
+        "the batch rows run as one sequence: the state carried from row b into row b + 1",
+        lambda layout: layout.batch > 1,
+        _batch_folded,
+    ),
+)
+
+
+def _scales(n: int) -> Iterator[tuple[str, float]]:
+    """The scales a kernel may use instead of ``1/sqrt(N)``, in words, over the op's."""
+    c = 1.0 / math.sqrt(n)
+    yield "the scale 1 instead of 1/sqrt(N)", 1.0 / c
+    yield "the scale 1/N instead of 1/sqrt(N)", (1.0 / n) / c
+    for padded in _PADDED:
+        if padded > n:
+            yield (
+                f"the scale 1/sqrt({padded}) (N padded to {padded}) instead of 1/sqrt({n})",
+                (1.0 / math.sqrt(padded)) / c,
+            )
+
+
+# -- verification ------------------------------------------------------------------------
+
+#: ``criterion(name, expected, term_scale, floor)``: the criterion a gradient is judged by
+#: against ``expected`` (a slice of it, float64), calibrated with floors of at least ``floor``
+#: (the ``(rms, max)`` figures of the reading's own rounding), when given.
+CriterionOf = Callable[[str, _Array, float | None, tuple[float, float] | None], Criterion]
+
+
+def misreading_findings(
+    actual: Mapping[str, NDArray[Any]],
+    expected: Mapping[str, NDArray[Any]],
+    inputs: tuple[NDArray[Any] | None, ...],
+    layout: GdnBackwardLayout,
+    criterion: CriterionOf,
+) -> tuple[Finding, ...]:
+    """The misreadings of :data:`READINGS` the kernel's gradients ``actual`` (by name, in
+    their shapes) pass against, on a slice of the case (module docstring); () when the
+    slice passes against ``expected`` (the fixture's gradients), whose failure is elsewhere.
+    ``inputs`` are the case's ``q, k, v, g, beta, dy, state``."""
+    rows = slice(0, min(layout.batch, 2))
+    steps = max(1, layout.seq * layout.state_size**2 * (rows.stop - rows.start))
+    heads = slice(0, max(1, min(layout.heads, BUDGET // steps)))
+    if layout.seq == 0 or layout.state_size == 0 or layout.batch == 0 or layout.heads == 0:
+        return ()
+    names = layout.names
+    actual_of = {n: _sliced(actual[n], n, rows, heads, keep=True) for n in names}
+    theirs = {n: _sliced(expected[n], n, rows, heads) for n in names}
+    x = _case_slice(inputs, layout, rows, heads)
+
+    # The reading's op rounds as the kernel's would: its floors are at least that rounding,
+    # and where it leaves the kernel's range the kernel's values are free.
+    low = None
+    if any(np.asarray(actual[n]).dtype != np.float64 for n in names):
+        state = None if x.state is None else x.state.astype(np.float32)
+        q, k, v, g, beta, dy = (t.astype(np.float32) for t in x[:6])
+        low = _Case(q, k, v, g, beta, dy, state, x.per_channel)
+
+    def passes(grads: _Grads, rounded: _Grads | None, kernel: Mapping[str, Any]) -> bool:
+        """Whether ``kernel``'s judged gradients all pass against ``grads``."""
+        judged = [n for n in names if grads.get(n) is not None]
+        dq, dk = grads.get("dq"), grads.get("dk")
+        if dq is None or dk is None:  # a gradient alone: the terms of the op's own dg
+            dq, dk = theirs["dq"], theirs["dk"]
+        term = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+        for name in judged:
+            e = np.asarray(grads[name], np.float64)
+            a = np.asarray(kernel[name], np.float64)
+            floor = None
+            if rounded is not None and rounded.get(name) is not None:
+                r = np.asarray(rounded[name], np.float64)
+                largest = float(np.finfo(actual_of[name].dtype).max)
+                big = np.abs(e) > min(_NEAR_OVERFLOW, largest)
+                free = ~np.isfinite(r) | big
+                if (~np.isfinite(a) & ~free).any() or free.all():
+                    return False
+                e, a, r = e[~free], a[~free], r[~free]
+                floor = _figures(r, e)
+            if not np.isfinite(e).all():
+                return False
+            if criterion(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
+                return False
+        return bool(judged)
+
+    failing = {n for n in names if not passes({n: theirs[n]}, None, actual_of)}
+    if not failing:
+        return ()
+
+    def holds(grads: _Grads, rounded: _Grads | None) -> bool:
+        """The reading judges a gradient the kernel fails, changes the op's values in
+        one it judges (else a bug of its own, a moved ``dg``, would pass for it), and the
+        kernel passes against it."""
+        judged = {n for n in names if grads.get(n) is not None}
+        if not failing & judged:
+            return False
+        if all(passes({n: grads[n]}, None, theirs) for n in judged):
+            return False
+        return passes(grads, rounded, actual_of)
+
+    found: list[Finding] = []
+    for reading in READINGS:
+        if not reading.applies(layout):
+            continue
+        if len(failing) == 1 and reading.name != "beta_missing":
+            continue  # a reading that changes the forward changes every gradient
+        variants: Iterator[tuple[str, _Grads]]
+        if reading.name == "scale":
+            variants = (
+                (words, {n: factor * t for n, t in theirs.items()})
+                for words, factor in _scales(layout.state_size)
+            )
+        else:
+            variants = reading.truths(x)
+        rounded: list[tuple[str, _Grads]] | None = None
+        with np.errstate(all="ignore"):
+            for index, (words, grads) in enumerate(variants):
+                named = holds(grads, None)
+                rerun = reading.name != "scale"  # a scale is the truth times a factor
+                if not named and rerun and low is not None and _grows(grads, theirs, actual_of):
+                    # its op's own float32 rounding may be what the kernel misses by
+                    rounded = list(reading.truths(low)) if rounded is None else rounded
+                    named = holds(grads, rounded[index][1])
+                if named:
+                    found.append(_finding(reading, words))
+                    break
+    return tuple(found)
+
+
+def _grows(grads: _Grads, truth: _Grads, kernel: Mapping[str, Any]) -> bool:
+    """Whether a reading's float32 rounding may matter: its gradients reach a thousand times
+    the op's RMS, or some are not finite, or the kernel's are not."""
+    for name, values in grads.items():
+        op = truth.get(name)
+        if values is None or op is None:
+            continue
+        with np.errstate(all="ignore"):
+            if not np.isfinite(values).all() or not np.isfinite(kernel[name]).all():
+                return True
+            if _rms(values) > 1e3 * _rms(op):
+                return True
+    return False
+
+
+def _rms(t: NDArray[Any]) -> float:
+    return math.sqrt(float(np.mean(np.square(t, dtype=np.float64)))) if t.size else 0.0
+
+
+def _figures(low: _Array, e: _Array) -> tuple[float, float]:
+    """The ``(rms, max)`` floor figures of ``low`` against ``e``: RMS and largest error over
+    ``rms(e)``."""
+    scale = math.sqrt(float(np.mean(e * e))) if e.size else 0.0
+    if scale == 0 or not np.isfinite(scale):
+        return (0.0, 0.0)
+    err = np.abs(low - e)
+    return (math.sqrt(float(np.mean(err * err))) / scale, float(err.max()) / scale)
+
+
+def _finding(reading: Reading, variant: str) -> Finding:
+    what = variant if not reading.computes else reading.computes
+    if variant and reading.computes:
+        what = f"{reading.computes}; {variant}"
+    return Finding(
+        "misreading",
+        None,
+        f"every gradient matches the op with {what}",
+        {"reading": reading.name, "variant": variant or None},
+    )
+
+
+def _sliced(t: NDArray[Any], name: str, rows: slice, heads: slice, keep: bool = False) -> Any:
+    """Gradient ``name``'s slice, in float64 unless ``keep`` (the kernel's dtype)."""
+    part = t[rows, heads] if name == "dstate" else t[rows, :, heads]
+    return part if keep else np.asarray(part, np.float64)
+
+
+def _case_slice(
+    inputs: tuple[NDArray[Any] | None, ...],
+    layout: GdnBackwardLayout,
+    rows: slice,
+    heads: slice,
+) -> _Case:
+    q, k, v, g, beta, dy, state = inputs
+
+    def part(t: NDArray[Any] | None) -> _Array:
+        assert t is not None
+        return np.asarray(t[rows, :, heads], np.float64)
+
+    return _Case(
+        part(q),
+        part(k),
+        part(v),
+        part(g),
+        part(beta),
+        part(dy),
+        None if state is None else np.asarray(state[rows, heads], np.float64),
+        layout.gate_per_channel,
+    )
+
+
+#: The chunk length of the fused kernels whose masked decay differences may overflow.
+_KERNEL_CHUNK: Final = 64
+
+
+def overflow_finding(
+    nonfinite: Mapping[str, NDArray[Any]], g: NDArray[Any], buffers: np.dtype[Any]
+) -> Finding | None:
+    """``overflow`` when the gradients ``nonfinite`` (by name: the kernel's, non-finite where
+    the truth is finite) are non-finite in a chunk of 64 steps whose log-decay ``-sum(g)``
+    spans more than ``exp`` takes in the kernel's computation dtype (float64 for float64
+    buffers, else float32): a chunked kernel that takes ``exp(G_i - G_j)`` of every pair
+    before masking the anti-causal half overflows there, and ``inf * 0`` is NaN."""
+    steps = g.shape[1] if g.ndim >= 3 else 0
+    if not nonfinite or steps == 0:
+        return None
+    compute = np.float64 if buffers == np.float64 else np.float32
+    reach = math.log(float(np.finfo(compute).max))
+    pad = -steps % _KERNEL_CHUNK
+    with np.errstate(all="ignore"):
+        spans = np.pad(np.asarray(g, np.float64), [(0, 0), (0, pad)] + [(0, 0)] * (g.ndim - 2))
+        spans = -spans.reshape(g.shape[0], -1, _KERNEL_CHUNK, *g.shape[2:]).sum(axis=2)
+        if spans.ndim == 4:  # a per-channel gate: its largest channel
+            spans = spans.max(axis=-1)
+    over = spans > reach  # [B, chunks, H]
+    hit = []
+    for name, grad in nonfinite.items():
+        if name == "dstate":
+            continue
+        bad: NDArray[np.bool_] = ~np.isfinite(np.asarray(grad, np.float64))
+        steps_bad = np.pad(bad.reshape(*bad.shape[:3], -1).any(axis=-1), [(0, 0), (0, pad), (0, 0)])
+        chunks_bad = steps_bad.reshape(bad.shape[0], -1, _KERNEL_CHUNK, bad.shape[2]).any(axis=2)
+        if (chunks_bad & over).any():
+            hit.append(name)
+    if not hit:
+        return None
+    span = float(spans[over].max())
+    return Finding(
+        "overflow",
+        None,
+        f"{', '.join(hit)} {'is' if len(hit) == 1 else 'are'} non-finite in chunks of "
+        f"{_KERNEL_CHUNK} steps whose log-decay spans up to {span:.4g}, more than "
+        f"{np.dtype(compute).name}'s exp takes ({reach:.4g}): an exp of a masked (anti-causal) "
+        "decay difference overflowing? mask before exp",
+        {"gradients": tuple(hit), "span": span, "reach": reach, "chunk": _KERNEL_CHUNK},
+    )

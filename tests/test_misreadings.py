@@ -1,0 +1,187 @@
+"""Misreadings named by re-running the op: each reading, applied by a kernel written apart
+from the kit (tests/panel.py's step-by-step kernel under autograd, or the reference on inputs
+read another way), is named; correct kernels and bugs of other kinds are not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from numpy.typing import NDArray
+
+from gdn_layout import GdnBackwardLayout, compare, make_fixture, unpack
+from gdn_layout.check import _misreadings
+from gdn_layout.check._findings import KINDS, Finding
+from gdn_layout.files import Fixture
+from gdn_layout.reference import backward
+
+READINGS = tuple(r.name for r in _misreadings.READINGS)
+
+#: Each reading, and the variants a port has of it (``panel.misread``'s ``variant``).
+PANEL = (
+    *((name, "") for name in READINGS if name != "scale"),
+    ("gate_shift", "early"),
+    ("beta_missing", "dv"),
+    ("scale", "1"),
+    ("scale", "1/N"),
+    ("scale", "16"),
+)
+
+
+def _named(found: tuple[Finding, ...]) -> list[object]:
+    return [f.details["reading"] for f in found if f.kind == "misreading"]
+
+
+@pytest.fixture(scope="module", params=["scalar", "channel"])
+def fixture(request: pytest.FixtureRequest) -> Fixture:
+    layout = GdnBackwardLayout(
+        2, 40, 2, 8, gate_per_channel=request.param == "channel", carry_state=True
+    )
+    return make_fixture(layout, regime="mixed", seed=3)
+
+
+def test_the_vocabulary_is_the_table_s() -> None:
+    assert len(set(READINGS)) == len(READINGS)
+    assert "misreading" in KINDS
+    assert "overflow" in KINDS
+    assert KINDS.index("misreading") < KINDS.index("unwritten")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("reading", "variant"), PANEL, ids=lambda v: str(v) or "-")
+def test_an_independent_kernel_s_misreading_is_named(
+    fixture: Fixture, reading: str, variant: str
+) -> None:
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    if not next(r for r in _misreadings.READINGS if r.name == reading).applies(fixture.layout):
+        pytest.skip(f"{reading} cannot change this layout")
+    result = compare(panel.misread(fx := fixture, reading, variant), fx)
+    assert not result.passed
+    named = _named(result.findings)
+    assert named == [reading], [f.text for f in result.findings]
+    # the reading explains every gradient: no per-gradient guess is left beside it
+    assert all(not g.findings for g in result.grads)
+    text = result.findings[0].text
+    assert text.startswith("every gradient matches the op with ")
+
+
+def _read(fx: Fixture, **changed: Any) -> NDArray[Any]:
+    """The reference on the fixture's inputs read another way: a kernel with that reading."""
+    x: dict[str, Any] = dict(
+        zip(("q", "k", "v", "g", "beta", "dy", "state"), fx.inputs, strict=True)
+    )
+    x.update(changed)
+    return backward(*x.values(), dtype=np.float32)
+
+
+def test_the_reference_on_misread_inputs_is_named() -> None:
+    fx = make_fixture(GdnBackwardLayout(2, 24, 2, 4, carry_state=True), regime="mild", seed=1)
+    q, k, _, g, beta, _, state = fx.inputs
+    assert state is not None
+    cases = {
+        "state_transposed": _read(fx, state=state.swapaxes(-1, -2)),
+        "gate_exp_twice": _read(fx, g=np.exp(g)),
+        "g_beta_swapped": _read(fx, g=beta, beta=g),
+        "qk_swapped": _read(fx, q=k, k=q),
+        "scale": _read(fx, q=q * np.sqrt(fx.layout.state_size)),  # the scale 1 ...
+    }
+    unpack(cases["scale"], fx.layout).dq[...] *= np.sqrt(fx.layout.state_size)  # ... in dq too
+    for reading, kernel in cases.items():
+        result = compare(kernel, fx)
+        assert _named(result.findings) == [reading], (reading, result.causes())
+    assert "the scale 1 instead of 1/sqrt(N)" in compare(cases["scale"], fx).findings[0].text
+
+
+def test_state_transposed_says_it_plainly() -> None:
+    fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")
+    assert fx.state is not None
+    result = compare(_read(fx, state=fx.state.swapaxes(-1, -2)), fx)
+    assert result.causes() == [
+        "likely cause: every gradient matches the op with the initial state read transposed "
+        "(state[b, h, j, i]): the kernel reads the state as [V, K]"
+    ]
+    assert result.findings[0].details == {"reading": "state_transposed", "variant": None}
+    assert result.findings[0].gradient is None
+
+
+@pytest.mark.parametrize("regime", ["mild", "qwen", "extreme"])
+def test_correct_kernels_and_other_bugs_get_no_misreading(regime: str) -> None:
+    fx = make_fixture(GdnBackwardLayout(2, 40, 2, 8, carry_state=True), regime=regime, seed=5)
+    good = backward(*fx.inputs, dtype=np.float32)
+    assert compare(good, fx).passed
+    for bug in ("dq times 2", "dv's heads exchanged", "one wrong element", "dbeta zero"):
+        out = good.copy()
+        grads = unpack(out, fx.layout)
+        if bug == "dq times 2":
+            grads.dq[...] *= 2
+        elif bug == "dv's heads exchanged":
+            grads.dv[...] = grads.dv[:, :, ::-1].copy()
+        elif bug == "one wrong element":
+            grads.dk[1, 7, 1, 3] = 1e3
+        else:
+            grads.dbeta[...] = 0.0
+        result = compare(out, fx)
+        assert not result.passed
+        assert not _named(result.findings), (bug, result.causes())
+
+
+def test_a_kernel_failing_off_the_slice_is_not_re_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    layout = GdnBackwardLayout(3, 8, 2, 4)
+    fx = make_fixture(layout, regime="mild")
+    out = backward(*fx.inputs, dtype=np.float32)
+    unpack(out, layout).dv[2] *= 2  # row 2: outside the slice of rows 0 and 1
+    ran = []
+    monkeypatch.setattr(_misreadings, "_run", lambda *a: ran.append(a))
+    assert not compare(out, fx).passed
+    assert not ran
+
+
+def test_bare_arrays_have_no_inputs_to_re_run() -> None:
+    fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")
+    assert fx.state is not None
+    kernel = _read(fx, state=fx.state.swapaxes(-1, -2))
+    result = compare(kernel, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales)
+    assert not _named(result.findings)
+
+
+def test_an_overflowing_masked_decay_is_overflow_not_unwritten() -> None:
+    layout = GdnBackwardLayout(1, 128, 2, 8)
+    for regime, named in (("extreme", True), ("mild", False)):
+        fx = make_fixture(layout, regime=regime)
+        out = backward(*fx.inputs, dtype=np.float32)
+        unpack(out, layout).dq[0, 70:] = np.nan  # in the second chunk of 64
+        kinds = [f.kind for f in compare(out, fx).findings]
+        assert ("overflow" in kinds) is named
+        assert "nonfinite" in kinds
+        if named:
+            assert kinds[0] == "overflow"
+            text = compare(out, fx).findings[0].text
+            assert "more than float32's exp takes (88.72)" in text
+            assert text.endswith("mask before exp")
+    fx = make_fixture(layout, regime="extreme")
+    nan = np.full_like(fx.packed, np.nan)
+    kinds = [f.kind for f in compare(nan, fx).findings]
+    assert kinds[0] == "overflow"
+    assert "unwritten" not in kinds
+
+
+def test_a_nan_outside_the_long_chunks_is_not_overflow() -> None:
+    layout = GdnBackwardLayout(1, 128, 2, 8)
+    fx = make_fixture(layout, regime="extreme")
+    g = fx.g.copy()
+    g[:, :64] = -200 / 64  # a span of 200: past float32's exp, within float64's
+    g[:, 64:] = -1e-3  # the second chunk barely decays
+    spans = -g.reshape(1, 2, 64, 2).sum(axis=2)
+    assert spans[0, 0].min() > 88.8
+    assert spans[0, 0].max() < 709
+    assert spans[0, 1].max() < 1
+    grads = {"dq": np.zeros((1, 128, 2, 8))}
+    grads["dq"][0, 100, 1, 3] = np.nan
+    assert _misreadings.overflow_finding(grads, g, np.dtype(np.float32)) is None
+    grads["dq"][0, 10, 1, 3] = np.nan
+    found = _misreadings.overflow_finding(grads, g, np.dtype(np.float32))
+    assert found is not None
+    assert found.details["gradients"] == ("dq",)
+    assert _misreadings.overflow_finding(grads, g, np.dtype(np.float64)) is None  # 709.8
