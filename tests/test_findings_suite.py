@@ -22,7 +22,7 @@ from numpy.typing import NDArray
 from gdn_layout import Case, GdnGrads, load_suite, unpack
 from gdn_layout.check import Criterion
 from gdn_layout.check._criterion import step_scores
-from gdn_layout.check._findings import KINDS, buffer_findings, grad_findings
+from gdn_layout.check._findings import _IDENTIFIED, KINDS, buffer_findings, grad_findings
 from gdn_layout.reference import backward
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,13 @@ def test_every_injected_bug_of_the_benchmark_is_named(cases: list[Case]) -> None
             hit, other = bench._named(kind, where, result.findings)
             assert not other, (case.name, kind, [f.text for f in result.findings])
             named[kind] += hit
-            if not hit and kind != "boundary":
+            truth = unpack(case.expected, case.layout)
+            few = any(  # too few values to identify a structure: no finding, by rule
+                np.count_nonzero(getattr(truth, g.name)) < _IDENTIFIED
+                for g in result.grads
+                if not g.passed
+            )
+            if not hit and kind != "boundary" and not few:
                 pytest.fail(f"{kind} not named on {case.name}: {[f.text for f in result.findings]}")
     # Each kind failed and was named on many cases. A state not carried across a step may go
     # unnamed where its error stays within a step or two (strong decay), or within rounding's

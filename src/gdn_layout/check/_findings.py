@@ -75,6 +75,13 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
 A gradient whose tested region passes gets no finding at all: the caller asks only about
 failing ones.
 
+**No structure from too little data.** Every structural hypothesis but ``boundary`` is tested
+on at least :data:`_IDENTIFIED` (16) non-zero expected elements (those the undone actual is
+compared with: a shift's overlapping steps), and a gradient of fewer is not looked for at
+other offsets of the buffer: on a handful of values, a shift, a transpose, a permutation, a
+factor or an offset matches as a rounding does. ``boundary`` needs 24 elements in its wrong
+run and 8 in its right part.
+
 **Cost and memory.** :func:`grad_findings` first scans the gradient a block of steps (of
 batch elements for ``dstate``) at a time for the ``unwritten`` and ``nonfinite`` kinds; if
 either holds, or the expected values are not all finite, nothing else is tried. The other
@@ -375,7 +382,11 @@ class _Context:
     def explain(self, u: _Array, e: _Array) -> tuple[float, float] | None:
         """``(score, factor)`` when ``u`` (an undone actual) explains the error as is or
         times a fitted constant; None when neither holds. A constant is fitted only to at
-        least :data:`_IDENTIFIED` non-zero expected elements: a handful fits one by chance."""
+        least :data:`_IDENTIFIED` non-zero expected elements: a handful fits one by chance.
+        Nothing is identified on fewer: a shift, a transpose or a permutation of a handful
+        of values may match them as a rounding does."""
+        if np.count_nonzero(e) < _IDENTIFIED:
+            return None
         if _cos2(*_sample(u, e)) < _SIMILAR or _cos2(u, e) < _SIMILAR:
             return None  # far from e times any factor: no score needed to say no
         plain = self.score(u, e)
@@ -429,14 +440,14 @@ def grad_findings(
     --------
     >>> import numpy as np
     >>> from gdn_layout import GdnBackwardLayout
-    >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2, carry_state=True)
+    >>> layout = GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=4, carry_state=True)
     >>> def score(name, a, e):
     ...     return float(np.abs(a - e).max() / max(np.abs(e).max(), 1e-30) / 1e-3)
-    >>> expected = np.array([[[[1.0, 2.0], [3.0, 4.0]]]])
+    >>> expected = np.arange(1.0, 17.0).reshape(1, 1, 4, 4)
     >>> found = grad_findings("dstate", expected.swapaxes(-1, -2), expected, layout, score)
     >>> [f.kind for f in found]
     ['transpose']
-    >>> grad_findings("dstate", np.zeros((1, 1, 2, 2)), expected, layout, score)[0].text
+    >>> grad_findings("dstate", np.zeros((1, 1, 4, 4)), expected, layout, score)[0].text
     'dstate is all zeros: never written? (a fresh np.empty buffer often reads as zeros)'
     """
     shape = _checked_shape(name, layout)
@@ -809,6 +820,8 @@ def _scale_hint(c: float, n: int) -> tuple[str, ...]:
 
 
 def _scale(ctx: _Context) -> Finding | None:
+    if np.count_nonzero(ctx.e) < _IDENTIFIED:
+        return None  # a handful of values may share one rounded factor
     if _cos2(*_sample(ctx.a, ctx.e)) < _SIMILAR or _cos2(ctx.a, ctx.e) < _SIMILAR:
         return None
     c = _fit(ctx.a, ctx.e, ctx.floor)
@@ -1098,6 +1111,8 @@ def buffer_findings(
         if base <= 1.0:
             found[seg.name] = seg.offset
             continue
+        if np.count_nonzero(e) < _IDENTIFIED:
+            continue  # a few values turn up at some offset by chance: not looked for
         best: tuple[float, int] | None = None
         for offset in _candidates(seg.name, seg.length, segments, other, total):
             s, a = _segment_score(score, seg.name, actual_flat, offset, count, e, check=True)
