@@ -26,6 +26,7 @@ from gdn_layout.check._findings import (
     buffer_findings,
     grad_findings,
     size_findings,
+    tensor_findings,
 )
 from gdn_layout.generate import draw_inputs
 from gdn_layout.reference import backward
@@ -679,3 +680,84 @@ def test_findings_come_most_specific_first() -> None:
     assert [KINDS.index(k) for k in kinds(found)] == sorted(KINDS.index(k) for k in kinds(found))
     assert math.isfinite(findings.FALLS)
     assert findings.FALLS >= findings.GAIN
+
+
+# -- rows and the tensors besides the gradients ------------------------------------------------
+
+
+def _folded(layout: GdnBackwardLayout, regime: str) -> tuple[Array, Array]:
+    """The truth, and a kernel that runs the batch rows as one sequence."""
+    x = draw_inputs(layout, regime=regime, seed=3, dtype=np.float64)
+    b, s = layout.batch, layout.seq
+    one = [t.reshape(1, b * s, *t.shape[2:]) for t in x[:6]]
+    folded = backward(*one, dtype=np.float32)
+    g = unpack(folded, GdnBackwardLayout(1, b * s, layout.heads, layout.state_size))
+    packed = pack(*(t.reshape(b, s, *t.shape[2:]) for t in (g.dq, g.dk, g.dv, g.dg, g.dbeta)))
+    return backward(*x), packed
+
+
+@pytest.mark.parametrize("regime", ["zero", "mixed", "strong"])
+def test_rows_run_as_one_sequence_are_named(regime: str) -> None:
+    layout = GdnBackwardLayout(3, 24, 2, 4)
+    expected, actual = _folded(layout, regime)
+    found = [
+        f
+        for name, a in views(actual, layout).items()
+        for f in grad_findings(name, a, views(expected, layout)[name], layout, SCORE)
+    ]
+    carried = [f for f in found if "rows" in f.details]
+    assert carried, [f.text for f in found]
+    for f in carried:  # a seam between rows 0 and 1, or 1 and 2
+        rows = f.details["rows"]
+        assert f.kind == "boundary"
+        assert isinstance(rows, tuple)
+        assert rows[0] in (1, 2)
+    assert "the state carried across rows" in carried[0].text
+    assert not any(f.kind == "boundary" and "rows" not in f.details for f in found)
+
+
+def test_a_wrong_first_row_is_not_a_carried_state() -> None:
+    layout = GdnBackwardLayout(3, 24, 2, 4)
+    e = grads(layout)["dq"]
+    a = e.copy()
+    a[0, :4] *= 3  # row 0's first steps: no row before it to carry a state from
+    assert not any("rows" in f.details for f in grad_findings("dq", a, e, layout, SCORE))
+
+
+def _state_score(a: Array, e: Array) -> float:
+    return float(np.abs(a - e).max() / np.abs(e).max() / 1e-6)
+
+
+@pytest.mark.parametrize("name", ["h", "dh"])
+def test_a_state_one_chunk_off_is_named(name: str) -> None:
+    e = np.random.default_rng(0).standard_normal((2, 5, 2, 4, 4))
+    leaving = np.concatenate([e[:, 1:], np.zeros_like(e[:, :1])], axis=1)
+    (found,) = tensor_findings(name, leaving, e, _state_score)
+    assert (found.kind, found.details["step"]) == ("shift", -1)
+    assert found.text.startswith(f"{name} is one chunk off: {name}[c] holds expected[c + 1]")
+    entering = np.concatenate([np.zeros_like(e[:, :1]), e[:, :-1]], axis=1)
+    (found,) = tensor_findings(name, entering, e, _state_score)
+    assert found.details["step"] == 1
+
+
+@pytest.mark.parametrize("name", ["h", "dh", "final_state"])
+def test_a_transposed_state_is_named(name: str) -> None:
+    shape = (2, 3, 4, 4) if name == "final_state" else (2, 3, 2, 4, 4)
+    e = np.random.default_rng(1).standard_normal(shape)
+    (found,) = tensor_findings(name, e.swapaxes(-1, -2), e, _state_score)
+    assert found.kind == "transpose"
+    assert "(a state kept as [V, K]?)" in found.text
+
+
+def test_failing_chunks_and_rows_of_a_state_are_named() -> None:
+    e = np.random.default_rng(2).standard_normal((3, 6, 2, 4, 4))
+    a = e.copy()
+    a[1, 2:] *= 1.5  # row 1, from chunk 2 on
+    texts = [f.text for f in tensor_findings("h", a, e, _state_score)]
+    assert texts == [
+        "h fails in batch row 1 of 3",
+        "h is wrong from chunk 2 on (4 of 6 chunks fail)",
+    ]
+    assert tensor_findings("h", e, e, _state_score) == ()
+    tiny = e[:1, :1, :1, :2, :2]  # 4 values: too few to identify a transpose
+    assert tensor_findings("h", tiny.swapaxes(-1, -2), tiny, _state_score) == ()

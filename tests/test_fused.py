@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, unpack
+from gdn_layout.check._floors import term_scales
 from gdn_layout.generate import draw_inputs
 from gdn_layout.reference._fused import FUSED_CHUNK, chunk_bounds, fused_backward
 from gdn_layout.reference._states import step_by_step
@@ -36,8 +37,15 @@ def test_in_float64_it_computes_the_op(
     packed, outputs, _ = fused_backward(*x, dtype=np.float64, length=length, chunk=chunk)
     truth, truth_outputs = step_by_step(*x, dtype=np.float64, chunk=chunk)
     assert set(outputs) == set(truth_outputs)
+    # dg is a difference of terms far larger than it under extreme decay: it is exact to
+    # the rounding of those terms (their scale), as the criterion judges it.
+    terms = term_scales(x.q, x.k, *unpack(truth, layout)[:2], per_channel=layout.gate_per_channel)
     for seg in layout.segments():
         span = slice(seg.offset, seg.offset + seg.length)
+        if seg.name == "dg":
+            error = float(np.max(np.abs(packed[span] - truth[span]), initial=0.0))
+            assert error <= 1e-9 * max(terms["dg"], float(np.max(np.abs(truth[span]), initial=0.0)))
+            continue
         assert _relative(packed[span], truth[span]) < 1e-9, seg.name
     for name, array in outputs.items():
         assert array.shape == truth_outputs[name].shape

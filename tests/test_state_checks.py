@@ -210,6 +210,11 @@ def test_check_states_names_the_part_and_where() -> None:
     assert message.startswith(f"case {case.name}: dh differ")
     assert "worst at b=0, c=1, h=1, i=" in message
     assert "  h[" not in message  # h passes: only what differs is named
+    with pytest.raises(AssertionError) as info:
+        case.check_states(h=parts["h"].swapaxes(-1, -2), chunk=16)
+    assert "\n    likely cause: h holds its transpose: h[b, c, h, i, j] is expected" in str(
+        info.value
+    )
     with pytest.raises(ValueError, match="give at least one of y, h, dh, final_state"):
         case.check_states()
 
@@ -268,6 +273,10 @@ def test_the_command_line_writes_and_compares_states(fixture: Fixture, tmp_path:
     done = run("compare", "--tensor", "h", tmp_path / "bad.npy", path)
     assert done.returncode == 1
     assert done.stdout.startswith("FAIL h[0, 1, ")
+    np.save(tmp_path / "late.npy", np.concatenate([parts["h"][:, 1:], parts["h"][:, -1:]], 1))
+    done = run("compare", "--tensor", "h", tmp_path / "late.npy", path)
+    assert done.returncode == 1
+    assert "\nlikely cause: h is one chunk off: h[c] holds expected[c + 1]" in done.stdout
     np.save(tmp_path / "y.npy", parts["y"])
     assert run("compare", "--tensor", "y", tmp_path / "y.npy", path).returncode == 0
     done = run("compare", "--tensor", "h", "--chunk", "8", tmp_path / "h.npy", path)

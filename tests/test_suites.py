@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, load_fixture, write_suite
+from gdn_layout.check._findings import _IDENTIFIED
 from gdn_layout.cli import main
 from gdn_layout.files import FixtureError
 from gdn_layout.reference import backward
@@ -155,11 +156,18 @@ def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest
     assert len(reports) == len(multihead)
     assert all(line.endswith("gradient(s) dv differ") for line in reports)
     # And the line after each names the cause (as the end of the table does again).
+    # A dv of fewer than _IDENTIFIED values is too few to identify a permutation by.
     lines = result.outlines
     leads = [lines[i + 1] for i, line in enumerate(lines) if line in reports]
     assert len(leads) == len(multihead)
     cause = "likely cause: dv's heads are permuted: heads 0 and 1 exchanged"
-    assert all(line.startswith("E ") and line.endswith(cause) for line in leads), leads
+    identified = {
+        p.stem
+        for p in paths
+        if p.stem in multihead and np.count_nonzero(load_fixture(p).grads.dv) >= _IDENTIFIED
+    }
+    named = [line for line in leads if line.startswith("E ") and line.endswith(cause)]
+    assert len(named) == len(identified) < len(multihead), leads
 
 
 @pytest.mark.slow

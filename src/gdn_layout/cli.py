@@ -507,6 +507,8 @@ def _compare_tensor(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(result)
+        for finding in result.findings:
+            print(f"likely cause: {finding.text}")
     return 0 if result.passed else 1
 
 

@@ -240,6 +240,7 @@ class Case:
                 if r.worst is not None:
                     axes = ", ".join(f"{a}={i}" for a, i in zip(r.axes, r.worst, strict=True))
                     lines.append(f"    worst at {axes}")
+                lines.extend(f"    likely cause: {f.text}" for f in r.findings)
             raise AssertionError("\n".join(lines))
         return results
 

@@ -25,7 +25,7 @@ from ._criterion import (
     per_grad,
     step_scores,
 )
-from ._findings import Finding, buffer_findings, grad_findings, size_findings
+from ._findings import Finding, buffer_findings, grad_findings, size_findings, tensor_findings
 from ._misreadings import misreading_findings, overflow_finding
 from ._records import Comparison, GradComparison
 from ._scan import cause_maps, scan
@@ -493,7 +493,17 @@ def compare_tensor(
     seg = Segment(name, 0, expected.size, expected.shape)
     a, e = array.reshape(-1), np.asarray(expected).reshape(-1)
     judged = judged_precision(precision, func, array.dtype, expected.dtype)
-    return scan(seg, a, e, Criterion.calibrated(floors, judged, name, e), False)
+    criterion = Criterion.calibrated(floors, judged, name, e)
+    result = scan(seg, a, e, criterion, False)
+    if result.passed:
+        return result
+
+    def score(part: NDArray[np.float64], truth: NDArray[np.float64]) -> float:
+        # the whole tensor's criterion: its floors as errors of the whole
+        return criterion.score(part, truth)
+
+    found = tensor_findings(name, array, np.asarray(expected), score)
+    return dataclasses.replace(result, findings=found)
 
 
 # -- validation ----------------------------------------------------------------------------

@@ -137,6 +137,7 @@ __all__ = [
     "buffer_findings",
     "grad_findings",
     "size_findings",
+    "tensor_findings",
 ]
 
 #: Every kind of finding, most specific first: the order findings are returned in.
@@ -369,6 +370,22 @@ class _Context:
     def score(self, a: _Array, e: _Array) -> float:
         return _scored(self._score, self.name, a, e)
 
+    def row_step_scores(self) -> _Array:
+        """The score of each step of each batch row: ``[B, S]``."""
+        steps = getattr(self._score, "steps", None)
+        a, e = self.a, self.e
+        with np.errstate(all="ignore"):
+            if steps is not None:
+                rows = [
+                    np.asarray(steps(self.name, a[r : r + 1], e[r : r + 1])) for r in range(len(a))
+                ]
+                return np.stack(rows)
+            cells = [
+                [self.score(a[r : r + 1, t], e[r : r + 1, t]) for t in range(a.shape[1])]
+                for r in range(len(a))
+            ]
+            return np.array(cells, dtype=np.float64)
+
     def step_scores(self) -> _Array:
         """The score of each step of the region (its index along axis 1)."""
         steps = getattr(self._score, "steps", None)
@@ -478,12 +495,12 @@ def grad_findings(
     if base <= 1.0:
         return ()
     ctx = _Context(name, a, e, score, base, layout, rows == shape[0], actual.dtype)
-    for hypothesis in (_transpose, _heads, _batch, _shift, _scale, _axes, _boundary):
+    for hypothesis in (_transpose, _heads, _batch, _shift, _scale, _axes, _rows_carried, _boundary):
         finding = hypothesis(ctx)
         if finding is not None:
             found.append(finding)
-            if _explains(finding):
-                break
+            if _explains(finding) or hypothesis is _rows_carried:
+                break  # the rows' boundary says where the steps go wrong
     if not found and base <= ROUNDING_MAX:
         found.append(_rounding(name, base))
     return tuple(sorted(found, key=lambda f: KINDS.index(f.kind)))
@@ -873,6 +890,45 @@ def _axes(ctx: _Context) -> Finding | None:
     got = ", ".join(names[i] for i in order)
     text = f"{ctx.name} holds its values in the order [{got}], not [{', '.join(names)}]"
     return _finding(ctx, "axes", text, result, {"order": tuple(names[i] for i in order)})
+
+
+def _rows_carried(ctx: _Context) -> Finding | None:
+    """Rows after the first wrong from their first step while row 0 starts right: a state
+    carried from one batch row into the next (the rows run as one sequence), which in the
+    backward also makes the row before wrong at its last steps."""
+    a, e = ctx.a, ctx.e
+    if _step_axis(ctx.name) is None or not ctx.whole or a.shape[0] < 2 or a.shape[1] < 2:
+        return None
+    per = ctx.row_step_scores()
+    fail = ~(per <= 1.0)
+    last = a.shape[0] - 1
+    # Wrong next to a seam between rows, where no other row is: a row's first steps after
+    # the first row (row 0's first steps right), or a row's last steps before the last one
+    # (the last row's right: the next row's dy carried back into the row before).
+    first = [r for r in range(1, last + 1) if fail[r, 0]] if not fail[0, 0] else []
+    ends = [r for r in range(last) if fail[r, -1]] if not fail[last, -1] else []
+    if not (first or ends):
+        return None
+    seams = sorted({*first, *(r + 1 for r in ends)})
+    rows_failing = {r for r in range(last + 1) if fail[r].any()}
+    if not rows_failing <= {*seams, *(r - 1 for r in seams)}:
+        return None
+    # One wrong step is one wrong place, not a seam: the run of failing steps at each side
+    wrong = sum(int(np.argmin(np.append(fail[r], False))) for r in first)
+    wrong += sum(int(np.argmin(np.append(fail[r, ::-1], False))) for r in ends)
+    if wrong < 2:
+        return None
+    if np.nanmax(np.where(fail, per, 0.0)) <= ROUNDING_MAX or np.count_nonzero(e) < _IDENTIFIED:
+        return None
+    r = seams[0]
+    parts = [f"row {r}'s first steps"] if r in first else []
+    parts += [f"row {r - 1}'s last steps"] if r - 1 in ends else []
+    text = f"{ctx.name} is wrong in {' and '.join(parts)}"
+    text += ": the state carried across rows (the rows run as one sequence)?"
+    rows = tuple(seams)
+    before = r - 1 in ends
+    details = {"rows": rows, "previous_last_wrong": before}
+    return Finding("boundary", ctx.name, text, details)
 
 
 def _boundary(ctx: _Context) -> Finding | None:
@@ -1316,3 +1372,126 @@ def size_findings(elems: int, layout: GdnBackwardLayout) -> tuple[Finding, ...]:
         "factor": factor,
     }
     return (Finding("layout", None, f"{elems} elements: {'; or '.join(words)}", details),)
+
+
+# -- the tensors besides the gradients: y and the states ---------------------------------------
+
+
+def tensor_findings(
+    name: str,
+    actual: NDArray[Any],
+    expected: NDArray[Any],
+    score: Callable[[_Array, _Array], float],
+) -> tuple[Finding, ...]:
+    """What explains a failing ``y``, ``h``, ``dh`` or ``final_state`` (``name``): the same
+    rule as the gradients' (module docstring), ``score(actual, expected)`` the tensor's
+    criterion on float64 arrays of one shape (a part of it too).
+
+    ``transpose`` (a state's key and value axes exchanged); ``shift`` along the chunks of
+    ``h`` and ``dh`` (``dh[c]`` holding ``expected[c + 1]``: the cotangent of the state
+    *leaving* chunk ``c``) or the steps of ``y``; ``boundary``: the chunks that fail, when
+    some pass; ``batch``: the rows that fail, when some pass.
+
+    >>> import numpy as np
+    >>> e = np.random.default_rng(0).standard_normal((1, 4, 2, 4, 4))
+    >>> def score(a, e):
+    ...     return float(np.abs(a - e).max() / np.abs(e).max() / 1e-6)
+    >>> late = np.concatenate([e[:, 1:], np.zeros_like(e[:, :1])], axis=1)
+    >>> found = tensor_findings("dh", late, e, score)[0]
+    >>> found.kind, found.text[:48]
+    ('shift', 'dh is one chunk off: dh[c] holds expected[c + 1]')
+    """
+    a, e = _f64(np.asarray(actual)), _f64(np.asarray(expected))
+    if a.shape != e.shape or a.size == 0 or a.size > MAX_WHOLE_ELEMENTS:
+        return ()
+    with np.errstate(all="ignore"):
+        if not (np.isfinite(a).all() and np.isfinite(e).all()):
+            return ()
+        base = score(a, e)
+        if base <= 1.0:
+            return ()
+        if not a.any() and e.any():
+            text = f"{name} is all zeros: never written?"
+            return (Finding("unwritten", name, text, {"value": 0.0, "how": "zeros"}),)
+        for hypothesis in (_tensor_transpose, _tensor_shift):
+            found = hypothesis(name, a, e, score, base)
+            if found is not None:
+                return (found,)
+        parts = (_tensor_parts(name, a, e, score, axis) for axis in (0, 1))
+        return tuple(f for f in parts if f is not None)
+
+
+def _undone(base: float, undone: float, u: _Array, e: _Array) -> bool:
+    """The hypothesis rule on enough values."""
+    return bool(np.count_nonzero(e) >= _IDENTIFIED) and _holds(base, undone, u, e)
+
+
+def _tensor_transpose(
+    name: str, a: _Array, e: _Array, score: Callable[[_Array, _Array], float], base: float
+) -> Finding | None:
+    if name == "y" or a.shape[-1] != a.shape[-2] or a.shape[-1] < 2:
+        return None
+    u = np.swapaxes(a, -1, -2)
+    undone = score(u, e)
+    if not _undone(base, undone, u, e):
+        return None
+    axes = gradient_axes(name, a.ndim)
+    lead = ", ".join(axes[:-2])
+    text = (
+        f"{name} holds its transpose: {name}[{lead}, i, j] is expected[{lead}, j, i] (a state "
+        "kept as [V, K]?)"
+    )
+    return Finding("transpose", name, text, {"score": undone, "score_before": base})
+
+
+def _tensor_shift(
+    name: str, a: _Array, e: _Array, score: Callable[[_Array, _Array], float], base: float
+) -> Finding | None:
+    if name == "final_state" or a.shape[1] < 2:
+        return None
+    unit = "step" if name == "y" else "chunk"
+    for k in (-1, 1):  # actual[:, t] holds expected[:, t - k]
+        u, ref = (a[:, :k], e[:, -k:]) if k < 0 else (a[:, k:], e[:, :-k])
+        undone = score(u, ref)
+        if not _undone(base, undone, u, ref):
+            continue
+        index = "c" if unit == "chunk" else "t"
+        text = f"{name} is one {unit} off: {name}[{index}] holds expected[{index} {-k:+d}]"
+        text = text.replace("+1]", "+ 1]").replace("-1]", "- 1]")
+        if unit == "chunk":
+            which = "leaving" if k < 0 else "entering the chunk before"
+            what = "the cotangent of the state" if name == "dh" else "the state"
+            text += f" ({what} {which} chunk c"
+            text += ", as another library keeps it?)" if k < 0 else "?)"
+        return Finding("shift", name, text, {"step": k, "score": undone, "score_before": base})
+    return None
+
+
+def _tensor_parts(
+    name: str,
+    a: _Array,
+    e: _Array,
+    score: Callable[[_Array, _Array], float],
+    axis: int,
+) -> Finding | None:
+    """The rows (``axis`` 0) or chunks (``axis`` 1 of ``h`` and ``dh``) that fail, when
+    some pass: where the kernel goes wrong."""
+    if axis == 1 and name not in ("h", "dh"):
+        return None
+    count = a.shape[axis]
+    if count < 2:
+        return None
+    scores = [score(np.take(a, i, axis), np.take(e, i, axis)) for i in range(count)]
+    failing = [i for i, s in enumerate(scores) if s > 1.0]
+    if not failing or len(failing) == count:
+        return None
+    shown = ", ".join(map(str, failing[:_SHOWN])) + (", ..." if len(failing) > _SHOWN else "")
+    if axis == 0:
+        text = f"{name} fails in batch row{'s' if len(failing) > 1 else ''} {shown} of {count}"
+        return Finding("batch", name, text, {"rows": tuple(failing), "count": count})
+    start = failing[0]
+    if failing == list(range(start, count)):
+        text = f"{name} is wrong from chunk {start} on ({len(failing)} of {count} chunks fail)"
+    else:
+        text = f"{name} fails in chunk{'s' if len(failing) > 1 else ''} {shown} of {count}"
+    return Finding("boundary", name, text, {"chunks": tuple(failing), "count": count})
