@@ -20,7 +20,7 @@ from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout._dtypes import PRECISIONS
 from gdn_layout.check import Criterion, compare
 from gdn_layout.check._compare import _Score
-from gdn_layout.check._findings import buffer_findings
+from gdn_layout.check._findings import MAX_WHOLE_ELEMENTS, buffer_findings, grad_findings
 from gdn_layout.files import Fixture, save_fixture
 
 MiB = 1 << 20
@@ -153,3 +153,24 @@ def test_buffer_findings_hold_a_few_copies_of_one_segment_not_of_the_buffer() ->
         tracemalloc.stop()
     assert layout.total_elems * 8 > 3 * segment  # a whole copy would show
     assert peak <= 6 * segment, (peak / MiB, segment / MiB)
+
+
+@pytest.mark.slow
+def test_a_failing_gradient_s_findings_hold_copies_of_its_region_not_of_it() -> None:
+    """grad_findings reads the expected gradient a block at a time and holds float64 copies of
+    at most MAX_WHOLE_ELEMENTS of it: never the whole gradient in float64."""
+    layout = GdnBackwardLayout(8, 8192, 8, 128)
+    shape = layout.shape("dq")
+    expected = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+    actual = 2 * expected
+    region = MAX_WHOLE_ELEMENTS * 8
+    assert expected.size * 8 > 6 * region  # a whole float64 copy would show
+    criterion = Criterion.calibrated(None, "float32", "dq", expected)
+    tracemalloc.start()
+    try:
+        found = grad_findings("dq", actual, expected, layout, lambda n, a, e: criterion.score(a, e))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [f.kind for f in found] == ["scale"]
+    assert peak <= 6 * region, (peak / MiB, region / MiB)  # measured: 5 copies (10 before)

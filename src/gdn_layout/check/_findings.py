@@ -471,7 +471,7 @@ def grad_findings(
     if not isinstance(actual, np.ndarray) or actual.shape != shape:
         got = getattr(actual, "shape", type(actual).__name__)
         raise ValueError(f"grad_findings: actual {name} must have shape {shape}, got {got}")
-    e_all = np.asarray(expected, dtype=np.float64)
+    e_all = np.asarray(expected)  # converted a block at a time: no float64 copy of it whole
     if e_all.shape != shape:
         raise ValueError(
             f"grad_findings: expected {name} must have shape {shape}, got {e_all.shape}"
@@ -490,7 +490,7 @@ def grad_findings(
         rows = MAX_WHOLE_ELEMENTS // per_batch
     else:
         return ()
-    a, e = _f64(actual[:rows]), e_all[:rows]
+    a, e = _f64(actual[:rows]), _f64(e_all[:rows])
     base = _scored(score, name, a, e)
     if base <= 1.0:
         return ()
@@ -630,7 +630,7 @@ class _Scan:
         )
 
 
-def _scan(name: str, actual: NDArray[Any], expected: _Array) -> _Scan:
+def _scan(name: str, actual: NDArray[Any], expected: NDArray[Any]) -> _Scan:
     """One pass in float64, a block of steps (for ``dstate`` of batch elements) at a time, each
     block at most :data:`_SCAN_ELEMENTS` elements unless one step alone is more."""
     axis = 0 if _step_axis(name) is None else 1
@@ -647,7 +647,8 @@ def _scan(name: str, actual: NDArray[Any], expected: _Array) -> _Scan:
             e = expected[part] if axis == 0 else expected[:, part]
             rows = a.shape[axis]
             a = np.ascontiguousarray(np.moveaxis(a, axis, 0), dtype=np.float64)
-            a, e = a.reshape(rows, -1), np.moveaxis(e, axis, 0).reshape(rows, -1)
+            e = np.ascontiguousarray(np.moveaxis(e, axis, 0), dtype=np.float64)
+            a, e = a.reshape(rows, -1), e.reshape(rows, -1)
             _scan_block(scan, a, e, i0, axis, slab_shape)
     return scan
 

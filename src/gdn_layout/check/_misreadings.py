@@ -13,8 +13,10 @@ compared are the kernel's with respect to what it read (for ``state_transposed``
 op's values in some gradient it judges (else a bug of another kind, a ``dg`` stored a step
 off under a constant gate, would pass for it), and the kernel must pass against it in every
 gradient it judges. A reading of the inputs changes the forward and with it every gradient,
-so a case failing in one gradient alone is tried only against ``beta_missing``, whose ``dv``
-variant touches ``dv`` alone.
+so a case failing in one gradient alone is tried only against the readings that may change
+it alone (:attr:`Reading.alone`): ``beta_missing``, whose ``dv`` variant touches ``dv``
+alone, and ``gate_axis``, whose forward under a gate of 0 is the op's and whose ``dg`` is
+not.
 
 **Cost.** A re-run is the step-by-step form on a slice of the case: the first two batch rows
 (one when ``B = 1``) and as many heads as keep it within :data:`BUDGET` state elements
@@ -211,6 +213,9 @@ class Reading(NamedTuple):
     computes: str
     applies: Callable[[GdnBackwardLayout], bool]
     truths: Callable[[_Case], Iterator[tuple[str, _Grads]]]
+    #: The gradient it may change alone (in some cases): a case failing in that one alone
+    #: is tried against it; every other reading changes the forward, and every gradient.
+    alone: str | None = None
 
 
 def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
@@ -341,6 +346,7 @@ READINGS: Final[tuple[Reading, ...]] = (
         "the per-channel decay on value columns instead of key rows",
         lambda layout: layout.gate_per_channel,
         _gate_axis,
+        "dg",  # under a gate of 0 the forward is the op's, dg summed over columns
     ),
     Reading(
         "g_beta_swapped",
@@ -348,7 +354,7 @@ READINGS: Final[tuple[Reading, ...]] = (
         lambda layout: not layout.gate_per_channel,
         _g_beta_swapped,
     ),
-    Reading("beta_missing", "", lambda layout: True, _beta_missing),
+    Reading("beta_missing", "", lambda layout: True, _beta_missing, "dv"),
     Reading(
         "qk_normalized",
         "q and k L2-normalized again inside (an l2norm flag left on?)",
@@ -467,7 +473,7 @@ def misreading_findings(
     for reading in READINGS:
         if not reading.applies(layout):
             continue
-        if len(failing) == 1 and reading.name != "beta_missing":
+        if len(failing) == 1 and {reading.alone} != failing:
             continue  # a reading that changes the forward changes every gradient
         variants: Iterator[tuple[str, _Grads]]
         if reading.name == "scale":
