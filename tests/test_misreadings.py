@@ -185,3 +185,14 @@ def test_a_nan_outside_the_long_chunks_is_not_overflow() -> None:
     assert found is not None
     assert found.details["gradients"] == ("dq",)
     assert _misreadings.overflow_finding(grads, g, np.dtype(np.float64)) is None  # 709.8
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reading", ["gate_exp_twice", "g_beta_swapped"])
+def test_a_reading_whose_op_overflows_is_named_on_the_values_left(reading: str) -> None:
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    fx = make_fixture(GdnBackwardLayout(2, 200, 2, 8, carry_state=True), regime="mild", seed=3)
+    kernel = panel.misread(fx, reading)
+    assert not np.isfinite(kernel).all()  # the kernel overflowed, as its op does in float32
+    assert _named(compare(kernel, fx).findings) == [reading]

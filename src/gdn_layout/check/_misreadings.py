@@ -60,6 +60,7 @@ _Grads = dict[str, _Array | None]
 #: The most state elements a re-run steps through (``rows * heads * S * N**2``).
 BUDGET: Final = 1 << 24
 _CHECKPOINT: Final = 64  # steps between the states a re-run keeps
+_VERIFIED: Final = 16  # the least values a reading is verified on, when overflow frees some
 _PADDED: Final = (16, 32, 64, 128, 256)  # head sizes a library pads N to
 #: Values within 16 binades of float32's largest may overflow in another order of the sums
 #: that form them: a kernel's value there is free.
@@ -435,6 +436,7 @@ def misreading_findings(
         if dq is None or dk is None:  # a gradient alone: the terms of the op's own dg
             dq, dk = theirs["dq"], theirs["dk"]
         term = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+        verified = 0  # values compared: those an overflow leaves are free
         for name in judged:
             e = np.asarray(grads[name], np.float64)
             a = np.asarray(kernel[name], np.float64)
@@ -443,16 +445,19 @@ def misreading_findings(
                 r = np.asarray(rounded[name], np.float64)
                 largest = float(np.finfo(actual_of[name].dtype).max)
                 big = np.abs(e) > min(_NEAR_OVERFLOW, largest)
-                free = ~np.isfinite(r) | big
-                if (~np.isfinite(a) & ~free).any() or free.all():
+                free = ~np.isfinite(r) | big | ~np.isfinite(e)  # past any float: unverifiable
+                if (~np.isfinite(a) & ~free).any():
                     return False
                 e, a, r = e[~free], a[~free], r[~free]
+                verified += e.size
                 floor = _figures(r, e)
             if not np.isfinite(e).all():
                 return False
             if criterion(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
                 return False
-        return bool(judged)
+            if rounded is None:
+                verified += e.size
+        return bool(judged) and verified >= _VERIFIED
 
     failing = {n for n in names if not passes({n: theirs[n]}, None, actual_of)}
     if not failing:
