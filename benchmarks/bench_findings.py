@@ -24,7 +24,7 @@ kernels (the float32 chunked and step-by-step forms, and the float64 truth round
 and to bfloat16), how many cases fail and how many get a structural finding (anything but
 ``rounding``), and the time of a comparison with findings over one without, in the same run.
 
-    python benchmarks/bench_findings.py [--suite DIR] [--quick]
+    python benchmarks/bench_findings.py [--suite DIR] [--quick] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -257,16 +257,27 @@ def misreading_panel(cases: list[Case]) -> None:
         print(f"  {line}")
 
 
+def _dtype(name: str) -> Any:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--suite", type=Path, help="a standard suite to read (else written)")
     parser.add_argument("--quick", action="store_true", help="every 8th case only")
+    parser.add_argument(
+        "--dtype", default="float32", help="the suite's dtype when it is written (bfloat16: ...)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         root = args.suite
         if root is None:
             root = Path(folder) / "suite"
-            write_suite(root, workers=None)
+            write_suite(root, dtype=_dtype(args.dtype), workers=None)
         cases = load_suite(root)
     if args.quick:
         cases = cases[::8]

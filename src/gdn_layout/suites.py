@@ -182,9 +182,10 @@ class Case:
         result = self.compare(actual, **judging)
         if not result.passed:
             lines = [f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"]
-            lines.extend([*(f"  {line}" for line in result.causes()), ""])
-            lines.append(str(result))
-            lines.append("")
+            causes = result.causes()
+            lines.extend([*(f"  {line}" for line in causes), ""])
+            table = str(result).splitlines()  # its last lines are the causes, said above
+            lines.extend([*table[: len(table) - len(causes)], ""])
             lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
             if (rows := _rows_unlike_the_first(self, actual)) is not None:
                 lines.append(rows)
