@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import importlib.util
 import io
 import re
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from gdn_layout import load_fixture, unpack
 from gdn_layout.cli import main
+from gdn_layout.regimes import REGIMES
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -121,3 +123,48 @@ def test_the_failure_the_readme_shows_is_pytest_s(pytester: pytest.Pytester) -> 
             assert got_fields[:3] + got_fields[-1:] == want_fields[:3] + want_fields[-1:]
         else:
             assert got == want
+
+
+#: A kernel for the README's first example: the op step by step in torch, its backward by
+#: autograd, in float32 inside whatever the inputs' dtype (as a bfloat16 kernel computes).
+MY_BACKWARD = """
+import torch
+
+def my_backward(q, k, v, g, beta, state, dy):
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v, g, beta)]
+    s = None if state is None else state.detach().float().requires_grad_()
+    q_, k_, v_, g_, b_ = leaves
+    batch, steps, heads, n = q_.shape
+    h = torch.zeros(batch, heads, n, n) if s is None else s
+    ys = []
+    for t in range(steps):
+        decay = g_[:, t].exp()
+        h = h * (decay[..., None] if g_.dim() == 4 else decay[..., None, None])
+        write = (v_[:, t] - (k_[:, t, :, None, :] @ h)[..., 0, :]) * b_[:, t, :, None]
+        h = h + k_[:, t, :, :, None] * write[..., None, :]
+        ys.append(n**-0.5 * (q_[:, t, :, None, :] @ h)[..., 0, :])
+    (torch.stack(ys, 1) * dy.float()).sum().backward()
+    grads = [t.grad.reshape(-1) for t in leaves] + ([] if s is None else [s.grad.reshape(-1)])
+    return torch.cat(grads).to(q.dtype)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_readme_s_torch_example_runs_as_written(pytester: pytest.Pytester, dtype: str) -> None:
+    # Found, not imported: pytester drops what this process imports while it runs, and torch
+    # cannot be imported twice.
+    for needed in ("torch", "ml_dtypes"):
+        if importlib.util.find_spec(needed) is None:
+            pytest.skip(f"needs {needed}")
+    text = README.read_text()
+    example = re.search(r"```python\n(# test_my_kernel\.py\n.*?)```", text, re.DOTALL)
+    assert example is not None
+    pytester.makepyfile(kernel=MY_BACKWARD)
+    pytester.makepyfile(test_my_kernel="from kernel import my_backward\n" + example.group(1))
+    layout = "2,9,2,4,channel,state"
+    # In a process of its own: torch cannot be imported again in this one.
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--gdn-layout", layout, "--gdn-dtype", dtype
+    )
+    result.assert_outcomes(passed=len(REGIMES))
