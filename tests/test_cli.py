@@ -336,12 +336,20 @@ def test_compare_plot_problems_are_found_before_the_work(
     )
     # The picture itself is tested in test_plot.py: here, that the report asks for it.
     drawn: list[tuple[Comparison, object]] = []
-    monkeypatch.setattr(
-        gdn_layout.plot, "plot_errors", lambda result, path: drawn.append((result, path))
-    )
+    chunks: list[object] = []
+
+    def spy(result: Comparison, path: object, chunk: object = None) -> None:
+        drawn.append((result, path))
+        chunks.append(chunk)
+
+    monkeypatch.setattr(gdn_layout.plot, "plot_errors", spy)
     png = tmp_path / "errors.png"
     result = run("compare", fixture_path, fixture_path, "--plot", png)
     assert result.returncode == 0, result.stderr
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force", "--chunk", "4")
+    assert result.returncode == 0, result.stderr
+    assert chunks == [None, 4]  # --chunk draws a line every 4 steps
+    drawn.pop()
     [(comparison, path)] = drawn
     assert (comparison.passed, comparison.layout, path) == (
         True,

@@ -575,3 +575,22 @@ def test_readme_picture_script(tmp_path: Path) -> None:
         assert _png_size(path.read_bytes()) == size
         assert _png_size((ROOT / "docs" / path.name).read_bytes()) == size
         assert f"](docs/{path.name})" in readme
+
+
+def test_a_state_s_panel_is_over_its_chunks_or_key_rows() -> None:
+    from gdn_layout.check._records import Comparison as Record
+    from gdn_layout.generate import make_fixture
+    from gdn_layout.reference import chunk_states
+    from gdn_layout.suites import compare_states
+
+    fixture = make_fixture(GdnBackwardLayout(2, 40, 2, 4, carry_state=True), states=16)
+    h, _, final = chunk_states(*fixture.inputs, chunk=16, dtype=np.float32)
+    h[1, 1:] *= 2
+    for name, tensor, across in (("h", h, "chunk c"), ("final_state", final, "key row i")):
+        result = compare_states(tensor, fixture, name)
+        fig = plot_errors(Record(fixture.layout, (result,)), chunk=8)
+        (panel,) = _panels(fig).values()
+        assert panel.get_xlabel() == across
+        # chunk lines fall between sequence positions: none on chunks or key rows
+        assert not [c for c in panel.collections if "chunk boundary" in str(c.get_label())]
+        assert panel.get_xticks().tolist() == list(range(tensor.shape[1 if name == "h" else 2]))

@@ -14,6 +14,7 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, load_fixture, save_fixture
+from gdn_layout.cli import main
 from gdn_layout.files import Fixture, FixtureError
 from gdn_layout.generate import make_fixture
 from gdn_layout.reference import chunk_states, forward
@@ -283,13 +284,12 @@ def test_the_command_line_writes_and_compares_states(fixture: Fixture, tmp_path:
     assert done.returncode == 2
     assert "elements, but h of" in done.stderr
     assert len(done.stderr.splitlines()) == 1
-    for extra in (["--rtol", "1e-3"], ["--plot", str(tmp_path / "p.png")]):
-        done = run("compare", "--tensor", "h", *extra, tmp_path / "h.npy", path)
-        assert done.returncode == 2
-        assert "--tensor is judged against the fixture's floors; drop" in done.stderr
+    done = run("compare", "--tensor", "h", "--rtol", "1e-3", tmp_path / "h.npy", path)
+    assert done.returncode == 2
+    assert "--tensor is judged against the fixture's floors; drop --rtol" in done.stderr
     done = run("compare", "--chunk", "8", tmp_path / "h.npy", path)
     assert done.returncode == 2
-    assert "give --tensor" in done.stderr
+    assert "give --tensor or --plot" in done.stderr
     done = run("fixture", "--suite", tmp_path / "suite", "--states", "16")
     assert done.returncode == 2
     assert "--suite writes no states" in done.stderr
@@ -377,3 +377,31 @@ def test_a_numpy_chunk_length_is_kept_as_a_python_int() -> None:
     assert fixture.states_chunk == 2
     assert fixture.h is not None
     assert fixture.h.shape[1] == 2  # chunks of 2 steps
+
+
+def test_compare_tensor_plot_draws_the_state_s_map(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import gdn_layout.plot
+
+    path = tmp_path / "fx.safetensors"
+    fixture = make_fixture(GdnBackwardLayout(2, 40, 2, 4, carry_state=True), states=16)
+    save_fixture(path, fixture)
+    h = _kernel_parts(fixture, 16)["h"]
+    h[1, 1:] *= 2
+    np.save(tmp_path / "h.npy", h)
+    drawn = []
+    real = gdn_layout.plot.plot_errors
+
+    def spy(comparison: Any, **options: Any) -> Any:
+        drawn.append((comparison, options))
+        return real(comparison, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gdn_layout.plot, "plot_errors", spy)
+        command = ["compare", "--tensor", "h", str(tmp_path / "h.npy"), str(path)]
+        done = main([*command, "--plot", str(tmp_path / "h.png")])
+    assert done == 1
+    [(comparison, options)] = drawn
+    assert comparison.names == ("h",)
+    assert options["chunk"] is None  # h's panel is over chunks already
+    assert (tmp_path / "h.png").stat().st_size > 0

@@ -43,7 +43,7 @@ from ._process import escaping_output, report, sigterm_as_exit
 from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
-from .check import compare
+from .check import Comparison, compare
 from .check._criterion import judged_precision
 from .files._fixture import FixtureError, load_fixture, save_fixture
 from .files._outputs import FILE_KINDS, PackedFile, open_packed
@@ -263,7 +263,8 @@ def _compare_command(commands: _Commands) -> None:
         "--chunk",
         type=positive_arg,
         metavar="C",
-        help="the chunk length of h and dh (the fixture's, else 64)",
+        help="the chunk length of h and dh (the fixture's, else 64); with --plot, a line "
+        "every C steps",
     )
     compare.set_defaults(run=_compare)
 
@@ -434,8 +435,11 @@ def _inspect(args: argparse.Namespace) -> int:
 def _compare(args: argparse.Namespace) -> int:
     if args.tensor is not None:
         return _compare_tensor(args)
-    if args.chunk is not None:
-        raise UsageError("--chunk is the chunk length of --tensor h or dh; give --tensor")
+    if args.chunk is not None and args.plot is None:
+        raise UsageError(
+            "--chunk is the chunk length of --tensor h or dh, or of --plot's chunk lines; "
+            "give --tensor or --plot"
+        )
     actual = _open(args.actual, args.dtype)
     expected = _open(args.expected, args.dtype)
     layout = _resolve_layout([actual, expected], args)
@@ -470,16 +474,18 @@ def _compare(args: argparse.Namespace) -> int:
         from .plot import plot_errors
 
         sys.stdout.flush()
-        plot_errors(result, path=args.plot)
+        plot_errors(result, path=args.plot, chunk=args.chunk)
         print(f"wrote {args.plot}")
     return 0 if result.passed else 1
 
 
 def _compare_tensor(args: argparse.Namespace) -> int:
-    given = [f for f in ("rtol", "atol", "max_rms_ratio", "plot") if getattr(args, f) is not None]
+    given = [f for f in ("rtol", "atol", "max_rms_ratio") if getattr(args, f) is not None]
     if given:
         flags = ", ".join("--" + f.replace("_", "-") for f in given)
         raise UsageError(f"--tensor is judged against the fixture's floors; drop {flags}")
+    if args.plot is not None:  # fail before the work, not after it
+        _check_plot_path(args.plot, force=args.force)
     try:
         expected = load_fixture(args.expected)
     except FixtureError as error:
@@ -509,6 +515,12 @@ def _compare_tensor(args: argparse.Namespace) -> int:
         print(result)
         for finding in result.findings:
             print(f"likely cause: {finding.text}")
+    if args.plot is not None:
+        from .plot import plot_errors
+
+        picture = Comparison(expected.layout, (result,))  # one panel: the tensor's map
+        plot_errors(picture, path=args.plot, chunk=args.chunk if args.tensor == "y" else None)
+        print(f"wrote {args.plot}")
     return 0 if result.passed else 1
 
 

@@ -333,7 +333,8 @@ def _heatmap(
     marks it drew, by label."""
     from matplotlib.ticker import NullLocator
 
-    is_state = grad.name == "dstate"
+    is_state = grad.name in ("dstate", "final_state")  # key rows across, no sequence axis
+    across_axis = "i" if is_state else grad.axes[1]  # s, or the chunk c of h and dh
     errors = grad.error_map if batch is None else grad.batch_error_map[batch // grad.batch_bins]
     if batch is None:
         out = grad.mismatch_map.sum(axis=0).T
@@ -342,7 +343,7 @@ def _heatmap(
     bad = ~np.isfinite(errors.T)  # a non-finite mismatch: inf in the error map
     data = errors.T if kind == "error" else _cause_cells(grad, batch, kind).T
     # The axes a cell reduces over: the gradient's own, less the map's two and the batch's.
-    reduced = [a for a in grad.axes if a not in ("b", "h", "i" if is_state else "s")]
+    reduced = [a for a in grad.axes if a not in ("b", "h", across_axis)]
     if batch is None:
         reduced.insert(0, "b")
     elif grad.batch_bins > 1:
@@ -355,10 +356,7 @@ def _heatmap(
     ax.set_title(f"{grad.judged_by.title(grad)}\n{over}", fontsize=8)
     # A binned map's cell holds a block of positions: the axes count cells, and say so.
     across_bin, down_bin = grad.error_map_bins
-    ax.set_xlabel(
-        ("key row i" if is_state else "sequence position s")
-        + (f" / {across_bin} (binned)" if across_bin > 1 else "")
-    )
+    ax.set_xlabel(_ACROSS[across_axis] + (f" / {across_bin} (binned)" if across_bin > 1 else ""))
     ax.set_ylabel("head h" + (f" / {down_bin} (binned)" if down_bin > 1 else ""))
     if data.size == 0:
         ax.set_xticks([])
@@ -371,13 +369,15 @@ def _heatmap(
     bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
     heads, across = data.shape
     lines = "white" if kind == "error" else "black"  # seen on viridis, and on coolwarm's centre
-    _integer_ticks(ax, "x", across, None if is_state or across_bin > 1 else chunk)
+    if across_axis != "s":  # chunk lines fall between sequence positions only
+        chunk = None
+    _integer_ticks(ax, "x", across, None if across_bin > 1 else chunk)
     _integer_ticks(ax, "y", heads, None)
     marks: dict[str, Artist] = {}
     positions = across * across_bin  # at least S: a binned map's last cell may be partial
     # A boundary at position p lies at p / across_bin - 0.5 in cells; drawn when at most one
     # falls in each cell, so that a binned map does not turn white.
-    if chunk is not None and not is_state and across_bin <= chunk < positions:
+    if chunk is not None and across_bin <= chunk < positions:
         edges = np.arange(chunk, min(positions, grad.shape[1]), chunk) / across_bin - 0.5
         marks[f"chunk boundary (every {chunk})"] = ax.vlines(
             edges,
@@ -402,6 +402,8 @@ def _heatmap(
     return marks
 
 
+#: The axis a panel shows across, by its name.
+_ACROSS = {"s": "sequence position s", "c": "chunk c", "i": "key row i"}
 #: What a panel's cells hold, by kind.
 _WHAT = {"error": "max |a-e|", "signed": "a-e at the max |a-e|", "ratio": "<a,e>/<e,e>"}
 #: The colour bar's label, by kind.
