@@ -424,7 +424,9 @@ def test_compare_plot_refuses_an_existing_file_without_force(
     png = tmp_path / "errors.png"
     png.write_bytes(b"precious")
     drawn: list[object] = []
-    monkeypatch.setattr(gdn_layout.plot, "plot_errors", lambda result, path: drawn.append(path))
+    monkeypatch.setattr(
+        gdn_layout.plot, "plot_errors", lambda result, path, chunk=None: drawn.append(path)
+    )
     result = run("compare", fixture_path, fixture_path, "--plot", png)
     assert_user_error(result, str(png), "exists", "--force")
     assert result.stdout == "", "refused before the work"
