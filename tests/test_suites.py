@@ -247,8 +247,14 @@ def test_plugin_makes_the_standard_suite_once_in_pytest_s_cache(
 
     pytester.makepyfile(test_kernel=CORRECT_KERNEL)
     selected = ("--gdn-regime", "zero")
+    root = pytester.path / ".pytest_cache" / "d" / "gdn-layout"
+    past = root / "suite-0.0.1-float32"  # an earlier version's suite, and its lock
+    past.mkdir(parents=True)
+    (past / "manifest.json").write_text("{}")
+    (root / "suite-0.0.1-float32.lock").write_text("")
     first = pytester.runpytest(*selected)
-    folder = pytester.path / ".pytest_cache" / "d" / "gdn-layout" / f"suite-{__version__}-float32"
+    folder = root / f"suite-{__version__}-float32"
+    assert sorted(p.name for p in root.iterdir()) == [folder.name, f"{folder.name}.lock"]
     cases = suite_files(folder, regime="zero")
     first.assert_outcomes(passed=len(cases))
     stamps = {p: p.stat().st_mtime_ns for p in folder.iterdir()}

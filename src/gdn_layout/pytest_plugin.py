@@ -182,7 +182,8 @@ def _judged_in(config: pytest.Config, cases: list[Case]) -> list[Case]:
 def _cached_cases(config: pytest.Config) -> list[Case]:
     """The standard suite in pytest's cache folder: written once per gdn-layout version and
     dtype (by the first process that needs it, under a lock), verified on reuse, and written
-    again, whole, when it is not intact (the folder is the plugin's own)."""
+    again, whole, when it is not intact (the folder is the plugin's own); writing it removes
+    the suites of other versions."""
     instead = "give --gdn-suite DIR or --gdn-layout B,S,H,N, or --gdn-skip to skip such tests"
     cache = getattr(config, "cache", None)
     if cache is None:
@@ -212,6 +213,14 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
             if not intact:
                 shutil.rmtree(folder, ignore_errors=True)
                 write_suite(folder, dtype=dtype)
+                # The suites of other gdn-layout versions are the past: 71 MiB each.
+                for old in root.glob("suite-*"):
+                    if old.name.startswith(f"suite-{__version__}-"):
+                        continue
+                    if old.is_dir():
+                        shutil.rmtree(old, ignore_errors=True)
+                    else:
+                        old.unlink()
             cases = load_suite(
                 folder,
                 min_seq=config.getoption("gdn_min_seq"),
