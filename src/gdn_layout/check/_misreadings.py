@@ -411,11 +411,11 @@ def misreading_findings(
     their shapes) pass against, on a slice of the case (module docstring); () when the
     slice passes against ``expected`` (the fixture's gradients), whose failure is elsewhere.
     ``inputs`` are the case's ``q, k, v, g, beta, dy, state``."""
-    rows = slice(0, min(layout.batch, 2))
-    steps = max(1, layout.seq * layout.state_size**2 * (rows.stop - rows.start))
-    heads = slice(0, max(1, min(layout.heads, BUDGET // steps)))
     if layout.seq == 0 or layout.state_size == 0 or layout.batch == 0 or layout.heads == 0:
         return ()
+    rows = slice(0, min(layout.batch, 2))
+    steps = layout.seq * layout.state_size**2 * (rows.stop - rows.start)
+    heads = slice(0, max(1, min(layout.heads, BUDGET // steps)))
     names = layout.names
     actual_of = {n: _sliced(actual[n], n, rows, heads, keep=True) for n in names}
     theirs = {n: _sliced(expected[n], n, rows, heads) for n in names}
@@ -429,8 +429,9 @@ def misreading_findings(
         q, k, v, g, beta, dy = (t.astype(np.float32) for t in x[:6])
         low = _Case(q, k, v, g, beta, dy, state, x.per_channel)
 
-    def passes(grads: _Grads, rounded: _Grads | None, kernel: Mapping[str, Any]) -> bool:
-        """Whether ``kernel``'s judged gradients all pass against ``grads``."""
+    def passes(grads: _Grads, rounded: _Grads | None, kernel: Mapping[str, Any]) -> int | None:
+        """How many values ``kernel``'s judged gradients were compared on, when all pass
+        against ``grads``; None when one fails."""
         judged = [n for n in names if grads.get(n) is not None]
         dq, dk = grads.get("dq"), grads.get("dk")
         if dq is None or dk is None:  # a gradient alone: the terms of the op's own dg
@@ -447,19 +448,19 @@ def misreading_findings(
                 big = np.abs(e) > min(_NEAR_OVERFLOW, largest)
                 free = ~np.isfinite(r) | big | ~np.isfinite(e)  # past any float: unverifiable
                 if (~np.isfinite(a) & ~free).any():
-                    return False
+                    return None
                 e, a, r = e[~free], a[~free], r[~free]
                 verified += e.size
                 floor = _figures(r, e)
             if not np.isfinite(e).all():
-                return False
+                return None
             if criterion(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
-                return False
+                return None
             if rounded is None:
                 verified += e.size
-        return bool(judged) and verified >= _VERIFIED
+        return verified
 
-    failing = {n for n in names if not passes({n: theirs[n]}, None, actual_of)}
+    failing = {n for n in names if passes({n: theirs[n]}, None, actual_of) is None}
     if not failing:
         return ()
 
@@ -470,9 +471,10 @@ def misreading_findings(
         judged = {n for n in names if grads.get(n) is not None}
         if not failing & judged:
             return False
-        if all(passes({n: grads[n]}, None, theirs) for n in judged):
+        if all(passes({n: grads[n]}, None, theirs) is not None for n in judged):
             return False
-        return passes(grads, rounded, actual_of)
+        verified = passes(grads, rounded, actual_of)
+        return verified is not None and verified >= _VERIFIED
 
     found: list[Finding] = []
     for reading in READINGS:
