@@ -734,7 +734,10 @@ def test_a_state_one_chunk_off_is_named(name: str) -> None:
     leaving = np.concatenate([e[:, 1:], np.zeros_like(e[:, :1])], axis=1)
     (found,) = tensor_findings(name, leaving, e, _state_score)
     assert (found.kind, found.details["step"]) == ("shift", -1)
-    assert found.text.startswith(f"{name} is one chunk off: {name}[c] holds expected[c + 1]")
+    assert found.text.startswith(
+        f"{name} is expected shifted by -1 chunk along c: {name}[:, c] holds expected[:, c+1] ("
+    )
+    assert "leaving chunk c, as another library keeps it?)" in found.text
     entering = np.concatenate([np.zeros_like(e[:, :1]), e[:, :-1]], axis=1)
     (found,) = tensor_findings(name, entering, e, _state_score)
     assert found.details["step"] == 1
@@ -756,8 +759,28 @@ def test_failing_chunks_and_rows_of_a_state_are_named() -> None:
     texts = [f.text for f in tensor_findings("h", a, e, _state_score)]
     assert texts == [
         "h fails in batch row 1 of 3",
-        "h is wrong from chunk 2 on (4 of 6 chunks fail)",
+        "h is right before chunk 2 and wrong from chunk 2 on (C=6)",
     ]
     assert tensor_findings("h", e, e, _state_score) == ()
     tiny = e[:1, :1, :1, :2, :2]  # 4 values: too few to identify a transpose
     assert tensor_findings("h", tiny.swapaxes(-1, -2), tiny, _state_score) == ()
+
+
+def test_the_gradients_and_states_share_one_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    kinds_of = {h.kind for h in findings.HYPOTHESES}
+    assert kinds_of <= STRUCTURAL
+    assert {h.kind for h in findings.GRADIENTS} - {"axes"} <= {h.kind for h in findings.STATES}
+
+    # Adding a hypothesis is one entry: it is tried on gradients and states alike.
+    def always(ctx: Any) -> Finding:
+        return Finding("scale", ctx.name, f"{ctx.name}: the new one", {})
+
+    entry = findings.Hypothesis("scale", always)
+    monkeypatch.setattr(findings, "GRADIENTS", (entry,))
+    monkeypatch.setattr(findings, "STATES", (entry,))
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dq"]
+    assert [f.text for f in grad_findings("dq", e + 1, e, layout, SCORE)] == ["dq: the new one"]
+    h = np.random.default_rng(3).standard_normal((2, 3, 2, 4, 4))
+    found = tensor_findings("h", h + 1, h, lambda a, e: float(np.abs(a - e).max()) * 1e6)
+    assert [f.text for f in found] == ["h: the new one"]

@@ -277,7 +277,7 @@ def test_the_command_line_writes_and_compares_states(fixture: Fixture, tmp_path:
     np.save(tmp_path / "late.npy", np.concatenate([parts["h"][:, 1:], parts["h"][:, -1:]], 1))
     done = run("compare", "--tensor", "h", tmp_path / "late.npy", path)
     assert done.returncode == 1
-    assert "\nlikely cause: h is one chunk off: h[c] holds expected[c + 1]" in done.stdout
+    assert "\nlikely cause: h is expected shifted by -1 chunk along c: h[:, c] holds" in done.stdout
     np.save(tmp_path / "y.npy", parts["y"])
     assert run("compare", "--tensor", "y", tmp_path / "y.npy", path).returncode == 0
     done = run("compare", "--tensor", "h", "--chunk", "8", tmp_path / "h.npy", path)

@@ -15,6 +15,10 @@ constant factor on top (``c = <u, e> / <e, e>``), so that a head swap of a gradi
 wrong scale is still named, with its factor. An undone actual far from ``e`` times any factor
 (``cos^2 < 0.5``, looked at first on 4096 evenly spaced elements) is refused unscored.
 
+The hypotheses tried on a failing gradient, and on a failing ``y``, ``h``, ``dh`` or
+``final_state`` (:func:`tensor_findings`), are one table, :data:`HYPOTHESES`: each entry a
+kind, its test and the tensors it reads, so that adding one is one entry and its test.
+
 The kinds (:data:`KINDS`, in the order findings are returned: most specific first):
 
 ``misreading``
@@ -117,7 +121,7 @@ import itertools
 import math
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -129,10 +133,12 @@ from ..layout import GdnBackwardLayout, Segment, gradient_axes
 __all__ = [
     "FALLS",
     "GAIN",
+    "HYPOTHESES",
     "KINDS",
     "MAX_WHOLE_ELEMENTS",
     "ROUNDING_MAX",
     "Finding",
+    "Hypothesis",
     "Score",
     "buffer_findings",
     "grad_findings",
@@ -339,16 +345,16 @@ class _Context:
         e: _Array,
         score: Score,
         base: float,
-        layout: GdnBackwardLayout,
+        state_size: int,
         whole: bool,
         dtype: np.dtype[Any],
     ) -> None:
-        self.name, self.a, self.e, self.base, self.layout, self.whole = (
+        self.name, self.a, self.e, self.base, self.state_size, self.whole = (
             name,
             a,
             e,
             base,
-            layout,
+            state_size,
             whole,
         )
         self._score = score
@@ -494,13 +500,8 @@ def grad_findings(
     base = _scored(score, name, a, e)
     if base <= 1.0:
         return ()
-    ctx = _Context(name, a, e, score, base, layout, rows == shape[0], actual.dtype)
-    for hypothesis in (_transpose, _heads, _batch, _shift, _scale, _axes, _rows_carried, _boundary):
-        finding = hypothesis(ctx)
-        if finding is not None:
-            found.append(finding)
-            if _explains(finding) or hypothesis is _rows_carried:
-                break  # the rows' boundary says where the steps go wrong
+    ctx = _Context(name, a, e, score, base, layout.state_size, rows == shape[0], actual.dtype)
+    found += _tried(ctx, GRADIENTS)
     if not found and base <= ROUNDING_MAX:
         found.append(_rounding(name, base))
     return tuple(sorted(found, key=lambda f: KINDS.index(f.kind)))
@@ -524,11 +525,21 @@ def _checked_shape(name: str, layout: GdnBackwardLayout) -> tuple[int, ...]:
 
 
 def _step_axis(name: str) -> int | None:
-    return None if name == "dstate" else 1
+    """The axis of steps (of chunks for ``h`` and ``dh``); None for a state."""
+    return None if name in _STATES else 1
 
 
 def _head_axis(name: str) -> int:
-    return 1 if name == "dstate" else 2
+    return 1 if name in _STATES else 2
+
+
+_STATES: Final = ("dstate", "final_state")  # [B, H, N, N]: no step axis
+
+
+def _unit(name: str) -> tuple[str, str]:
+    """What axis 1 counts, and its index's letter: steps ``t``, or the chunks ``c`` of ``h``
+    and ``dh``."""
+    return ("chunk", "c") if name in ("h", "dh") else ("step", "t")
 
 
 # -- the blockwise scan: unwritten and nonfinite ---------------------------------------------
@@ -704,6 +715,8 @@ def _transpose(ctx: _Context) -> Finding | None:
         f"{ctx.name} holds its transpose: {ctx.name}[{lead}, {x}, {y}] is expected[{lead}, "
         f"{y}, {x}]"
     )
+    if ctx.name in ("h", "dh", "final_state"):
+        text += " (a state kept as [V, K]?)"
     return _finding(ctx, "transpose", text, result, {"axes": (a.ndim - 2, a.ndim - 1)})
 
 
@@ -812,10 +825,15 @@ def _shift(ctx: _Context) -> Finding | None:
     if best is None:
         return None
     k, result = best
+    unit, i = _unit(ctx.name)
+    axis_name = "c" if unit == "chunk" else "s"
     text = (
-        f"{ctx.name} is expected shifted by {k:+d} step{'s' if abs(k) > 1 else ''} along s: "
-        f"{ctx.name}[:, t] holds expected[:, t{-k:+d}]"
+        f"{ctx.name} is expected shifted by {k:+d} {unit}{'s' if abs(k) > 1 else ''} along "
+        f"{axis_name}: {ctx.name}[:, {i}] holds expected[:, {i}{-k:+d}]"
     )
+    if unit == "chunk" and k == -1:  # the state leaving chunk c, not the one entering it
+        what = "the cotangent of the state" if ctx.name == "dh" else "the state"
+        text += f" ({what} leaving chunk {i}, as another library keeps it?)"
     return _finding(ctx, "shift", text, result, {"step": k})
 
 
@@ -849,7 +867,7 @@ def _scale(ctx: _Context) -> Finding | None:
         undone = ctx.score(ctx.a / c, ctx.e)
     if not _holds(ctx.base, undone, ctx.a, ctx.e):
         return None
-    n = ctx.layout.state_size
+    n = ctx.state_size
     hints = _scale_hint(c, n) if n > 0 else ()
     text = f"{ctx.name} is {c:#.4g} x expected"
     if hints:
@@ -898,7 +916,9 @@ def _rows_carried(ctx: _Context) -> Finding | None:
     carried from one batch row into the next (the rows run as one sequence), which in the
     backward also makes the row before wrong at its last steps."""
     a, e = ctx.a, ctx.e
-    if _step_axis(ctx.name) is None or not ctx.whole or a.shape[0] < 2 or a.shape[1] < 2:
+    if _unit(ctx.name)[0] != "step" or _step_axis(ctx.name) is None:
+        return None  # the seams are between the steps of rows: not of h's chunks
+    if not ctx.whole or a.shape[0] < 2 or a.shape[1] < 2:
         return None
     per = ctx.row_step_scores()
     fail = ~(per <= 1.0)
@@ -957,12 +977,14 @@ def _boundary(ctx: _Context) -> Finding | None:
         contrast = _contrast(ctx, right, wrong)
         if contrast is None:
             continue
+        unit, _ = _unit(ctx.name)
+        count = f"{'C' if unit == 'chunk' else 'S'}={steps}"
         if side == "from":
-            text = f"{ctx.name} is right before step {t0} and wrong from step {t0} on (S={steps})"
-            if t0 >= 8 and t0 & (t0 - 1) == 0:
+            text = f"{ctx.name} is right before {unit} {t0} and wrong from {unit} {t0} on ({count})"
+            if unit == "step" and t0 >= 8 and t0 & (t0 - 1) == 0:
                 text += f": the second chunk, with chunks of {t0}?"
         else:
-            text = f"{ctx.name} is wrong before step {t0} and right from step {t0} on (S={steps})"
+            text = f"{ctx.name} is wrong before {unit} {t0} and right from {unit} {t0} on ({count})"
         zeros = not np.any(a[:, wrong])
         if zeros:
             text += "; all zeros there"
@@ -1004,9 +1026,11 @@ def _window(
         step = lo
     elif hi < steps - 1 and per[hi] >= max(near, FALLS * per[hi + 1]):
         step = hi + 1
+    unit, _ = _unit(ctx.name)
     text = (
-        f"{ctx.name} is wrong only from step {lo} to step {hi} (S={steps}), worst at step "
-        f"{worst}, and right elsewhere"
+        f"{ctx.name} is wrong only from {unit} {lo} to {unit} {hi} "
+        f"({'C' if unit == 'chunk' else 'S'}={steps}), worst at {unit} {worst}, and right "
+        "elsewhere"
     )
     if step is None:
         text += ": a state not carried across a step there?"
@@ -1384,14 +1408,13 @@ def tensor_findings(
     expected: NDArray[Any],
     score: Callable[[_Array, _Array], float],
 ) -> tuple[Finding, ...]:
-    """What explains a failing ``y``, ``h``, ``dh`` or ``final_state`` (``name``): the same
-    rule as the gradients' (module docstring), ``score(actual, expected)`` the tensor's
-    criterion on float64 arrays of one shape (a part of it too).
-
-    ``transpose`` (a state's key and value axes exchanged); ``shift`` along the chunks of
-    ``h`` and ``dh`` (``dh[c]`` holding ``expected[c + 1]``: the cotangent of the state
-    *leaving* chunk ``c``) or the steps of ``y``; ``boundary``: the chunks that fail, when
-    some pass; ``batch``: the rows that fail, when some pass.
+    """What explains a failing ``y``, ``h``, ``dh`` or ``final_state`` (``name``): the
+    hypotheses of :data:`HYPOTHESES` that read states, by the rule of the gradients' (module
+    docstring); ``score(actual, expected)`` is the tensor's criterion on float64 arrays of
+    one shape (a part of it too). Along axis 1 ``h`` and ``dh`` count chunks: ``dh`` one chunk
+    off is a ``shift`` (``dh[:, c]`` holding ``expected[:, c+1]``, the cotangent of the state
+    *leaving* chunk ``c``), the chunks that fail a ``boundary``; the rows that fail, when
+    some pass, are a ``batch`` finding.
 
     >>> import numpy as np
     >>> e = np.random.default_rng(0).standard_normal((1, 4, 2, 4, 4))
@@ -1399,11 +1422,11 @@ def tensor_findings(
     ...     return float(np.abs(a - e).max() / np.abs(e).max() / 1e-6)
     >>> late = np.concatenate([e[:, 1:], np.zeros_like(e[:, :1])], axis=1)
     >>> found = tensor_findings("dh", late, e, score)[0]
-    >>> found.kind, found.text[:48]
-    ('shift', 'dh is one chunk off: dh[c] holds expected[c + 1]')
+    >>> found.kind, found.text[:52]
+    ('shift', 'dh is expected shifted by -1 chunk along c: dh[:, c]')
     """
     a, e = _f64(np.asarray(actual)), _f64(np.asarray(expected))
-    if a.shape != e.shape or a.size == 0 or a.size > MAX_WHOLE_ELEMENTS:
+    if a.shape != e.shape or a.ndim < 3 or a.size == 0 or a.size > MAX_WHOLE_ELEMENTS:
         return ()
     with np.errstate(all="ignore"):
         if not (np.isfinite(a).all() and np.isfinite(e).all()):
@@ -1414,85 +1437,61 @@ def tensor_findings(
         if not a.any() and e.any():
             text = f"{name} is all zeros: never written?"
             return (Finding("unwritten", name, text, {"value": 0.0, "how": "zeros"}),)
-        for hypothesis in (_tensor_transpose, _tensor_shift):
-            found = hypothesis(name, a, e, score, base)
-            if found is not None:
-                return (found,)
-        parts = (_tensor_parts(name, a, e, score, axis) for axis in (0, 1))
-        return tuple(f for f in parts if f is not None)
+        ctx = _Context(name, a, e, lambda _, x, y: score(x, y), base, a.shape[-1], True, a.dtype)
+        return tuple(sorted(_tried(ctx, STATES), key=lambda f: KINDS.index(f.kind)))
 
 
-def _undone(base: float, undone: float, u: _Array, e: _Array) -> bool:
-    """The hypothesis rule on enough values."""
-    return bool(np.count_nonzero(e) >= _IDENTIFIED) and _holds(base, undone, u, e)
-
-
-def _tensor_transpose(
-    name: str, a: _Array, e: _Array, score: Callable[[_Array, _Array], float], base: float
-) -> Finding | None:
-    if name == "y" or a.shape[-1] != a.shape[-2] or a.shape[-1] < 2:
+def _rows(ctx: _Context) -> Finding | None:
+    """The batch rows that fail, when some pass: where the kernel goes wrong."""
+    a, e = ctx.a, ctx.e
+    count = a.shape[0]
+    if count < 2 or np.count_nonzero(e) < _IDENTIFIED:
         return None
-    u = np.swapaxes(a, -1, -2)
-    undone = score(u, e)
-    if not _undone(base, undone, u, e):
-        return None
-    axes = gradient_axes(name, a.ndim)
-    lead = ", ".join(axes[:-2])
-    text = (
-        f"{name} holds its transpose: {name}[{lead}, i, j] is expected[{lead}, j, i] (a state "
-        "kept as [V, K]?)"
-    )
-    return Finding("transpose", name, text, {"score": undone, "score_before": base})
-
-
-def _tensor_shift(
-    name: str, a: _Array, e: _Array, score: Callable[[_Array, _Array], float], base: float
-) -> Finding | None:
-    if name == "final_state" or a.shape[1] < 2:
-        return None
-    unit = "step" if name == "y" else "chunk"
-    for k in (-1, 1):  # actual[:, t] holds expected[:, t - k]
-        u, ref = (a[:, :k], e[:, -k:]) if k < 0 else (a[:, k:], e[:, :-k])
-        undone = score(u, ref)
-        if not _undone(base, undone, u, ref):
-            continue
-        index = "c" if unit == "chunk" else "t"
-        text = f"{name} is one {unit} off: {name}[{index}] holds expected[{index} {-k:+d}]"
-        text = text.replace("+1]", "+ 1]").replace("-1]", "- 1]")
-        if unit == "chunk":
-            which = "leaving" if k < 0 else "entering the chunk before"
-            what = "the cotangent of the state" if name == "dh" else "the state"
-            text += f" ({what} {which} chunk c"
-            text += ", as another library keeps it?)" if k < 0 else "?)"
-        return Finding("shift", name, text, {"step": k, "score": undone, "score_before": base})
-    return None
-
-
-def _tensor_parts(
-    name: str,
-    a: _Array,
-    e: _Array,
-    score: Callable[[_Array, _Array], float],
-    axis: int,
-) -> Finding | None:
-    """The rows (``axis`` 0) or chunks (``axis`` 1 of ``h`` and ``dh``) that fail, when
-    some pass: where the kernel goes wrong."""
-    if axis == 1 and name not in ("h", "dh"):
-        return None
-    count = a.shape[axis]
-    if count < 2:
-        return None
-    scores = [score(np.take(a, i, axis), np.take(e, i, axis)) for i in range(count)]
-    failing = [i for i, s in enumerate(scores) if s > 1.0]
+    failing = [r for r in range(count) if ctx.score(a[r], e[r]) > 1.0]
     if not failing or len(failing) == count:
         return None
     shown = ", ".join(map(str, failing[:_SHOWN])) + (", ..." if len(failing) > _SHOWN else "")
-    if axis == 0:
-        text = f"{name} fails in batch row{'s' if len(failing) > 1 else ''} {shown} of {count}"
-        return Finding("batch", name, text, {"rows": tuple(failing), "count": count})
-    start = failing[0]
-    if failing == list(range(start, count)):
-        text = f"{name} is wrong from chunk {start} on ({len(failing)} of {count} chunks fail)"
-    else:
-        text = f"{name} fails in chunk{'s' if len(failing) > 1 else ''} {shown} of {count}"
-    return Finding("boundary", name, text, {"chunks": tuple(failing), "count": count})
+    text = f"{ctx.name} fails in batch row{'s' if len(failing) > 1 else ''} {shown} of {count}"
+    return Finding("batch", ctx.name, text, {"rows": tuple(failing), "count": count})
+
+
+class Hypothesis(NamedTuple):
+    """One kind of bug a failing tensor is tried for: ``test`` undoes it on the float64
+    region and words what holds, or returns None; ``reads`` says which tensors it is tried
+    on: ``"both"``, ``"gradients"`` or ``"states"`` (``y``, ``h``, ``dh``, ``final_state``).
+    Adding a hypothesis is one entry here and its test."""
+
+    kind: str
+    test: Callable[[_Context], Finding | None]
+    reads: str = "both"
+
+
+#: Every hypothesis a failing gradient or state is tried for, in the order they are tried
+#: (the scanned kinds, ``unwritten`` and ``nonfinite``, come first; the buffer's ``layout``
+#: and the case's ``misreading`` and ``overflow`` are tried on the whole).
+HYPOTHESES: Final = (
+    Hypothesis("transpose", _transpose),
+    Hypothesis("heads", _heads),
+    Hypothesis("batch", _batch),
+    Hypothesis("shift", _shift),
+    Hypothesis("scale", _scale),
+    Hypothesis("axes", _axes, "gradients"),
+    Hypothesis("boundary", _rows_carried),
+    Hypothesis("boundary", _boundary),
+    Hypothesis("batch", _rows, "states"),
+)
+GRADIENTS: Final = tuple(h for h in HYPOTHESES if h.reads in ("both", "gradients"))
+STATES: Final = tuple(h for h in HYPOTHESES if h.reads in ("both", "states"))
+
+
+def _tried(ctx: _Context, hypotheses: tuple[Hypothesis, ...]) -> list[Finding]:
+    """The findings of ``hypotheses`` on ``ctx``, until one explains it whole (or the rows'
+    seams say where the steps go wrong)."""
+    found: list[Finding] = []
+    for hypothesis in hypotheses:
+        finding = hypothesis.test(ctx)
+        if finding is not None:
+            found.append(finding)
+            if _explains(finding) or hypothesis.test is _rows_carried:
+                break
+    return found
