@@ -54,6 +54,30 @@ def test_inputs_as_torch_round_trip_every_dtype(dtype: DTypeLike) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16], ids=str)
+def test_inputs_as_jax_round_trip(dtype: DTypeLike) -> None:
+    jax = pytest.importorskip("jax")
+    case = make_case(LAYOUT, dtype=dtype, seed=2)
+    arrays = case.inputs_as("jax")
+    for name, tensor, array in zip(arrays._fields, arrays, case.inputs, strict=True):
+        assert array is not None
+        assert isinstance(tensor, jax.Array), name
+        assert tensor.dtype == array.dtype
+        assert np.array_equal(np.asarray(tensor), array, equal_nan=True), name
+
+
+@pytest.mark.slow
+def test_inputs_as_jax_refuses_to_make_float32_of_float64() -> None:
+    jax = pytest.importorskip("jax")
+    case = make_case(LAYOUT, dtype=np.float64, seed=2)
+    if jax.config.jax_enable_x64:
+        pytest.skip("64-bit types are on in this process")
+    with pytest.raises(ValueError, match=r"inputs_as: JAX made float32 of float64: its 64-bit"):
+        case.inputs_as("jax")
+    assert case.inputs_as("jax", dtype="float32").q.dtype == np.float32  # asked: a cast
+
+
+@pytest.mark.slow
 def test_inputs_as_torch_takes_a_dtype_and_requires_grad() -> None:
     torch = pytest.importorskip("torch")
     case = make_case(LAYOUT, seed=3)

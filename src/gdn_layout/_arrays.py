@@ -3,6 +3,7 @@ NumPy arrays given to a library as its own tensors."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Final
 
 import numpy as np
@@ -68,7 +69,16 @@ def as_framework(
         if requires_grad:
             raise ValueError(f"{func}: requires_grad is torch's; JAX differentiates functions")
         jnp = _imported("jax.numpy", "JAX", "jax", func)
-        return jnp.asarray(np.array(array), dtype=_named(jnp, dtype, func))
+        wanted = array.dtype if dtype is None else np.dtype(_named(jnp, dtype, func))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # said below, as an error
+            out = jnp.asarray(np.array(array), dtype=wanted)
+        if out.dtype != wanted:  # JAX without x64 makes float32 of float64, silently
+            raise ValueError(
+                f"{func}: JAX made {out.dtype} of {wanted}: its 64-bit types are off; call "
+                "jax.config.update('jax_enable_x64', True) first, or pass dtype='float32'"
+            )
+        return out
     torch = _imported("torch", "PyTorch", "torch", func)
     if array.dtype.name == "bfloat16":
         tensor = torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
