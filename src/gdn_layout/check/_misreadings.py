@@ -429,14 +429,16 @@ def misreading_findings(
         q, k, v, g, beta, dy = (t.astype(np.float32) for t in x[:6])
         low = _Case(q, k, v, g, beta, dy, state, x.per_channel)
 
+    op_term = term_scales(x.q, x.k, theirs["dq"], theirs["dk"], per_channel=x.per_channel)["dg"]
+
     def passes(grads: _Grads, rounded: _Grads | None, kernel: Mapping[str, Any]) -> int | None:
         """How many values ``kernel``'s judged gradients were compared on, when all pass
         against ``grads``; None when one fails."""
         judged = [n for n in names if grads.get(n) is not None]
         dq, dk = grads.get("dq"), grads.get("dk")
-        if dq is None or dk is None:  # a gradient alone: the terms of the op's own dg
-            dq, dk = theirs["dq"], theirs["dk"]
-        term = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+        term = op_term  # a gradient alone: the terms of the op's own dg
+        if dq is not None and dk is not None and grads is not theirs:
+            term = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
         verified = 0  # values compared: those an overflow leaves are free
         for name in judged:
             e = np.asarray(grads[name], np.float64)
@@ -535,9 +537,7 @@ def _figures(low: _Array, e: _Array) -> tuple[float, float]:
 
 
 def _finding(reading: Reading, variant: str) -> Finding:
-    what = variant if not reading.computes else reading.computes
-    if variant and reading.computes:
-        what = f"{reading.computes}; {variant}"
+    what = "; ".join(part for part in (reading.computes, variant) if part)
     return Finding(
         "misreading",
         None,
