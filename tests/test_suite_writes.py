@@ -9,9 +9,11 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -25,7 +27,11 @@ from support import run
 
 generate = importlib.import_module("gdn_layout.generate")
 files = importlib.import_module("gdn_layout.files._atomic")
-remove_abandoned = files.remove_abandoned
+
+
+def _next_write_cleans(root: Path) -> None:
+    """What the next write of the suite ``root`` does first with what earlier ones left."""
+    files._remove_abandoned(root, generate._of_a_suite, generate._not_a_suite)
 
 
 @pytest.fixture(autouse=True)
@@ -188,15 +194,14 @@ _STOPPED = textwrap.dedent(
                     os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGINT)
         return call
 
-    real_install = generate.install_folder
+    real_install = files._install
 
     def install(*args, **kwargs):
-        os.rename, os.unlink, os.write = map(stopping, (os.rename, os.unlink, os.write))
-        shutil.rmtree = stopping(shutil.rmtree)
+        os.rename, os.unlink, os.rmdir = map(stopping, (os.rename, os.unlink, os.rmdir))
         files._exchange = stopping(files._exchange)
         return real_install(*args, **kwargs)
 
-    generate.install_folder = install
+    files._install = install
     generate.write_suite(root, seed=2, overwrite=True)
     print(calls[0])
     """
@@ -244,7 +249,7 @@ def test_a_replacement_stopped_anywhere_leaves_one_complete_suite(
         assert code != 0, stop
         if mode == "exchange":  # the path is never without a complete suite
             assert verify_suite(root) == [], stop
-        remove_abandoned(root.parent, generate._not_a_suite)  # what the next suite write does
+        _next_write_cleans(root)
         assert _siblings(root) == ["suite"], stop
         assert verify_suite(root) == [], stop
         seen.add(_check_consistent(root)["seed"])
@@ -317,19 +322,24 @@ def test_the_current_folder_or_one_holding_it_is_refused(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchanged", "renamed aside"])
 def test_a_file_that_arrives_during_a_replacement_is_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
     root = tmp_path / "suite"
     write_suite(root, seed=1)
-    real = files._exchange
+    if not exchange:
+        monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    real, checks = generate._not_a_suite, []
 
-    def arriving(a: Path, b: Path) -> bool:
-        (root / "weights.safetensors").write_bytes(b"theirs")  # after the check, before the swap
-        monkeypatch.setattr(files, "_exchange", real)
-        return bool(real(a, b))
+    def arriving(folder: Path) -> str | None:
+        checks.append(folder)
+        why = real(folder)
+        if len(checks) == 2:  # the check just before the move passed; then a file arrives
+            (root / "weights.safetensors").write_bytes(b"theirs")
+        return why
 
-    monkeypatch.setattr(files, "_exchange", arriving)
+    monkeypatch.setattr(generate, "_not_a_suite", arriving)
     with pytest.raises(FileExistsError, match=r"it holds weights\.safetensors"):
         write_suite(root, seed=2, overwrite=True)
     assert (root / "weights.safetensors").read_bytes() == b"theirs"
@@ -370,12 +380,12 @@ def test_an_interrupt_just_after_the_exchange_loses_no_file(
         write_suite(root, seed=2, overwrite=True)
     monkeypatch.setattr(files, "_exchange", real)
     assert _check_consistent(root)["seed"] == 2  # the new suite is in place
-    (aside,) = _kept_aside(tmp_path)  # the old one, unchecked, is not removed
+    (aside,) = _kept_aside(tmp_path)  # of the old one, its manifest and the file not its own
+    assert sorted(os.listdir(aside)) == ["manifest.json", "weights.safetensors"]
+    _next_write_cleans(root)
     assert (aside / "weights.safetensors").read_bytes() == b"theirs"
-    remove_abandoned(tmp_path, generate._not_a_suite)  # what the next suite write does first
-    assert (aside / "weights.safetensors").read_bytes() == b"theirs"
-    (aside / "weights.safetensors").unlink()  # once it holds only a suite, it goes
-    remove_abandoned(tmp_path, generate._not_a_suite)
+    (aside / "weights.safetensors").unlink()  # once it holds only its own, it goes
+    _next_write_cleans(root)
     assert _siblings(root) == ["suite"]
 
 
@@ -415,76 +425,21 @@ def test_a_kill_just_after_the_exchange_loses_no_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_without_the_exchange_a_file_that_arrives_is_kept(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_suite_left_aside_goes_back_only_to_a_free_place(tmp_path: Path) -> None:
+    # A replacement by two renames, stopped between them: the old suite lies aside.
     root = tmp_path / "suite"
     write_suite(root, seed=1)
-    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
-    real = files._replace_aside
-
-    def arriving(*args: Any) -> bool:
-        (root / "weights.safetensors").write_bytes(b"theirs")  # after the check, before the move
-        return bool(real(*args))
-
-    monkeypatch.setattr(files, "_replace_aside", arriving)
-    with pytest.raises(FileExistsError, match=r"it holds weights\.safetensors"):
-        write_suite(root, seed=2, overwrite=True)
-    assert (root / "weights.safetensors").read_bytes() == b"theirs"
-    (root / "weights.safetensors").unlink()
-    assert _check_consistent(root)["seed"] == 1
-    assert _siblings(root) == ["suite"]
-
-
-@pytest.mark.slow
-def test_two_writers_without_the_exchange_both_succeed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The race made deterministic: the first has moved the old suite aside when the second
-    # runs from start to end and takes the empty place; then the first moves its own in.
-    root = tmp_path / "suite"
-    write_suite(root, seed=1)
-    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
-    real = os.rename
-    raced: list[int] = []
-
-    def racing(src: Any, dst: Any) -> None:
-        if Path(dst) == root and not os.path.lexists(root) and not raced:
-            raced.append(1)
-            monkeypatch.setattr(os, "rename", real)
-            write_suite(root, seed=2, overwrite=True)
-            assert _check_consistent(root)["seed"] == 2
-            monkeypatch.setattr(os, "rename", racing)
-        real(src, dst)
-
-    monkeypatch.setattr(os, "rename", racing)
-    write_suite(root, seed=3, overwrite=True)
-    assert raced == [1]
-    assert _check_consistent(root)["seed"] == 3
-    assert _siblings(root) == ["suite"]
-
-
-@pytest.mark.slow
-def test_an_abandoned_old_folder_never_replaces_what_took_its_place(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    root = tmp_path / "suite"
-    write_suite(root, seed=1)
-    with files.Temporaries(root) as temporaries:  # a replacement stopped with the old aside
-        old = temporaries.new("old")
-        os.rename(root, old)
-    root.mkdir()  # then someone's folder takes the place
+    aside = files._temporary(root)
+    os.rename(root, aside)
+    root.mkdir()  # someone's folder takes the place: theirs is kept, the old suite goes
     theirs = os.stat(root).st_ino
-    # As if the place were still free when looked at: only the rename itself may decide.
-    monkeypatch.setattr(
-        os.path, "lexists", lambda path: Path(path) != root and os.path.exists(path)
-    )
-    remove_abandoned(tmp_path)
-    monkeypatch.undo()
+    _next_write_cleans(root)
     assert os.stat(root).st_ino == theirs
-    assert verify_suite(old) == []  # not moved in, and not removed unchecked
+    assert _siblings(root) == ["suite"]
     root.rmdir()
-    remove_abandoned(tmp_path)  # once the place is free, it goes back
+    write_suite(root, seed=1)
+    os.rename(root, aside)
+    _next_write_cleans(root)  # the place is free: it goes back
     assert _check_consistent(root)["seed"] == 1
     assert _siblings(root) == ["suite"]
 
@@ -501,3 +456,67 @@ def test_the_command_line_refuses_the_current_folder_in_one_line(
         "folder inside it, such as 'suite'\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_replaced_suite_keeps_its_folder_s_mode(tmp_path: Path) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    root.chmod(0o700)
+    write_suite(root, seed=2, overwrite=True)
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert _check_consistent(root)["seed"] == 2
+
+
+@pytest.mark.slow
+def test_a_listed_file_that_is_a_symbolic_link_is_named_so(tmp_path: Path) -> None:
+    root = tmp_path / "suite"
+    (name, *_) = (p.name for p in write_suite(root, seed=1))
+    (tmp_path / "elsewhere.safetensors").write_bytes((root / name).read_bytes())
+    (root / name).unlink()
+    (root / name).symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(FileExistsError, match=rf"the files {re.escape(name)} it lists are not"):
+        write_suite(root, seed=2, overwrite=True)
+    assert (root / name).is_symlink()
+
+
+@pytest.mark.slow
+def test_a_reader_sees_the_old_suite_or_the_new_one_whole(tmp_path: Path) -> None:
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    stop = threading.Event()
+    problems: list[list[str]] = []
+
+    def read() -> int:
+        reads = 0
+        while not stop.is_set():
+            problems.append(verify_suite(root))
+            reads += 1
+        return reads
+
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(read)
+        for seed in range(2, 6):
+            write_suite(root, seed=seed, overwrite=True)
+        stop.set()
+        assert reader.result() > 0
+    assert all(found == [] for found in problems), [p for p in problems if p][:3]
+
+
+def test_the_command_line_refuses_a_mount_point_in_one_line(tmp_path: Path) -> None:
+    point = tmp_path / "mnt"
+    point.mkdir()
+    if subprocess.run(["mount", "--bind", point, point], capture_output=True).returncode:
+        pytest.skip("no bind mount can be made here")
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(generate, "_SUITE_SHAPES", generate._SUITE_SHAPES[:1])
+            done = run("fixture", "--suite", str(point))
+    finally:
+        subprocess.run(["umount", point], check=True)
+    assert done.returncode == 2
+    assert done.stderr == (
+        f"gdn-layout fixture: error: {point} is a mount point, which cannot be replaced; "
+        "give a folder inside it\n"
+    )
+    assert _siblings(point) == ["mnt"]

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,7 +23,7 @@ from ._checks import integer, not_a_layout
 from ._dtypes import precision_of
 from ._version import __version__
 from .check._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, panel_floors
-from .files._atomic import Temporaries, atomic_write, install_folder, remove_abandoned
+from .files._atomic import atomic_write, write_folder
 from .files._fixture import (
     Fixture,
     GdnInputs,
@@ -597,17 +596,13 @@ def write_suite(
         if (why := _not_a_suite(root)) is not None:
             raise FileExistsError(f"{root} is not replaced: {why}")
     root.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(root.parent, _not_a_suite)
-    with Temporaries(root) as temporaries:
-        built = temporaries.new()
-        built.mkdir()
-        try:
-            names = _write_suite_files(built, target, seed, progress, threads)
-            install_folder(built, root, temporaries, overwrite=overwrite, replaceable=_not_a_suite)
-        except BaseException:
-            if temporaries.role(built) == "new":  # else it may hold the old folder: kept
-                shutil.rmtree(built, ignore_errors=True)
-            raise
+    names = write_folder(
+        root,
+        lambda built: _write_suite_files(built, target, seed, progress, threads),
+        overwrite=overwrite,
+        replaceable=_not_a_suite,
+        own=_of_a_suite,
+    )
     return [given / name for name in names]
 
 
@@ -642,17 +637,20 @@ def _non_empty_folder(path: Path) -> bool:
 
 def _not_a_suite(folder: Path) -> str | None:
     """Why ``folder`` may not be replaced by a suite; None when it holds a suite this library
-    wrote (its manifest says so) and nothing but the files that manifest lists."""
+    wrote (its manifest says so) and nothing but the regular files that manifest lists."""
     try:
         listed = {entry["file"] for entry in read_manifest(folder)}
     except NotASuite as err:
         return f"{err.why}; {_ADVICE}"
-    foreign = sorted(
-        entry.name
-        for entry in os.scandir(folder)
-        if entry.name != MANIFEST
-        and (entry.name not in listed or not entry.is_file(follow_symlinks=False))
-    )
+    with os.scandir(folder) as entries:
+        found = [(entry.name, entry.is_file(follow_symlinks=False)) for entry in entries]
+    odd = sorted(name for name, regular in found if name in listed and not regular)
+    if odd:
+        return (
+            f"the files {', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''} it lists are "
+            f"not regular files (a symbolic link, a folder, ...); {_ADVICE}"
+        )
+    foreign = sorted(name for name, _ in found if name != MANIFEST and name not in listed)
     if foreign:
         return (
             f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which its "
@@ -662,6 +660,15 @@ def _not_a_suite(folder: Path) -> str | None:
 
 
 _ADVICE: Final = "move it away yourself or choose another folder"
+
+
+def _of_a_suite(folder: Path) -> list[str] | None:
+    """What of a replaced suite in ``folder`` is the suite's own, to be removed: the files its
+    manifest lists, then the manifest; None for a folder without one (unfinished work)."""
+    try:
+        return [*(entry["file"] for entry in read_manifest(folder)), MANIFEST]
+    except NotASuite:
+        return None
 
 
 def _write_suite_files(

@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Unpack
+from typing import Any, Final, Unpack
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -37,7 +37,7 @@ from .check._compare import Judging
 from .check._criterion import Floors
 from .check._records import Comparison, GradComparison
 from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
-from .files._manifest import MANIFEST, read_manifest
+from .files._manifest import MANIFEST, NotASuite, read_manifest
 from .generate import correct_forms_floors, make_fixture, precisions_of, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .packing import unpack
@@ -546,8 +546,43 @@ def _examine(
     root: Path, *, keep: bool, select: Callable[[Mapping[str, Any]], bool]
 ) -> tuple[list[str], list[Case]]:
     """The problems of the selected cases of the suite at ``root``, and those cases when
-    ``keep`` (else none)."""
-    entries = read_manifest(root)
+    ``keep`` (else none).
+
+    The folder is opened once and every file read through it, so that a suite replaced
+    meanwhile is read old or new, whole: the old folder's files go only after the exchange,
+    and a file found gone then means reading the new one from the start."""
+    for _ in range(_READS):
+        try:
+            fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        except FileNotFoundError:
+            raise NotASuite(root, f"it has no {MANIFEST}") from None
+        except OSError as err:
+            raise NotASuite(root, f"it cannot be opened ({err.strerror})") from None
+        try:
+            found = _examine_in(root, fd, keep, select)
+            if not found[0] or os.fstat(fd).st_ino == _inode(root):
+                return found
+        finally:
+            os.close(fd)
+    return found
+
+
+#: How many times a suite replaced while it is read is read again.
+_READS: Final = 3
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _examine_in(
+    root: Path, fd: int, keep: bool, select: Callable[[Mapping[str, Any]], bool]
+) -> tuple[list[str], list[Case]]:
+    """:func:`_examine` of the suite in the open folder ``fd``, named ``root``."""
+    entries = read_manifest(root, dir_fd=fd)
     problems: list[str] = []
     cases: list[Case] = []
     listed = set()
@@ -556,24 +591,30 @@ def _examine(
         listed.add(name)
         if not select(entry):
             continue
-        fixture, problem = _check_entry(root, entry)
+        fixture, problem = _check_entry(root, entry, fd)
         if problem is not None:
             problems.append(f"{name}: {problem}")
         elif keep and fixture is not None:
             cases.append(Case(name.removesuffix(".safetensors"), fixture))
-    strays = sorted(
-        p.name for p in root.glob("*.safetensors") if p.name not in listed and p.is_file()
-    )
+    with os.scandir(fd) as found:
+        strays = sorted(
+            e.name
+            for e in found
+            if e.name.endswith(".safetensors") and e.name not in listed and e.is_file()
+        )
     problems.extend(f"{name}: not in the manifest" for name in strays)
     return problems, cases
 
 
-def _check_entry(root: Path, entry: Mapping[str, Any]) -> tuple[Fixture | None, str | None]:
-    """The fixture a manifest entry lists, once it matches the entry; else what differs."""
+def _check_entry(
+    root: Path, entry: Mapping[str, Any], fd: int
+) -> tuple[Fixture | None, str | None]:
+    """The fixture a manifest entry lists (in the open folder ``fd``, named ``root``), once
+    it matches the entry; else what differs."""
     path = root / entry["file"]
     size = entry.get("bytes")
     try:
-        status = os.stat(path)
+        status = os.stat(entry["file"], dir_fd=fd)
     except FileNotFoundError:
         return None, "missing"
     except OSError as err:
@@ -586,6 +627,7 @@ def _check_entry(root: Path, entry: Mapping[str, Any]) -> tuple[Fixture | None, 
             size=size if isinstance(size, int) else None,
             sha256=entry["sha256"],
             said="the manifest says",
+            dir_fd=fd,
         )
         stated = GdnBackwardLayout.from_dict(entry.get("layout"))
     except FileNotFoundError:

@@ -28,7 +28,7 @@ order. Its ``__metadata__`` (string values only) records:
     as ``floors`` are of the gradients (see :func:`make_fixture`'s ``states``).
 
 The record and its files are in ``files._fixture``, the format in ``files._safetensors``,
-atomic writes in ``files._atomic``, memory maps and leases in ``files._mapping`` and the
+atomic writes in ``files._atomic``, memory maps in ``files._mapping`` and the
 kernel-output formats :func:`open_packed` reads in ``files._outputs``; generation is in
 :mod:`gdn_layout.generate`.
 

@@ -1,12 +1,16 @@
-"""Files: atomic writing (a reader sees the old file or folder or the new one, never half of
-one), temporaries that only their writer's successors may remove, and opening for reading only
-what is a regular file.
+"""Files and folders written whole or not at all, on the standard idioms, and files opened for
+reading only when they are regular files.
 
-A write never removes or replaces what the library did not make. Its temporaries are named in a
-record next to them (:class:`Temporaries`) that the live writer holds locked with ``flock``; a
-later write removes them only once it can take that lock, so a live writer in any process,
-container or PID namespace sharing the folder keeps its work, and a file that merely looks like
-a temporary is never touched.
+A file is written to a uniquely named temporary in its folder, flushed and fsynced, then moved
+in place: ``os.replace`` to replace one, a hard link (which fails if the name exists) not to.
+A folder (a suite) is built as a uniquely named sibling, then exchanged with the old one in
+one step where Linux can (``renameat2(RENAME_EXCHANGE)``) and by two renames elsewhere; the
+old one is removed after, and of it only what it lists as its own (a suite's manifest and the
+files that manifest names).
+
+A writer holds an ``flock`` on its temporary while it runs. One killed by SIGKILL leaves its
+temporary behind; the next write of the same target removes it once it can take that lock,
+so a live writer's work is never touched.
 """
 
 from __future__ import annotations
@@ -14,31 +18,28 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import json
 import os
 import re
 import secrets
 import shutil
 import stat
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from types import TracebackType
-from typing import IO, BinaryIO, Final
+from typing import IO, BinaryIO, Final, TypeVar
 
-__all__ = [
-    "NotRegularFileError",
-    "Temporaries",
-    "atomic_write",
-    "install_folder",
-    "open_regular",
-    "remove_abandoned",
-]
+__all__ = ["NotRegularFileError", "atomic_write", "open_regular", "write_folder"]
 
 try:
     import fcntl
-except ImportError:  # pragma: no cover - not POSIX: no record is locked, nothing is reclaimed
+except ImportError:  # pragma: no cover - not POSIX: nothing is locked, nothing reclaimed
     fcntl = None  # type: ignore[assignment]
+
+_T = TypeVar("_T")
+
+#: A temporary's name: ``.{target}.{token}.gdn-tmp``, the target's name cut to 64 bytes.
+_SUFFIX: Final = ".gdn-tmp"
+_NAME_BYTES: Final = 64
 
 
 class NotRegularFileError(OSError):
@@ -49,26 +50,14 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     """Call ``write`` on a temporary file next to ``path``, flush it to disk, then move it to
     ``path``; return ``path``.
 
-    Nothing is left behind, even when the process is killed: on Linux the temporary file has
-    no name (``O_TMPFILE``) until it is linked in place. Elsewhere, and for a replacement, it
-    has a name recorded by :class:`Temporaries`, which the next write into the folder removes
-    once this writer is gone. Only a regular file is replaced, and the replacement keeps its
-    permission bits (and, where allowed, its owner).
-
-    Parameters
-    ----------
-    path
-        The file to create (or replace, with ``overwrite``).
-    write
-        Writes the whole content to the binary file it is given.
-    overwrite
-        Replace an existing regular file at ``path``; without it an existing file is never
-        replaced, not even one that appears while ``write`` runs.
+    Only a regular file is replaced, and the replacement keeps its permission bits (and,
+    where allowed, its owner). A writer killed meanwhile leaves its temporary, which the next
+    write of ``path`` removes.
 
     Raises
     ------
     FileExistsError
-        ``path`` exists and ``overwrite`` is false.
+        ``path`` exists and ``overwrite`` is false (checked again as the file moves in).
     NotRegularFileError
         ``path`` is a folder, a FIFO, a device, a socket or a symbolic link: never replaced.
     FileNotFoundError
@@ -81,545 +70,144 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     old = _replaced(path) if overwrite else None
     if not path.parent.is_dir():
         raise FileNotFoundError(f"{path}: the folder {path.parent} does not exist")
-    remove_abandoned(path.parent)
+    _remove_abandoned(path)
+    tmp = _temporary(path)
     try:
-        with Temporaries(path) as temporaries:
-            fd = _open_unnamed(path.parent, private=old is not None)
-            if fd is None or not _write_unnamed(fd, path, write, old, overwrite, temporaries):
-                _write_named(path, write, old, overwrite, temporaries)
+        # Replacing, the file is its owner's alone until it has the old one's mode.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+        with os.fdopen(os.open(tmp, flags, 0o666 if old is None else 0o600), "wb") as out:
+            _lock(out.fileno())
+            write(out)
+            out.flush()
+            _keep_identity(out.fileno(), old)
+            os.fsync(out.fileno())
+            if overwrite:
+                os.replace(tmp, path)
+            else:
+                _link_new(tmp, path)
     except OSError as err:
-        raise _naming(err, path) from None
+        raise _naming(err, path, tmp) from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     _fsync_dir(path.parent)
     return path
 
 
-def _replaced(path: Path) -> os.stat_result | None:
-    """The status of the file ``path`` names, which a write may replace; None when there is
-    none. Anything but a regular file is refused: a write never replaces a device or a FIFO
-    (as root, ``/dev/null``) with a file."""
-    try:
-        status = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISLNK(status.st_mode):
-        raise NotRegularFileError(
-            f"{path}: not replaced: it is a symbolic link; give the path of the file it names"
-        )
-    _require_regular(status.st_mode, path, "not replaced: ")
-    return status
-
-
-def _keep_identity(fd: int, old: os.stat_result | None) -> None:
-    """Give the new file ``fd`` the permission bits, and where allowed the owner, of ``old``."""
-    if old is None:
-        return
-    if hasattr(os, "fchown") and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
-        # An ordinary user cannot give a file away: it becomes theirs.
-        with contextlib.suppress(PermissionError):
-            os.fchown(fd, old.st_uid, old.st_gid)
-    os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after the owner, which clears setuid and setgid
-
-
-# -- temporaries ----------------------------------------------------------------------------------
-
-#: The record of a write's temporaries: ``.{name}.{token}.gdn-lock`` next to them.
-_RECORD: Final = re.compile(r"\.(?P<name>.*)\.(?P<token>[0-9a-f]{32})\.gdn-lock", re.DOTALL)
-#: What a record starts with: a file holding anything else is not a record.
-_MAGIC: Final = "gdn-layout temporaries"
-#: A record is at most this long; a longer file is not one.
-_RECORD_BYTES: Final = 1 << 16
-#: Of the target's name, this many bytes go into temporary names (a name has at most 255).
-_NAME_BYTES: Final = 64
-#: What a temporary may hold, and so what an abandoned one becomes: ``new``, the writer's own
-#: work (removed); ``checked``, a replaced folder found to hold only what may be removed
-#: (removed); ``old``, the target moved aside, and ``swap``, the writer's work or, once
-#: exchanged, what was at the target, not yet checked: moved back where nothing took the
-#: target's place, else removed only when it is a regular file (``swap``) or a folder that
-#: ``replaceable`` allows, and otherwise left as it is: nothing unchecked is removed.
-ROLES: Final = ("new", "checked", "old", "swap")
-
-
-def _stem(target: str, token: str) -> str:
-    """The start of every name of the write of ``token`` next to ``target``."""
-    return f".{os.fsdecode(os.fsencode(target)[:_NAME_BYTES])}.{token}"
-
-
-class Temporaries:
-    """The temporary files and folders of one write next to ``target``, named in a record that
-    this writer holds locked while it runs.
-
-    The record (``.{name}.{token}.gdn-lock``, ``token`` 128 random bits) is made on the first
-    :meth:`new` and holds one line per temporary and change of what it holds (its role, one of
-    :data:`ROLES`), each appended before the change. :func:`remove_abandoned` settles what a
-    record names only once it can take the record's lock, that is once its writer has ended
-    however it ended.
-    Where ``flock`` is unavailable no record is made and nothing is ever reclaimed.
-
-    >>> import tempfile
-    >>> folder = Path(tempfile.mkdtemp())
-    >>> with Temporaries(folder / "suite") as temporaries:
-    ...     built = temporaries.new()
-    ...     built.mkdir()
-    ...     remove_abandoned(folder)  # its writer runs: kept
-    ...     sorted(p.suffix for p in folder.iterdir())
-    ['.0', '.gdn-lock']
-    >>> remove_abandoned(folder)  # its writer is done: removed, and the record with it
-    >>> list(folder.iterdir())
-    []
-    """
-
-    def __init__(self, target: Path) -> None:
-        self.target = target
-        self.token = secrets.token_hex(16)
-        self._stem = _stem(target.name, self.token)
-        self._fd: int | None = None
-        self._started = False
-        self._count = 0
-        self._roles: dict[str, str] = {}
-
-    def new(self, role: str = "new") -> Path:
-        """A fresh name next to the target, recorded (with ``role``, one of :data:`ROLES`)
-        before it is returned."""
-        path = self.target.with_name(f"{self._stem}.{self._count}")
-        self._count += 1
-        self.mark(path, role)
-        return path
-
-    def role(self, path: Path) -> str | None:
-        """What ``path`` (one of :meth:`new`'s names) was last recorded to hold."""
-        return self._roles.get(path.name)
-
-    def mark(self, path: Path, role: str) -> None:
-        """Record what ``path`` (one of :meth:`new`'s names) holds now, before it holds it."""
-        self._roles[path.name] = role
-        if not self._started:
-            self._started = True
-            self._fd = _lock_record(self.target.with_name(f"{self._stem}.gdn-lock"))
-            self._append({"magic": _MAGIC, "token": self.token, "target": self.target.name})
-        self._append({"name": path.name, "role": role})
-
-    def _append(self, line: dict[str, str]) -> None:
-        if self._fd is not None:
-            os.write(self._fd, (json.dumps(line) + "\n").encode())
-
-    def __enter__(self) -> Temporaries:
-        return self
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if self._fd is None:
-            return
-        # A temporary that is still there (an interrupted removal) keeps its record, for the
-        # next write to reclaim once this lock is released.
-        names = (self.target.with_name(f"{self._stem}.{i}") for i in range(self._count))
-        if not any(os.path.lexists(name) for name in names):
-            with contextlib.suppress(OSError):
-                os.unlink(self.target.with_name(f"{self._stem}.gdn-lock"))
-        os.close(self._fd)
-        self._fd = None
-
-
-def _lock_record(path: Path) -> int | None:
-    """A new record file at ``path``, locked by this process; None where locks are unavailable
-    (nothing is then reclaimed, which is safe)."""
-    if fcntl is None:  # pragma: no cover
-        return None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:  # pragma: no cover - a filesystem without locks
-        os.close(fd)
-        os.unlink(path)
-        return None
-    return fd
-
-
-def remove_abandoned(folder: Path, replaceable: Callable[[Path], str | None] | None = None) -> None:
-    """Settle the temporaries in ``folder`` whose writer has ended (see :data:`ROLES`).
-
-    Only what a record of :class:`Temporaries` names is considered, and only once the record's
-    lock can be taken; a name that merely looks like a temporary, a record that cannot be read
-    or parsed, and anything that cannot be removed are left as they are. ``replaceable`` says
-    whether an unchecked folder may go (None) or why not, as for :func:`install_folder`; without
-    it no such folder is removed. A record stays while it names something left in place.
-    """
-    if fcntl is None:  # pragma: no cover
-        return
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return
-    for entry in entries:
-        match = _RECORD.fullmatch(entry.name)
-        if match is not None:
-            _reclaim(folder, entry.name, match["token"], replaceable)
-
-
-def _reclaim(
-    folder: Path, record: str, token: str, replaceable: Callable[[Path], str | None] | None
-) -> None:
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(folder / record, flags)
-    except OSError:
-        return
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its writer is running
-            return
-        parsed = _parse_record(os.read(fd, _RECORD_BYTES + 1), token)
-        if parsed is None:
-            return
-        target, roles = parsed
-        if record != f"{_stem(target, token)}.gdn-lock":  # not the record its writer made
-            return
-        settled = [
-            _settle(folder / name, folder / target, role, replaceable)
-            for name, role in roles.items()
-        ]
-        if all(settled):
-            os.unlink(folder / record)
-    except OSError:
-        return
-    finally:
-        os.close(fd)
-
-
-def _parse_record(data: bytes, token: str) -> tuple[str, dict[str, str]] | None:
-    """The target and the temporaries (name: last role) of a record; None for anything that is
-    not a complete record of ``token``. A last line cut short by a kill is dropped."""
-    if len(data) > _RECORD_BYTES:
-        return None
-    try:
-        lines = [
-            json.loads(line)
-            for line in data.decode().splitlines(keepends=True)
-            if line.endswith("\n")
-        ]
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if not lines or not all(isinstance(line, dict) for line in lines):
-        return None
-    head, *rest = lines
-    target = head.get("target")
-    if head.get("magic") != _MAGIC or head.get("token") != token or not _plain(target):
-        return None
-    stem = _stem(target, token) + "."
-    roles: dict[str, str] = {}
-    for line in rest:
-        name, role = line.get("name"), line.get("role")
-        if not (_plain(name) and name.startswith(stem) and name[len(stem) :].isdigit()):
-            return None
-        if role not in ROLES:
-            return None
-        roles[name] = role
-    return target, roles
-
-
-def _plain(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-
-
-def _settle(
-    temporary: Path, target: Path, role: str, replaceable: Callable[[Path], str | None] | None
-) -> bool:
-    """Remove an abandoned temporary, move an unchecked one back where nothing took the
-    target's place, or leave it; whether it is gone."""
-    try:
-        mode = os.lstat(temporary).st_mode
-    except FileNotFoundError:
-        return True
-    folder = stat.S_ISDIR(mode)
-    if role in ("old", "swap"):
-        if _rename_noreplace(temporary, target):
-            return True
-        allowed = stat.S_ISREG(mode) and role == "swap"  # what overwrite was asked to replace
-        if folder and replaceable is not None:
-            allowed = replaceable(temporary) is None
-        if not allowed:
-            return False
-    if folder:
-        shutil.rmtree(temporary)
-    else:
-        os.unlink(temporary)
-    return True
-
-
-# -- writing a file -------------------------------------------------------------------------------
-
-
-def _naming(err: OSError, path: Path) -> OSError:
-    """``err`` as an error of the same kind that names ``path``, the file being written."""
-    if err.errno is None or err.filename == os.fspath(path):  # our own message names it
-        return err
-    return type(err)(err.errno, err.strerror, os.fspath(path))
-
-
-def _open_unnamed(folder: Path, *, private: bool) -> int | None:
-    """A file without a name in ``folder`` (Linux ``O_TMPFILE``), or None when unavailable;
-    ``private``: readable by its owner alone (until it gets the mode of a file it replaces)."""
-    flag = getattr(os, "O_TMPFILE", 0)
-    if not flag or not os.path.isdir("/proc/self/fd"):
-        return None
-    try:
-        return os.open(folder, flag | os.O_WRONLY, 0o600 if private else 0o666)
-    except OSError as err:
-        if err.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
-            return None  # the filesystem has no unnamed files
-        raise
-
-
-def _write_unnamed(
-    fd: int,
-    path: Path,
-    write: Callable[[IO[bytes]], None],
-    old: os.stat_result | None,
-    overwrite: bool,
-    temporaries: Temporaries,
-) -> bool:
-    """Write into the unnamed file ``fd`` and link it in place; False if it cannot be linked."""
-    with os.fdopen(fd, "wb") as out:
-        _fill(out, write, old)
-        try:
-            if not overwrite:
-                try:  # fails if path appeared meanwhile: an existing file is never replaced
-                    _link_fd(out.fileno(), path)
-                except FileExistsError:
-                    raise FileExistsError(
-                        f"{path} exists; pass overwrite=True to replace it"
-                    ) from None
-                return True
-            tmp = temporaries.new()
-            _link_fd(out.fileno(), tmp)
-        except _CannotLink:  # pragma: no cover - a kernel or sandbox without linkat
-            return False
-    try:
-        _swap_in(tmp, path, temporaries)
-    except BaseException:
-        if temporaries.role(tmp) == "new":
-            tmp.unlink(missing_ok=True)
-        raise
-    return True
-
-
-def _swap_in(tmp: Path, path: Path, temporaries: Temporaries) -> None:
-    """Move the complete file ``tmp`` to ``path``, replacing the regular file there.
-
-    Where the system can, the two are exchanged in one step and what came out of ``path`` is
-    checked where it now lies: a FIFO, a device, a link or a folder that took the file's place
-    since it was checked is put back, and the write refused. Elsewhere ``os.replace``, which
-    leaves that window open."""
-    temporaries.mark(tmp, "swap")  # from here on it may hold what was at path
-    try:
-        exchanged = _exchange(tmp, path)
-    except FileNotFoundError:  # path went away since it was checked: take its place
-        temporaries.mark(tmp, "new")
-        _rename_new(tmp, path)
-        return
-    if not exchanged:
-        temporaries.mark(tmp, "new")
-        os.replace(tmp, path)
-        return
-    mode = os.lstat(tmp).st_mode
-    if not stat.S_ISREG(mode):
-        _exchange(tmp, path)  # put it back
-        temporaries.mark(tmp, "new")
-        os.unlink(tmp)
-        raise NotRegularFileError(f"{path}: not replaced: it became {_kind(mode)} during the write")
-    os.unlink(tmp)
-
-
-def _fill(out: IO[bytes], write: Callable[[IO[bytes]], None], old: os.stat_result | None) -> None:
-    """The whole content, with the mode (and owner) of the file it replaces, on disk."""
-    write(out)
-    out.flush()
-    _keep_identity(out.fileno(), old)
-    os.fsync(out.fileno())
-
-
-def _link_fd(fd: int, path: Path) -> None:
-    # linkat(2) of /proc/self/fd/N with AT_SYMLINK_FOLLOW, as open(2) documents for O_TMPFILE.
-    # Through a dir_fd, since without one os.link may call link(2), which links the symlink.
-    try:
-        proc = os.open("/proc/self/fd", os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError as err:  # pragma: no cover
-        raise _CannotLink from err
-    try:
-        os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
-    except OSError as err:
-        if err.errno in (errno.EXDEV, errno.EPERM, errno.ENOENT, errno.EOPNOTSUPP):
-            raise _CannotLink from err  # pragma: no cover
-        raise
-    finally:
-        os.close(proc)
-
-
-class _CannotLink(Exception):
-    """An unnamed file could not be linked in: write a named temporary file instead."""
-
-
-def _write_named(
-    path: Path,
-    write: Callable[[IO[bytes]], None],
-    old: os.stat_result | None,
-    overwrite: bool,
-    temporaries: Temporaries,
-) -> None:
-    # A recorded name in the same folder, so that the rename stays on one filesystem; created
-    # with O_EXCL and mode 0o666 so that a new file gets the usual umask permissions.
-    tmp = temporaries.new()
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    # Replacing, the file is its owner's alone until it has the old one's mode.
-    fd = os.open(tmp, flags, 0o666 if old is None else 0o600)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            _fill(out, write, old)
-        if overwrite:
-            _swap_in(tmp, path, temporaries)
-        else:
-            _link_new(tmp, path)
-    except BaseException:
-        if temporaries.role(tmp) == "new":
-            tmp.unlink(missing_ok=True)
-        raise
-
-
 def _link_new(tmp: Path, path: Path) -> None:
-    # A hard link fails if path appeared meanwhile, so an existing file is never replaced.
+    """Give ``tmp`` the name ``path``, which must not exist: a hard link fails if it does."""
     try:
         os.link(tmp, path)
     except FileExistsError:
         raise FileExistsError(f"{path} exists; pass overwrite=True to replace it") from None
-    except OSError:  # pragma: no cover - filesystems without hard links
-        if path.exists():
+    except OSError:  # pragma: no cover - a filesystem without hard links
+        if os.path.lexists(path):
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it") from None
-        os.replace(tmp, path)
-        return
-    tmp.unlink()
+        os.rename(tmp, path)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-# -- folders ------------------------------------------------------------------------------------
-
-
-def install_folder(
-    built: Path,
+def write_folder(
     target: Path,
-    temporaries: Temporaries,
+    fill: Callable[[Path], _T],
     *,
     overwrite: bool,
     replaceable: Callable[[Path], str | None],
-) -> None:
-    """Move the complete folder ``built`` (a name of ``temporaries``) to ``target``, its
-    sibling.
+    own: Callable[[Path], Iterable[str] | None],
+) -> _T:
+    """Build a folder with ``fill`` (given a new empty folder next to ``target``), then put it
+    at ``target``; return what ``fill`` returned.
 
     A missing or empty ``target`` is taken by a rename. Otherwise, with ``overwrite``, a
-    ``target`` for which ``replaceable`` says nothing (it returns why not, or None) is
-    replaced, and what was there is checked again once it is out of the way (what arrived
-    since the first check is then put back, with the old folder, and the write refused) and
-    removed only after. Linux exchanges the two in one step (``renameat2(RENAME_EXCHANGE)``):
-    at every instant, and after any signal or kill, ``target`` is the old folder or the new
-    one. Elsewhere the old folder is renamed aside and ``built`` renamed in: ``target`` is
-    then missing for the instant between the two renames, and a write stopped there is undone
-    by the next. A folder moved out of the way is recorded before it is moved, so that one
-    left behind by a kill is moved back or, once checked, removed, and never removed
-    unchecked. Concurrent writers each end with a complete folder at ``target``, the last
-    one's.
+    ``target`` of which ``replaceable`` says nothing (it returns why not, or None) is
+    exchanged with the new folder in one step where the system can, so that ``target`` is at
+    every instant the old folder or the new one; elsewhere it is renamed aside first. What was
+    there is checked again once out of the way (put back, and the write refused, if something
+    arrived meanwhile), then removed: the entries ``own`` names (None: a folder that is not
+    whole, which is then a writer's unfinished work, removed whole), and it with them when
+    nothing else is left. The new folder gets the old one's mode and, where allowed, its
+    owner.
 
     Raises
     ------
     FileExistsError
         ``target`` exists and is not empty (without ``overwrite``), is not a folder, or is not
         ``replaceable``.
+    OSError
+        ``fill`` or a move failed: nothing of the new folder is left, and the error names
+        ``target`` where it named the temporary folder.
     """
-    for _ in range(100):
-        try:
-            os.rename(built, target)  # takes the place of a missing or empty folder only
-            return
-        except OSError as err:
-            if err.errno == errno.ENOTDIR:
-                raise FileExistsError(f"{target} exists and is not a folder") from None
-            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-        if not overwrite:
-            raise FileExistsError(
-                f"{target} exists and is not empty; pass overwrite=True to replace it"
-            )
-        _require_replaceable(target, replaceable)
-        temporaries.mark(built, "swap")  # from here on it may hold the old folder
-        try:
-            exchanged = _exchange(built, target)
-        except FileNotFoundError:  # another writer moved it: try again
-            temporaries.mark(built, "new")
-            continue
-        if not exchanged:
-            temporaries.mark(built, "new")
-            if _replace_aside(built, target, temporaries, replaceable):
-                return
-            continue
-        try:
-            _require_replaceable(built, replaceable, target)  # what arrived since the check
-        except FileExistsError:
-            _exchange(built, target)
-            temporaries.mark(built, "new")
-            raise
-        _remove_checked(built, temporaries)
-        return
-    raise FileExistsError(f"{target}: other writers kept replacing it")  # pragma: no cover
-
-
-def _replace_aside(
-    built: Path, target: Path, temporaries: Temporaries, replaceable: Callable[[Path], str | None]
-) -> bool:
-    """Without an exchange: rename ``target`` aside, check it, rename ``built`` in; False when
-    another writer moved ``target`` or took its place meanwhile (try again)."""
-    old = temporaries.new("old")
+    if os.path.ismount(target):  # refused before the work, not after it
+        raise _mount_point(target)
+    _remove_abandoned(target, own, replaceable)
+    built = _temporary(target)
+    os.mkdir(built)
+    fd = os.open(built, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        os.rename(target, old)
-    except FileNotFoundError:  # another writer moved it first
-        return False
+        _lock(fd)
+        try:
+            result = fill(built)
+            _keep_identity(fd, _status(target))
+            old = _install(built, target, overwrite=overwrite, replaceable=replaceable)
+        except BaseException:
+            if _same(fd, built):
+                shutil.rmtree(built, ignore_errors=True)
+            else:  # stopped the instant after the exchange: the old folder lies there
+                _remove_own(built, own)
+            raise
+    except OSError as err:
+        raise _naming(err, target, built) from None
+    finally:
+        os.close(fd)
+    if old is not None:
+        _remove_own(old, own)
+    _fsync_dir(target.parent)
+    return result
+
+
+def _install(
+    built: Path, target: Path, *, overwrite: bool, replaceable: Callable[[Path], str | None]
+) -> Path | None:
+    """Move ``built`` to ``target``; the name of the folder it replaced, if any."""
+    try:
+        os.rename(built, target)  # takes the place of a missing or empty folder only
+        return None
+    except OSError as err:
+        if err.errno == errno.ENOTDIR:
+            raise FileExistsError(f"{target} exists and is not a folder") from None
+        if err.errno == errno.EBUSY:
+            raise _mount_point(target) from None
+        if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+    if not overwrite:
+        raise FileExistsError(
+            f"{target} exists and is not empty; pass overwrite=True to replace it"
+        )
+    _require_replaceable(target, replaceable)
+    try:
+        if exchanged := _exchange(built, target):
+            old = built  # what was at target is now at built's name
+        else:
+            old = _temporary(target)
+            os.rename(target, old)
+    except OSError as err:
+        if err.errno == errno.EBUSY:
+            raise _mount_point(target) from None
+        raise
     try:
         _require_replaceable(old, replaceable, target)  # what arrived since the check
-        try:
+        if not exchanged:
             os.rename(built, target)
-        except OSError as err:
-            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            # Another writer's folder took the place: the old one is checked, so it goes,
-            # and the next round replaces theirs.
-            _remove_checked(old, temporaries)
-            return False
     except BaseException:
-        if temporaries.role(old) == "old":
-            _rename_noreplace(old, target)
+        if exchanged:
+            _exchange(built, target)
+        else:
+            os.rename(old, target)
         raise
-    _remove_checked(old, temporaries)
-    return True
+    return old
 
 
-def _remove_checked(folder: Path, temporaries: Temporaries) -> None:
-    """Remove a replaced folder once checked, recording first that it may go."""
-    temporaries.mark(folder, "checked")
-    shutil.rmtree(folder, ignore_errors=True)
+def _mount_point(target: Path) -> OSError:
+    return OSError(f"{target} is a mount point, which cannot be replaced; give a folder inside it")
 
 
 def _require_replaceable(
@@ -630,28 +218,114 @@ def _require_replaceable(
         raise FileExistsError(f"{target or folder} is not replaced: {why}")
 
 
-#: ``renameat2``'s flags: swap two paths; rename only onto nothing. And the "current folder".
-_RENAME_EXCHANGE: Final = 2
-_RENAME_NOREPLACE: Final = 1
-_AT_FDCWD: Final = -100
+def _remove_own(folder: Path, own: Callable[[Path], Iterable[str] | None]) -> None:
+    """Remove the regular files of ``folder`` that ``own`` names, then it if it is empty; all
+    of it when ``own`` names nothing (None: unfinished work). The last name (a manifest) goes
+    last, and only when nothing else is left: a folder that keeps something of someone
+    else's keeps saying what in it was its own."""
+    names = own(folder)
+    if names is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    *files, last = names or [""]
+    for name in files:
+        _unlink_regular(folder / name)
+    with contextlib.suppress(OSError):
+        if last and os.listdir(folder) == [last]:
+            _unlink_regular(folder / last)
+        os.rmdir(folder)
 
 
-def _renameat2(a: Path, b: Path, flag: int) -> bool:
-    """``renameat2(a, b, flag)``; False where the system cannot, OSError when it fails."""
+def _unlink_regular(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def _same(fd: int, path: Path) -> bool:
+    """Whether ``path`` names the file or folder open as ``fd``."""
+    try:
+        a, b = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+# -- temporaries ----------------------------------------------------------------------------------
+
+
+def _prefix(target: Path) -> str:
+    return "." + os.fsdecode(os.fsencode(target.name)[:_NAME_BYTES]) + "."
+
+
+def _temporary(target: Path) -> Path:
+    """A fresh name next to ``target`` for a temporary of its write."""
+    return target.with_name(f"{_prefix(target)}{secrets.token_hex(8)}{_SUFFIX}")
+
+
+def _lock(fd: int) -> None:
+    """Hold ``fd`` locked while this writer runs: its temporary is then never reclaimed."""
+    if fcntl is not None:
+        with contextlib.suppress(OSError):  # a filesystem without locks: never reclaimed
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def _remove_abandoned(
+    target: Path,
+    own: Callable[[Path], Iterable[str] | None] | None = None,
+    replaceable: Callable[[Path], str | None] | None = None,
+) -> None:
+    """Remove the temporaries of earlier writes of ``target`` whose writer has ended: a
+    file, or a folder as :func:`write_folder` removes one it replaced (with ``own``). A
+    whole folder (``replaceable`` says nothing against it) left where ``target`` is missing,
+    by a writer stopped between two renames, is moved back instead."""
+    if fcntl is None:  # pragma: no cover
+        return
+    pattern = re.compile(re.escape(_prefix(target)) + "[0-9a-f]{16}" + re.escape(_SUFFIX))
+    with contextlib.suppress(OSError), os.scandir(target.parent) as entries:
+        found = [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
+    for path in found:
+        with contextlib.suppress(OSError), _unlocked(path) as kind:
+            if kind == "file":
+                os.unlink(path)
+            elif kind == "folder":
+                whole = replaceable is not None and replaceable(path) is None
+                if whole and not os.path.lexists(target):
+                    os.rename(path, target)
+                    continue
+                if own is not None:
+                    _remove_own(path, own)
+
+
+@contextlib.contextmanager
+def _unlocked(path: Path) -> Iterator[str | None]:
+    """``path``'s kind ("file" or "folder") when no writer holds it locked, else None."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(fd).st_mode
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # its writer runs
+            yield None
+            return
+        yield "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else None
+    finally:
+        os.close(fd)
+
+
+# -- the system's part ----------------------------------------------------------------------------
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one step (Linux ``renameat2``); False where the
+    system cannot."""
     if not sys.platform.startswith("linux"):
         return False
     renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
     if renameat2 is None:  # pragma: no cover - a C library older than glibc 2.28
         return False
-    renameat2.argtypes = [
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_int,
-        ctypes.c_char_p,
-        ctypes.c_uint,
-    ]
-    renameat2.restype = ctypes.c_int
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flag) == 0:
+    at_cwd, exchange = -100, 2  # AT_FDCWD, RENAME_EXCHANGE
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), exchange) == 0:
         return True
     code = ctypes.get_errno()
     if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # pragma: no cover
@@ -659,40 +333,69 @@ def _renameat2(a: Path, b: Path, flag: int) -> bool:
     raise OSError(code, os.strerror(code), os.fspath(b))
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap the paths ``a`` and ``b`` in one step; False where the system cannot."""
-    return _renameat2(a, b, _RENAME_EXCHANGE)
+def _naming(err: OSError, path: Path, temporary: Path) -> OSError:
+    """``err`` naming ``path``, the user's, where it named nothing or ``temporary``."""
+    name = os.fspath(temporary)
+    where = os.fsdecode(err.filename) if err.filename is not None else None
+    if err.errno is None or where == os.fspath(path):
+        return err
+    if where is not None and where.startswith(name):
+        where = os.fspath(path) + where[len(name) :]
+    elif not where:
+        where = os.fspath(path)
+    else:
+        return err
+    return type(err)(err.errno, err.strerror, where)
 
 
-def _rename_noreplace(a: Path, b: Path) -> bool:
-    """Rename ``a`` to ``b`` if nothing is at ``b``; whether it was renamed. Without
-    ``RENAME_NOREPLACE`` a rename after a check, which a path appearing in between defeats."""
+def _status(path: Path) -> os.stat_result | None:
     try:
-        if _renameat2(a, b, _RENAME_NOREPLACE):
-            return True
-    except FileExistsError:
-        return False
-    except OSError as err:
-        if err.errno == errno.ENOTEMPTY:
-            return False
-        raise
-    if os.path.lexists(b):  # pragma: no cover - not Linux
-        return False
-    os.rename(a, b)  # pragma: no cover
-    return True  # pragma: no cover
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
 
 
-def _rename_new(a: Path, b: Path) -> None:
-    """Rename ``a`` to ``b``, which must not exist."""
-    if not _rename_noreplace(a, b):
-        raise FileExistsError(f"{b} appeared during the write; it is not replaced")
+def _replaced(path: Path) -> os.stat_result | None:
+    """The status of the file ``path`` names, which a write may replace; None when there is
+    none. Anything but a regular file is refused: a write never replaces a device or a FIFO
+    (as root, ``/dev/null``) with a file."""
+    status = _status(path)
+    if status is not None and stat.S_ISLNK(status.st_mode):
+        raise NotRegularFileError(
+            f"{path}: not replaced: it is a symbolic link; give the path of the file it names"
+        )
+    if status is not None:
+        _require_regular(status.st_mode, path, "not replaced: ")
+    return status
+
+
+def _keep_identity(fd: int, old: os.stat_result | None) -> None:
+    """Give the new file or folder ``fd`` the permission bits, and where allowed the owner,
+    of ``old`` (when it is of the same kind)."""
+    if old is None or stat.S_IFMT(old.st_mode) != stat.S_IFMT(os.fstat(fd).st_mode):
+        return
+    if hasattr(os, "fchown") and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+        # An ordinary user cannot give a file away: it becomes theirs.
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, old.st_uid, old.st_gid)
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after the owner, which clears setuid and setgid
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # e.g. Windows cannot open a directory
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 # -- reading --------------------------------------------------------------------------------------
 
 
-def open_regular(path: Path) -> BinaryIO:
-    """Open ``path`` for binary reading, refusing anything that is not a regular file.
+def open_regular(path: Path, *, dir_fd: int | None = None) -> BinaryIO:
+    """Open ``path`` (relative to the open folder ``dir_fd`` when given) for binary reading,
+    refusing anything that is not a regular file.
 
     The kind is checked before the file is opened, so that a FIFO or a device is never opened
     (opening a FIFO for reading waits for a writer); the file is then opened without blocking
@@ -707,9 +410,10 @@ def open_regular(path: Path) -> BinaryIO:
     OSError
         Any other failure to reach the file (a symlink loop, no permission, ...).
     """
-    _require_regular(os.stat(path).st_mode, path)
+    name = path.name if dir_fd is not None else path
+    _require_regular(os.stat(name, dir_fd=dir_fd).st_mode, path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    fd = os.open(path, flags)
+    fd = os.open(name, flags, dir_fd=dir_fd)
     try:
         _require_regular(os.fstat(fd).st_mode, path)
         file = os.fdopen(fd, "rb")

@@ -336,10 +336,9 @@ def save_fixture(
     The file is written to a temporary file in the same folder, flushed to disk, then renamed
     over ``path``: a reader sees the old file or the new one, never half of one, and a failure
     leaves nothing behind. An existing ``path`` is replaced only with ``overwrite=True``;
-    otherwise :class:`FileExistsError` is raised. On Linux the temporary file has no name
-    until it is linked in place (``O_TMPFILE``), so that nothing is left even if the writer
-    is killed; elsewhere its name carries the writer's process id, and a later write into the
-    folder removes it once that process is gone.
+    otherwise :class:`FileExistsError` is raised. A writer killed by SIGKILL leaves its
+    uniquely named temporary (``.{name}.{token}.gdn-tmp``), which the next write of ``path``
+    removes.
 
     Parameters
     ----------
@@ -438,11 +437,14 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     return _load(Path(path), mmap, None, None, "expected")
 
 
-def load_checked(path: Path, *, size: int | None, sha256: str, said: str) -> Fixture:
+def load_checked(
+    path: Path, *, size: int | None, sha256: str, said: str, dir_fd: int | None = None
+) -> Fixture:
     """:func:`load_fixture`, refusing a file whose size (checked first) or SHA-256 is not the
     given one. What is hashed is what the fixture holds: the bytes read into memory, or, for a
     mapped file, the file read through the descriptor it is then mapped from, unchanged in
-    between. ``said`` introduces the expected values in messages ("the manifest says").
+    between. ``said`` introduces the expected values in messages ("the manifest says");
+    ``dir_fd``, an open folder, is where ``path``'s name is looked up when given.
 
     Raises
     ------
@@ -451,11 +453,19 @@ def load_checked(path: Path, *, size: int | None, sha256: str, said: str) -> Fix
     FileNotFoundError
         The file does not exist.
     """
-    return _load(path, True, size, sha256, said)
+    return _load(path, True, size, sha256, said, dir_fd)
 
 
-def _load(path: Path, mmap: bool, size: int | None, sha256: str | None, said: str) -> Fixture:
-    with safetensors.reading(path), open_regular(path) as file:
+def _load(
+    path: Path,
+    mmap: bool,
+    size: int | None,
+    sha256: str | None,
+    said: str,
+    dir_fd: int | None = None,
+) -> Fixture:
+    """The fixture at ``path`` (its name in the open folder ``dir_fd`` when given)."""
+    with safetensors.reading(path), open_regular(path, dir_fd=dir_fd) as file:
         status = os.fstat(file.fileno())
         if size is not None and status.st_size != size:
             raise FixtureError(f"{path}: {status.st_size} bytes, {said} {size}")

@@ -36,12 +36,13 @@ class NotASuite(FixtureError):
         self.why = why
 
 
-def read_manifest(folder: Path) -> list[dict[str, Any]]:
-    """The fixture entries of the manifest of the suite in ``folder``, each with a plain,
-    distinct ``file`` name and a ``sha256``; :class:`NotASuite` for anything else."""
+def read_manifest(folder: Path, *, dir_fd: int | None = None) -> list[dict[str, Any]]:
+    """The fixture entries of the manifest of the suite in ``folder`` (read through the open
+    folder ``dir_fd`` when given), each with a plain, distinct ``file`` name and a
+    ``sha256``; :class:`NotASuite` for anything else."""
     path = folder / MANIFEST
     try:
-        with open_regular(path) as file:
+        with open_regular(path, dir_fd=dir_fd) as file:
             raw = file.read(_MANIFEST_BYTES + 1)
     except FileNotFoundError:
         raise NotASuite(folder, f"it has no {MANIFEST}") from None

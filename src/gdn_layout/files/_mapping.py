@@ -1,15 +1,10 @@
 """Files read while other processes may change them: small ones read into memory in one pass,
 large ones memory-mapped and stamped (size, modification time, inode) so that a change is
-found before their contents are judged, and held unchanged while they are judged.
+found before their contents are judged, and after.
 
-A file cut short under a map kills its reader with SIGBUS at the next read of a page past the
-new end, which no Python code can catch. So a mapped file is judged under a read lease (Linux
-``F_SETLEASE``): a process that truncates the file or opens it for writing waits until the
-lease is let go (at most ``/proc/sys/fs/lease-break-time`` seconds, 45 by default), and the
-check that follows sees what it did. The lease's notice is sent as ``SIGURG``, which a process
-ignores unless it asks for it. Where no lease can be taken (another system, a file of another
-owner without ``CAP_LEASE``, a file open for writing now, a filesystem without leases), the
-stamp is checked before and after, and a truncation during the judgement is not prevented.
+As with ``numpy.memmap`` and safetensors, a mapped file cut short in place by another program
+can fault its reader (SIGBUS) at the next read of a page past the new end; this library's own
+writers never truncate in place: they replace the file whole.
 """
 
 from __future__ import annotations
@@ -17,8 +12,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Final, NamedTuple, cast
@@ -92,46 +85,16 @@ class FileStamp(NamedTuple):
         )
 
 
-#: fcntl's lease commands and the read lease (Linux values; Python's fcntl lacks the first two).
-_F_SETSIG: Final = 10
-_F_SETLEASE: Final = 1024
-_F_RDLCK: Final = 0
-
-
 @contextlib.contextmanager
 def held(stamp: FileStamp | None, path: Path) -> Iterator[None]:
-    """Within the block, the file ``stamp`` describes cannot be truncated or rewritten (where a
-    read lease can be taken; see the module): :class:`FixtureError` naming ``path`` if it
-    changed before the block, or after it. Nothing to do for ``stamp`` None (in memory)."""
-    if stamp is None:
-        yield
-        return
-    stamp.check(path)
-    with _leased(stamp, path):
-        yield
-    stamp.check(path, when="while it was judged")
-
-
-@contextlib.contextmanager
-def _leased(stamp: FileStamp, path: Path) -> Iterator[None]:
-    if not sys.platform.startswith("linux"):
-        yield
-        return
-    try:
-        fd = os.open(stamp.where, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        yield  # gone or unreadable: the check after says so
-        return
-    try:
-        stamp.check(path, FileStamp.of(path, os.fstat(fd)))  # the very file that was mapped
-        with contextlib.suppress(OSError):
-            import fcntl
-
-            fcntl.fcntl(fd, _F_SETSIG, signal.SIGURG)  # the notice, ignored by default
-            fcntl.fcntl(fd, _F_SETLEASE, _F_RDLCK)
-        yield
-    finally:
-        os.close(fd)  # lets the lease go
+    """Within the block, the file ``stamp`` describes is judged: :class:`FixtureError` naming
+    ``path`` if it changed before the block, or after it. Nothing to do for ``stamp`` None
+    (in memory)."""
+    if stamp is not None:
+        stamp.check(path)
+    yield
+    if stamp is not None:
+        stamp.check(path, when="while it was judged")
 
 
 def map_file(
