@@ -9,8 +9,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -380,6 +382,18 @@ def test_compare_user_errors(fixture_path: Path, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow  # imports torch: about a second, once per process
+def test_compare_refuses_a_tensor_numpy_cannot_read(fixture_path: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    float8 = torch.from_numpy(np.array(load_fixture(fixture_path).packed)).to(torch.float8_e4m3fn)
+    torch.save({"packed": float8}, tmp_path / "k.pt")
+    assert_user_error(
+        run("compare", tmp_path / "k.pt", fixture_path),
+        "k.pt['packed'] must be an array NumPy can read (a NumPy dtype or bfloat16, in CPU "
+        "memory), got a Tensor of dtype torch.float8_e4m3fn on device cpu",
+    )
+
+
 def test_fixture_user_errors(tmp_path: Path) -> None:
     assert_user_error(
         run("fixture", "--suite", tmp_path / "s", "-S", "3", "--gate-regime", "zero"),
@@ -471,6 +485,35 @@ def test_a_real_terminal_gets_the_progress_bar(tmp_path: Path) -> None:
     os.close(leader)
     assert code == 0
     assert "reference backward [" in b"".join(chunks).decode()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_suite_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    # SIGINT, as Ctrl-C sends it, well into `fixture --suite`: its temporaries are on disk.
+    parent = tmp_path / "work"
+    parent.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "gdn_layout", "fixture", "--suite", parent / "suite"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(parent.iterdir()) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.05)
+        assert any(parent.iterdir()), "the suite's writer made no temporary"
+        time.sleep(0.5)  # well into the work
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 128 + signal.SIGINT, stderr
+    assert stderr.splitlines() == ["gdn-layout: interrupted"]
+    assert list(parent.iterdir()) == []
 
 
 def test_bfloat16_without_its_extra_names_the_extra(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 from numpy.typing import DTypeLike
 
 from gdn_layout import GdnBackwardLayout, pack, unpack
+from gdn_layout.check import compare
 from gdn_layout.reference import backward
 from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import make_case
@@ -133,6 +135,46 @@ def test_a_torch_kernel_is_checked_on_torch_inputs() -> None:
     grads = unpack(backward(q, k, v, g, beta, dy, x.state.numpy(), dtype=np.float32), LAYOUT)
     as_tensors = [torch.from_numpy(np.array(g)) for g in grads if g is not None]
     assert case.check(pack(*as_tensors)).passed
+
+
+@pytest.mark.slow  # imports torch: about a second, once per process
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_tensors_that_require_grad_are_read_detached(dtype: DTypeLike) -> None:
+    torch = pytest.importorskip("torch")
+    case = make_case(LAYOUT, dtype=dtype, seed=6)
+    expected = np.asarray(case.expected)
+
+    def tensor(array: np.ndarray) -> Any:  # a leaf that requires grad, as a kernel's may
+        if array.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(np.array(array))
+
+    grads = [tensor(g).requires_grad_() for g in unpack(expected, LAYOUT) if g is not None]
+    assert np.array_equal(pack(*grads, layout=LAYOUT), expected, equal_nan=True)
+    packed = tensor(expected).requires_grad_() * 1  # not a leaf: it has a graph
+    assert packed.requires_grad
+    assert compare(packed, expected, LAYOUT).passed
+    assert case.check(packed).passed
+
+
+@pytest.mark.slow  # imports torch: about a second, once per process
+@pytest.mark.parametrize("kind", ["meta", "float8_e4m3fn"])
+def test_tensors_numpy_cannot_read_are_refused_by_name(kind: str) -> None:
+    torch = pytest.importorskip("torch")
+    case = make_case(LAYOUT, seed=7)
+    expected = torch.from_numpy(np.array(case.expected))
+    tensor = expected.to("meta") if kind == "meta" else expected.to(getattr(torch, kind))
+    received = rf"got a Tensor of dtype {tensor.dtype} on device {tensor.device}: "
+    accepted = r"must be an array NumPy can read \(a NumPy dtype or bfloat16, in CPU memory\)"
+    with pytest.raises(TypeError, match=rf"^compare: actual {accepted}, {received}"):
+        compare(tensor, case.expected, LAYOUT)
+    with pytest.raises(TypeError, match=rf"^compare: expected {accepted}, {received}"):
+        compare(case.expected, tensor, LAYOUT)
+    with pytest.raises(TypeError, match=rf"^compare: actual {accepted}, {received}"):
+        case.check(tensor)
+    grads = [tensor[s.offset : s.offset + s.length].view(s.shape) for s in LAYOUT.segments()]
+    with pytest.raises(TypeError, match=rf"^pack: a gradient {accepted}, {received}"):
+        pack(*grads, layout=LAYOUT)
 
 
 #: The spec's forward, step by step, in torch: a stand-in for a user's kernel.

@@ -334,7 +334,7 @@ def test_a_file_that_arrives_during_a_replacement_is_kept(
 
     def arriving(folder: Path) -> str | None:
         checks.append(folder)
-        why = real(folder)
+        why: str | None = real(folder)
         if len(checks) == 2:  # the check just before the move passed; then a file arrives
             (root / "weights.safetensors").write_bytes(b"theirs")
         return why

@@ -16,7 +16,7 @@ from gdn_layout.check._findings import _IDENTIFIED
 from gdn_layout.cli import main
 from gdn_layout.files import FixtureError
 from gdn_layout.reference import backward
-from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, verify_suite
+from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, suite_files, verify_suite
 
 Suite = tuple[Path, list[Path]]
 
@@ -234,6 +234,65 @@ from gdn_layout.reference import backward
 def test_correct(gdn_case):
     gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
 """
+
+
+#: A conftest that records each call that makes cases: its process, and its xdist worker.
+RECORDING = """
+import json, os
+import gdn_layout.suites as suites
+
+def _recorded(make):
+    def recorded(*args, **kwargs):
+        with open({log!r}, "a") as log:
+            print(json.dumps([os.getpid(), os.environ.get("PYTEST_XDIST_WORKER")]), file=log)
+        return make(*args, **kwargs)
+    return recorded
+
+suites.make_case = _recorded(suites.make_case)
+suites.load_suite = _recorded(suites.load_suite)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("given", ["layout", "suite"])
+def test_plugin_under_xdist_makes_cases_in_the_workers_only(
+    pytester: pytest.Pytester,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    given: str,
+) -> None:
+    pytest.importorskip("xdist")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)  # this run's own, if any
+    log = pytester.path / "made.jsonl"
+    pytester.makeconftest(RECORDING.format(log=str(log)))
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    if given == "layout":
+        args, calls, passed = ["--gdn-layout", "1,5,2,4,channel,state"], 6, 6  # one per regime
+    else:
+        root, _ = request.getfixturevalue("suite")
+        mild = len(suite_files(root, regime="mild"))
+        args, calls, passed = ["--gdn-suite", str(root), "--gdn-regime", "mild"], 1, mild
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", *args)
+    result.assert_outcomes(passed=passed)
+    made = [tuple(json.loads(line)) for line in log.read_text().splitlines()]
+    workers = {worker for _, worker in made}
+    assert workers == {"gw0", "gw1"}, made  # the controller (no worker) made none
+    assert len(made) == 2 * calls
+    assert len({pid for pid, _ in made}) == 2
+
+
+@pytest.mark.slow
+def test_plugin_under_xdist_reports_a_worker_s_problem_once_per_worker(
+    suite: Suite, pytester: pytest.Pytester
+) -> None:
+    pytest.importorskip("xdist")
+    root, _ = suite
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    args = ("-p", "no:cacheprovider", "-n", "2", "--gdn-suite", str(root), "--gdn-dtype", "bf16")
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(errors=2)  # a failed collection in each worker, not a crash
+    result.stdout.fnmatch_lines([f"*--gdn-dtype bfloat16: the suite {root} holds float32*"])
+    assert "crashed" not in result.stdout.str() + result.stderr.str()
 
 
 @pytest.mark.slow

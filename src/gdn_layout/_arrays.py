@@ -17,25 +17,43 @@ __all__ = ["FRAMEWORKS", "as_framework", "as_packed"]
 def as_packed(buffer: object, which: str = "actual", func: str = "compare") -> NDArray[Any]:
     """A NumPy view of a packed buffer given as any array: a NumPy array as it is, an object
     with ``__dlpack__`` (a CPU torch or JAX array) read without a copy, else ``__array__``.
-    A torch bfloat16 tensor is viewed as ml_dtypes' bfloat16, also without a copy."""
+    A torch bfloat16 tensor is viewed as ml_dtypes' bfloat16, also without a copy; a tensor
+    that requires grad is read through ``detach()``. One that NumPy cannot read (on device
+    ``meta``, of a float8 dtype, ...) is a TypeError naming ``which``."""
     if isinstance(buffer, np.ndarray):
         return buffer
     if hasattr(buffer, "__dlpack__"):
+        tensor: Any = buffer
+        if getattr(tensor, "requires_grad", False) is True:  # torch's: the values, no copy
+            tensor = tensor.detach()
         try:
-            return np.from_dlpack(buffer)
-        except (BufferError, TypeError, RuntimeError, ValueError):
-            if str(getattr(buffer, "dtype", "")) != "torch.bfloat16":
-                raise
-            import torch
-
-            bits = np.from_dlpack(buffer.view(torch.int16))  # type: ignore[attr-defined]
-            return bits.view(bfloat16())
+            return _from_dlpack(tensor)
+        except (BufferError, TypeError, RuntimeError, ValueError) as error:
+            raise TypeError(
+                f"{func}: {which} must be an array NumPy can read (a NumPy dtype or bfloat16, "
+                f"in CPU memory), got a {type(buffer).__name__} of dtype "
+                f"{getattr(buffer, 'dtype', '?')} on device {getattr(buffer, 'device', '?')}: "
+                f"{error}"
+            ) from None
     if hasattr(buffer, "__array__"):
         return np.asarray(buffer)
     raise TypeError(
         f"{func}: {which} must be an array (NumPy, or any with __dlpack__ or __array__), "
         f"got {type(buffer).__name__}"
     )
+
+
+def _from_dlpack(tensor: Any) -> NDArray[Any]:
+    """``np.from_dlpack``, and a torch bfloat16 tensor, which DLPack does not carry to NumPy,
+    through its bits."""
+    try:
+        return np.from_dlpack(tensor)
+    except (BufferError, TypeError, RuntimeError, ValueError):
+        if str(getattr(tensor, "dtype", "")) != "torch.bfloat16":
+            raise
+        import torch
+
+        return np.from_dlpack(tensor.view(torch.int16)).view(bfloat16())
 
 
 #: The libraries :func:`as_framework` makes tensors of.

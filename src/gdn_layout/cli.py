@@ -8,7 +8,8 @@ What stdout and stderr cannot encode (a file name that is not UTF-8, a non-ASCII
 ASCII stream) is written backslash-escaped; with no stderr (``2>&-``) the progress bar is off
 and errors are not printed, their exit status unchanged. SIGTERM raises SystemExit(143) for
 the duration of :func:`main`, so that temporary files are removed before the process ends
-with status 143 (128 + 15, what a shell reports for a process killed by SIGTERM).
+with status 143 (128 + 15, what a shell reports for a process killed by SIGTERM). Ctrl-C
+(KeyboardInterrupt) removes them too, then prints one line and exits with status 130 (128 + 2).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -68,8 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     make_fixture : What ``gdn-layout fixture`` runs.
     compare : What ``gdn-layout compare`` runs.
     """
-    with escaping_output(), sigterm_as_exit():
-        return _main(argv)
+    try:
+        with escaping_output(), sigterm_as_exit():
+            return _main(argv)
+    except KeyboardInterrupt:  # the writers have removed their temporaries on the way out
+        clear = "\r\x1b[K" if stderr_is_terminal() else ""  # over the progress bar and ^C
+        report(f"{clear}gdn-layout: interrupted")
+        return 128 + signal.SIGINT
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -622,7 +629,8 @@ def _resolve_layout(sources: list[PackedFile], args: argparse.Namespace) -> GdnB
 def _open(path: str, dtype: str | None) -> PackedFile:
     try:
         return open_packed(path, dtype)
-    except (ValueError, ImportError) as error:  # not a packed buffer, or torch missing: the user's
+    # Not a packed buffer, a tensor NumPy cannot read (TypeError), or torch missing: the user's.
+    except (ValueError, TypeError, ImportError) as error:
         raise UsageError(str(error)) from None
 
 

@@ -11,7 +11,7 @@ runs over the cases of:
     boundary (``-k`` selects by name as usual);
 ``pytest --gdn-layout B,S,H,N[,channel][,state]``
     the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
-    computed by the reference when the tests are collected, in ``--gdn-dtype``
+    computed by the reference when the session starts, in ``--gdn-dtype``
     (float32 by default) with ``--gdn-seed``.
 ``--gdn-precision CLASS``
     ``gdn_case.check`` judges in that precision class (``tf32`` for a kernel whose float32
@@ -35,14 +35,21 @@ wins.
 :meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
 and the coordinates of its worst element; the criterion is the calibrated one unless
 tolerances are passed to it.
+
+Under pytest-xdist the controller, which runs no test, only checks the options (and the
+suite's manifest); each worker makes the cases, and a problem it finds then (a suite's file
+that differs from its manifest, say) fails the collection of the tests that take ``gdn_case``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
+import functools
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +62,10 @@ from .suites import Case
 __all__ = ["gdn_case"]
 
 _CASES = pytest.StashKey[list[Case]]()
+#: What makes the cases of --gdn-suite or --gdn-layout, and the prefix of its errors.
+_MAKE = pytest.StashKey[tuple[Callable[[], list[Case]], str]]()
+#: A worker's usage error, reported when its tests are collected.
+_ERROR = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -127,33 +138,66 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     if suite is not None and spec is not None:
         raise pytest.UsageError("--gdn-suite and --gdn-layout: give one of them")
+    setting = "--gdn-suite" if from_ini is None else from_ini
+    where = "" if suite is None else f"{setting}: "
+    # Checked here, in every process; made when the session starts, where tests are run.
+    make: Callable[[], list[Case]]
+    with _usage_errors(where):
+        if suite is not None:
+            from .suites import suite_files
+
+            selection = {k: config.getoption(f"gdn_{k}") for k in ("min_seq", "regime", "crossing")}
+            suite_files(suite, **selection)  # its manifest, and the selection
+            _precision(config, ())  # its spelling; its dtype's, once the suite is loaded
+            make = functools.partial(_suite_cases, config, suite, selection)
+        else:
+            make = _layout_cases(config, spec)
+    config.stash[_MAKE] = (make, where)
+
+
+@pytest.hookimpl(tryfirst=True)  # a usage error before the session's header
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    planned = config.stash.get(_MAKE, None)
+    # pytest-xdist's controller (its "dsession" plugin) runs no test: the workers make them.
+    if planned is None or config.pluginmanager.hasplugin("dsession"):
+        return
+    make, where = planned
+    try:
+        with _usage_errors(where):
+            cases = make()
+        config.stash[_CASES] = _judged_in(config, cases)
+    except pytest.UsageError as error:
+        if not hasattr(config, "workerinput"):
+            raise
+        # A worker that fails to start is a crash, restarted up to eight times: fail to collect.
+        config.stash[_ERROR] = str(error)
+
+
+@contextlib.contextmanager
+def _usage_errors(where: str) -> Iterator[None]:
+    """The user's problems as one usage error each, its message prefixed by ``where``."""
     from .files._fixture import FixtureError
 
     try:
-        if suite is not None:
-            from .suites import load_suite
-
-            cases = load_suite(
-                suite,
-                min_seq=config.getoption("gdn_min_seq"),
-                regime=config.getoption("gdn_regime"),
-                crossing=config.getoption("gdn_crossing"),
-            )
-            asked = config.getoption("gdn_dtype")
-            dtypes = {c.fixture.dtype.name for c in cases}
-            if asked is not None and dtypes - {asked}:
-                raise ValueError(
-                    f"--gdn-dtype {asked}: the suite {suite} holds {', '.join(sorted(dtypes))}"
-                )
-        else:
-            cases = _layout_cases(config, spec)
+        yield
     except (FixtureError, ValueError, TypeError, ImportError) as err:
-        setting = "--gdn-suite" if from_ini is None else from_ini
-        where = "" if suite is None else f"{setting}: "
         raise pytest.UsageError(f"gdn-layout: {where}{err}") from None
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
-    config.stash[_CASES] = _judged_in(config, cases)
+
+
+def _suite_cases(config: pytest.Config, suite: str, selection: dict[str, Any]) -> list[Case]:
+    from .suites import load_suite
+
+    cases = load_suite(suite, **selection)
+    asked = config.getoption("gdn_dtype")
+    dtypes = {c.fixture.dtype.name for c in cases}
+    if asked is not None and dtypes - {asked}:
+        raise ValueError(
+            f"--gdn-dtype {asked}: the suite {suite} holds {', '.join(sorted(dtypes))}"
+        )
+    return cases
 
 
 def _setting(config: pytest.Config, name: str) -> Any:
@@ -163,20 +207,28 @@ def _setting(config: pytest.Config, name: str) -> Any:
 
 
 def _judged_in(config: pytest.Config, cases: list[Case]) -> list[Case]:
-    """``cases`` judged in ``--gdn-precision``'s class; a class finer than a case's dtype is
-    one usage error."""
-    precision = _setting(config, "gdn_precision") or None
+    """``cases`` judged in ``--gdn-precision``'s class."""
+    precision = _precision(config, {c.fixture.dtype for c in cases})
     if precision is None:
         return cases
+    return [dataclasses.replace(c, precision=precision) for c in cases]
+
+
+def _precision(config: pytest.Config, dtypes: Iterable[Any]) -> str | None:
+    """``--gdn-precision``'s class (None: each case's own); a class finer than one of
+    ``dtypes`` is one usage error."""
+    precision = _setting(config, "gdn_precision") or None
+    if precision is None:
+        return None
     from .check._criterion import judged_precision
 
     try:
         precision = precision_arg(str(precision))
-        for case in cases:
-            judged_precision(precision, "--gdn-precision", case.fixture.dtype)
+        for dtype in dtypes:
+            judged_precision(precision, "--gdn-precision", dtype)
     except (ValueError, argparse.ArgumentTypeError) as err:
         raise pytest.UsageError(f"gdn-layout: {err}") from None
-    return [dataclasses.replace(c, precision=precision) for c in cases]
+    return precision
 
 
 def _cached_cases(config: pytest.Config) -> list[Case]:
@@ -235,7 +287,8 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
     return _judged_in(config, cases)
 
 
-def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
+def _layout_cases(config: pytest.Config, spec: str) -> Callable[[], list[Case]]:
+    """What makes the cases of ``--gdn-layout spec``, once the options are checked."""
     from ._limits import impossible_arrays, memory_refusal
     from .layout import GdnBackwardLayout
     from .suites import make_case
@@ -267,14 +320,19 @@ def _layout_cases(config: pytest.Config, spec: str) -> list[Case]:
         dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"gdn_dtype: {err}") from None
+    from ._dtypes import resolve
+
+    _precision(config, [resolve(dtype, "--gdn-dtype")])
     seed = config.getoption("gdn_seed")
-    return [make_case(layout, dtype=dtype, regime=r, seed=seed) for r in regimes]
+    return lambda: [make_case(layout, dtype=dtype, regime=r, seed=seed) for r in regimes]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "gdn_case" not in metafunc.fixturenames:
         return
     config = metafunc.config
+    if (error := config.stash.get(_ERROR, None)) is not None:
+        pytest.fail(error, pytrace=False)
     cases = config.stash.get(_CASES, None)
     if cases is None and not _setting(config, "gdn_skip"):
         # Made here, when a test first asks: pytest-xdist's controller collects nothing.
