@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, Segment
+from gdn_layout.layout import layout_html, layout_text
 
 layouts = st.from_type(GdnBackwardLayout)  # registered in conftest.py
 
@@ -45,6 +46,17 @@ def test_segment_shapes_multiply_to_their_lengths(layout: GdnBackwardLayout) -> 
         assert math.prod(seg.shape) == seg.length
         assert layout.shape(seg.name) == seg.shape
         assert layout.segment(seg.name) == seg
+
+
+@given(layouts)
+def test_quantities_are_derived_as_gdn_rs_derives_them(layout: GdnBackwardLayout) -> None:
+    qkv = layout.qkv_elems
+    assert layout.gate_elems == (qkv if layout.gate_per_channel else layout.beta_elems)
+    assert (layout.dq_offset, layout.dk_offset, layout.dv_offset) == (0, qkv, 2 * qkv)
+    assert layout.dg_offset == 3 * qkv
+    assert layout.dbeta_offset == layout.dg_offset + layout.gate_elems
+    assert layout.dstate_offset == layout.dbeta_offset + layout.beta_elems
+    assert layout.total_elems == layout.dstate_offset + layout.state_elems
 
 
 @given(layouts)
@@ -127,6 +139,28 @@ def test_bad_constructor_arguments(
     args: dict[str, Any] = {"batch": 1, "seq": 2, "heads": 3, "state_size": 4} | kwargs
     with pytest.raises(error, match=_literal(message)):
         GdnBackwardLayout(**args)
+
+
+@pytest.mark.parametrize(
+    ("dims", "carry_state"),
+    [
+        ((2**32, 2**32, 1, 0), False),  # b * s overflows, although b * s * h * n is 0
+        ((1, 1, 2**16, 2**24), True),  # only the carried state's b * h * n * n overflows
+    ],
+)
+def test_overflow_in_a_partial_product_is_refused(
+    dims: tuple[int, int, int, int], carry_state: bool
+) -> None:
+    with pytest.raises(ValueError, match="does not fit in a 64-bit usize"):
+        GdnBackwardLayout(*dims, carry_state=carry_state)
+    if carry_state:
+        assert GdnBackwardLayout(*dims).total_elems == 3 * 2**40 + 2 * 2**16
+
+
+def test_views_show_the_layout_table() -> None:
+    layout = GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True)
+    assert str(layout) == layout_text(layout)
+    assert layout._repr_html_() == layout_html(layout)
 
 
 @pytest.mark.parametrize(

@@ -20,8 +20,6 @@ __all__ = [
     "not_a_layout",
     "require_matplotlib",
     "shape_of",
-    "usize_product",
-    "usize_sum",
 ]
 
 #: The most bytes a NumPy array can span: a shape beyond it is refused, even one with a 0 in it.
@@ -107,23 +105,6 @@ def flag(name: str, value: object) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return bool(value)
-
-
-def usize_product(*factors: int) -> int:
-    """Multiply left to right as Rust does, failing where a debug build would panic."""
-    product = 1
-    for factor in factors:
-        product *= factor
-        if product >= USIZE_LIMIT:
-            raise OverflowError
-    return product
-
-
-def usize_sum(*terms: int) -> int:
-    total = sum(terms)
-    if total >= USIZE_LIMIT:
-        raise OverflowError
-    return total
 
 
 def shape_of(name: str, value: Any) -> tuple[int, ...]:

@@ -1,4 +1,5 @@
-"""Plain-text and HTML tables shared by the text, notebook and report views.
+"""Plain-text and HTML tables shared by the text, notebook and report views, and the layout's
+own table (what ``str(layout)`` and a notebook show of a ``GdnBackwardLayout``).
 
 Every HTML fragment here is self-contained (inline styles only, no external CSS or JS) and
 every piece of text in it goes through :func:`html.escape`.
@@ -8,8 +9,24 @@ from __future__ import annotations
 
 import html
 from collections.abc import Sequence
+from typing import NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["fmt_float", "html_table", "text_table"]
+import numpy as np
+from numpy.typing import DTypeLike
+
+from ._checks import not_a_layout
+from ._dtypes import dtype_name, itemsize
+
+__all__ = [
+    "LayoutRow",
+    "fmt_float",
+    "html_table",
+    "layout_caption",
+    "layout_html",
+    "layout_table",
+    "layout_text",
+    "text_table",
+]
 
 _TABLE_STYLE = (
     "border-collapse:collapse;font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,"
@@ -91,3 +108,148 @@ def html_table(
         parts.append("</tr>")
     parts.append("</tbody></table>")
     return "".join(parts)
+
+
+# -- the layout as a table -------------------------------------------------------------------
+# gdn_layout.layout re-exports these, their public home; they are here, with the other tables,
+# because layout sits above this module: they name GdnBackwardLayout by what they read of it.
+
+
+class _Segment(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+@runtime_checkable
+class _Layout(Protocol):
+    @property
+    def batch(self) -> int: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def state_size(self) -> int: ...
+    @property
+    def gate_per_channel(self) -> bool: ...
+    @property
+    def carry_state(self) -> bool: ...
+    @property
+    def total_elems(self) -> int: ...
+    def segments(self) -> Sequence[_Segment]: ...
+    def nbytes(self, dtype: DTypeLike) -> int: ...
+
+
+class LayoutRow(NamedTuple):
+    """One gradient's place in a packed buffer, with its size in bytes.
+
+    See Also
+    --------
+    layout.layout_table : One row per gradient.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    nbytes: int
+
+
+def layout_table(layout: _Layout, dtype: DTypeLike = np.float32) -> list[LayoutRow]:
+    """One :class:`LayoutRow` ``(name, shape, offset, length, nbytes)`` per gradient.
+
+    See Also
+    --------
+    layout.LayoutRow : One row.
+    layout.layout_text : The rows as text.
+
+    Examples
+    --------
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> layout_table(GdnBackwardLayout(1, 2, 1, 2), dtype=np.float64)[3]
+    LayoutRow(name='dg', shape=(1, 2, 1), offset=12, length=2, nbytes=16)
+    """
+    if not isinstance(layout, _Layout):
+        raise not_a_layout(layout)
+    size = itemsize(dtype, "dtype")
+    return [
+        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * size)
+        for seg in layout.segments()
+    ]
+
+
+def layout_text(layout: _Layout, dtype: DTypeLike = np.float32) -> str:
+    """The layout as a fixed-width table with a total line, headed by its caption.
+
+    See Also
+    --------
+    layout.layout_html : The same table as HTML.
+    layout.layout_table : Its rows as records.
+
+    Examples
+    --------
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> print(layout_text(GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)))
+    B=1 S=2 H=1 N=2, per-head gate, no state; float32
+    grad   shape         offset  length  bytes
+    -----  ------------  ------  ------  -----
+    dq     (1, 2, 1, 2)       0       4     16
+    dk     (1, 2, 1, 2)       4       4     16
+    dv     (1, 2, 1, 2)       8       4     16
+    dg     (1, 2, 1)         12       2      8
+    dbeta  (1, 2, 1)         14       2      8
+    total                            16     64
+    """
+    body, caption = _layout_cells(layout, dtype)
+    return f"{caption}\n{text_table(_LAYOUT_HEADERS, body, align='llrrr')}"
+
+
+def layout_html(layout: _Layout, dtype: DTypeLike = np.float32) -> str:
+    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``).
+
+    See Also
+    --------
+    layout.layout_text : The same table as fixed-width text.
+    plot.plot_layout : The layout as a picture.
+    """
+    body, caption = _layout_cells(layout, dtype)
+    styles = [""] * (len(body) - 1) + ["font-weight:bold"]
+    return html_table(_LAYOUT_HEADERS, body, align="llrrr", caption=caption, row_styles=styles)
+
+
+_LAYOUT_HEADERS = ["grad", "shape", "offset", "length", "bytes"]
+
+
+def _layout_cells(layout: _Layout, dtype: DTypeLike) -> tuple[list[list[str]], str]:
+    """The table's rows, a total line last, and its caption."""
+    rows = layout_table(layout, dtype)
+    body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
+    body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
+    return body, f"{layout_caption(layout)}; {dtype_name(dtype, 'dtype')}"
+
+
+def layout_caption(layout: _Layout) -> str:
+    """A one-line description of a layout, short enough for a table caption.
+
+    See Also
+    --------
+    layout.layout_text : The table this captions.
+    layout.layout_html : The same table for a notebook.
+
+    Examples
+    --------
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> layout_caption(GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True))
+    'B=2 S=5 H=3 N=8, per-channel gate, carried state'
+    """
+    gate = "per-channel gate" if layout.gate_per_channel else "per-head gate"
+    state = "carried state" if layout.carry_state else "no state"
+    return (
+        f"B={layout.batch} S={layout.seq} H={layout.heads} N={layout.state_size}, {gate}, {state}"
+    )

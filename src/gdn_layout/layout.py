@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
-import numpy as np
 from numpy.typing import DTypeLike
 
-from ._checks import check_shape, dimension, flag, not_a_layout, shape_of, usize_product, usize_sum
-from ._dtypes import dtype_name, itemsize
-from ._tables import html_table, text_table
+from ._checks import USIZE_LIMIT, check_shape, dimension, flag, shape_of
+from ._dtypes import itemsize
+from ._tables import LayoutRow, layout_caption, layout_html, layout_table, layout_text
 
 if TYPE_CHECKING:
     from ._picture import Picture
@@ -98,6 +97,20 @@ def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
     return _STATE_AXES if name in ("dstate", "final_state") else _SEQUENCE_AXES[:ndim]
 
 
+def _usize(*factors: int) -> int:
+    """``factors`` multiplied left to right, as Rust's ``a * b * c``; a sum is one factor.
+
+    Rust's ``usize`` arithmetic panics (in a debug build) where a partial result reaches
+    ``usize::MAX + 1``, even when a later factor is 0; so each partial product is checked.
+    """
+    product = 1
+    for factor in factors:
+        product *= factor
+        if product >= USIZE_LIMIT:
+            raise OverflowError
+    return product
+
+
 @dataclass(frozen=True)
 class GdnBackwardLayout:
     """The packed-gradient layout of ``GatedDeltaNetBackward``, equal to rlx-ir's.
@@ -116,6 +129,8 @@ class GdnBackwardLayout:
     >>> layout = GdnBackwardLayout(batch=2, seq=3, heads=4, state_size=8)
     >>> layout.total_elems
     624
+    >>> layout.dbeta_offset == layout.dg_offset + layout.gate_elems
+    True
     >>> layout.slices()
     [(0, 192), (192, 192), (384, 192), (576, 24), (600, 24)]
     >>> layout.shape("dg")
@@ -135,57 +150,40 @@ class GdnBackwardLayout:
         for name in _FLAGS:
             object.__setattr__(self, name, flag(name, getattr(self, name)))
         try:
-            self._segments  # noqa: B018 - computed now, so that an overflow is refused here
+            # total_elems adds up every other quantity (dv_offset = 2 * qkv_elems is at most
+            # dg_offset), so all of Rust's arithmetic is done, and an overflow refused, here.
+            self.total_elems  # noqa: B018
         except OverflowError:
             raise ValueError(
                 f"{self!r} does not fit in a 64-bit usize: its element counts or offsets "
                 "overflow, and rlx-ir's arithmetic would panic"
             ) from None
 
-    # Derived once and kept in the instance (not as dataclass fields, so that equality, repr
-    # and dataclasses.asdict see the six fields only): unpack and pack do no arithmetic.
+    # -- the Rust quantities, by their Rust names, computed as gdn.rs computes them ----------
+    # Cached in the instance (not dataclass fields, so that equality, repr and
+    # dataclasses.asdict see the six fields only): unpack and pack do no arithmetic.
 
     @cached_property
-    def _segments(self) -> tuple[Segment, ...]:
-        b, s, h, n = self.batch, self.seq, self.heads, self.state_size
-        # Each product in the order gdn.rs evaluates it, so intermediate overflow is caught too.
-        qkv = usize_product(b, s, h, n)
-        bsh = usize_product(b, s, h)
-        gate = qkv if self.gate_per_channel else bsh
-        offsets = [0, qkv, usize_product(2, qkv), usize_product(3, qkv)]
-        offsets.append(usize_sum(offsets[3], gate))
-        offsets.append(usize_sum(offsets[4], bsh))
-        state = usize_product(b, h, n, n) if self.carry_state else 0
-        usize_sum(offsets[5], state)
-        gate_shape = (b, s, h, n) if self.gate_per_channel else (b, s, h)
-        shapes = [(b, s, h, n)] * 3 + [gate_shape, (b, s, h), (b, h, n, n)]
-        lengths = [qkv, qkv, qkv, gate, bsh, state]
-        count = 6 if self.carry_state else 5
-        return tuple(
-            Segment(GRADIENT_NAMES[i], offsets[i], lengths[i], shapes[i]) for i in range(count)
-        )
-
-    # -- the Rust quantities, by their Rust names -------------------------------------------
-
-    @property
     def qkv_elems(self) -> int:
         """Elements in one of ``q``/``k``/``v``/``dy``: ``[B, S, H, N]``."""
-        return self._segments[0].length
+        return _usize(self.batch, self.seq, self.heads, self.state_size)
 
-    @property
+    @cached_property
     def beta_elems(self) -> int:
         """Elements in ``beta``: ``[B, S, H]``."""
-        return self._segments[4].length
+        return _usize(self.batch, self.seq, self.heads)
 
     @property
     def gate_elems(self) -> int:
         """Elements in ``g``: ``[B, S, H, N]`` per channel, else ``[B, S, H]``."""
-        return self._segments[3].length
+        return self.qkv_elems if self.gate_per_channel else self.beta_elems
 
-    @property
+    @cached_property
     def state_elems(self) -> int:
         """Elements in the carried state ``[B, H, N, N]``; zero when it is not carried."""
-        return self._segments[5].length if self.carry_state else 0
+        if not self.carry_state:
+            return 0
+        return _usize(self.batch, self.heads, self.state_size, self.state_size)
 
     @property
     def dq_offset(self) -> int:
@@ -193,32 +191,52 @@ class GdnBackwardLayout:
 
     @property
     def dk_offset(self) -> int:
-        return self._segments[1].offset
+        return self.qkv_elems
 
-    @property
+    @cached_property
     def dv_offset(self) -> int:
-        return self._segments[2].offset
+        return _usize(2, self.qkv_elems)
 
-    @property
+    @cached_property
     def dg_offset(self) -> int:
-        return self._segments[3].offset
+        return _usize(3, self.qkv_elems)
 
-    @property
+    @cached_property
     def dbeta_offset(self) -> int:
-        return self._segments[4].offset
+        return _usize(self.dg_offset + self.gate_elems)
 
-    @property
+    @cached_property
     def dstate_offset(self) -> int:
         """Where ``dstate`` starts; as in Rust, defined (as the end of ``dbeta``) even when
         the state is not carried."""
-        beta = self._segments[4]
-        return beta.offset + beta.length
+        return _usize(self.dbeta_offset + self.beta_elems)
 
     @cached_property
     def total_elems(self) -> int:
         """Length of the packed buffer."""
-        last = self._segments[-1]
-        return last.offset + last.length
+        return _usize(self.dstate_offset + self.state_elems)
+
+    def slices(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` for each gradient in packing order, as rlx-ir's ``slices()``."""
+        return [(seg.offset, seg.length) for seg in self._segments]
+
+    # -- beyond Rust ----------------------------------------------------------------------
+
+    @cached_property
+    def _segments(self) -> tuple[Segment, ...]:
+        # gdn.rs's slices(), each with its name and shape.
+        b, s, h, n = self.batch, self.seq, self.heads, self.state_size
+        gate_shape = (b, s, h, n) if self.gate_per_channel else (b, s, h)
+        segments: tuple[Segment, ...] = (
+            Segment("dq", self.dq_offset, self.qkv_elems, (b, s, h, n)),
+            Segment("dk", self.dk_offset, self.qkv_elems, (b, s, h, n)),
+            Segment("dv", self.dv_offset, self.qkv_elems, (b, s, h, n)),
+            Segment("dg", self.dg_offset, self.gate_elems, gate_shape),
+            Segment("dbeta", self.dbeta_offset, self.beta_elems, (b, s, h)),
+        )
+        if self.carry_state:
+            segments += (Segment("dstate", self.dstate_offset, self.state_elems, (b, h, n, n)),)
+        return segments
 
     @cached_property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -238,12 +256,6 @@ class GdnBackwardLayout:
         (slice(12, 14, None), (1, 2, 1))
         """
         return tuple((slice(s.offset, s.offset + s.length), s.shape) for s in self._segments)
-
-    def slices(self) -> list[tuple[int, int]]:
-        """``(offset, length)`` for each gradient in packing order, as rlx-ir's ``slices()``."""
-        return [(seg.offset, seg.length) for seg in self._segments]
-
-    # -- beyond Rust ----------------------------------------------------------------------
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -307,6 +319,8 @@ class GdnBackwardLayout:
         2496
         """
         return self.total_elems * itemsize(dtype, "nbytes: dtype")
+
+    # The views: the layout table of gdn_layout._tables.
 
     def __str__(self) -> str:
         """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
@@ -449,112 +463,3 @@ class GdnBackwardLayout:
 
         picture: Picture = plot_layout(self, **options)
         return picture
-
-
-# -- the layout as a table ---------------------------------------------------------------
-
-
-class LayoutRow(NamedTuple):
-    """One gradient's place in a packed buffer, with its size in bytes.
-
-    See Also
-    --------
-    layout.layout_table : One row per gradient.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    offset: int
-    length: int
-    nbytes: int
-
-
-def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> list[LayoutRow]:
-    """One :class:`LayoutRow` ``(name, shape, offset, length, nbytes)`` per gradient.
-
-    See Also
-    --------
-    layout.LayoutRow : One row.
-    layout.layout_text : The rows as text.
-
-    Examples
-    --------
-    >>> layout_table(GdnBackwardLayout(1, 2, 1, 2), dtype=np.float64)[3]
-    LayoutRow(name='dg', shape=(1, 2, 1), offset=12, length=2, nbytes=16)
-    """
-    if not isinstance(layout, GdnBackwardLayout):
-        raise not_a_layout(layout)
-    size = itemsize(dtype, "dtype")
-    return [
-        LayoutRow(seg.name, seg.shape, seg.offset, seg.length, seg.length * size)
-        for seg in layout.segments()
-    ]
-
-
-def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
-    """The layout as a fixed-width table with a total line, headed by its caption.
-
-    See Also
-    --------
-    layout.layout_html : The same table as HTML.
-    layout.layout_table : Its rows as records.
-
-    Examples
-    --------
-    >>> print(layout_text(GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)))
-    B=1 S=2 H=1 N=2, per-head gate, no state; float32
-    grad   shape         offset  length  bytes
-    -----  ------------  ------  ------  -----
-    dq     (1, 2, 1, 2)       0       4     16
-    dk     (1, 2, 1, 2)       4       4     16
-    dv     (1, 2, 1, 2)       8       4     16
-    dg     (1, 2, 1)         12       2      8
-    dbeta  (1, 2, 1)         14       2      8
-    total                            16     64
-    """
-    body, caption = _table(layout, dtype)
-    return f"{caption}\n{text_table(_HEADERS, body, align='llrrr')}"
-
-
-def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
-    """The layout as a self-contained HTML table (a notebook's ``_repr_html_``).
-
-    See Also
-    --------
-    layout.layout_text : The same table as fixed-width text.
-    plot.plot_layout : The layout as a picture.
-    """
-    body, caption = _table(layout, dtype)
-    styles = [""] * (len(body) - 1) + ["font-weight:bold"]
-    return html_table(_HEADERS, body, align="llrrr", caption=caption, row_styles=styles)
-
-
-_HEADERS = ["grad", "shape", "offset", "length", "bytes"]
-
-
-def _table(layout: GdnBackwardLayout, dtype: DTypeLike) -> tuple[list[list[str]], str]:
-    """The table's rows, a total line last, and its caption."""
-    rows = layout_table(layout, dtype)
-    body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
-    body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
-    return body, f"{layout_caption(layout)}; {dtype_name(dtype, 'dtype')}"
-
-
-def layout_caption(layout: GdnBackwardLayout) -> str:
-    """A one-line description of a layout, short enough for a table caption.
-
-    See Also
-    --------
-    layout.layout_text : The table this captions.
-    layout.layout_html : The same table for a notebook.
-
-    Examples
-    --------
-    >>> layout_caption(GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True))
-    'B=2 S=5 H=3 N=8, per-channel gate, carried state'
-    """
-    gate = "per-channel gate" if layout.gate_per_channel else "per-head gate"
-    state = "carried state" if layout.carry_state else "no state"
-    return (
-        f"B={layout.batch} S={layout.seq} H={layout.heads} N={layout.state_size}, {gate}, {state}"
-    )
