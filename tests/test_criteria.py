@@ -152,14 +152,14 @@ def test_correct_kernels_pass_in_every_dtype(fixture: Fixture) -> None:
     ):
         result = compare(out, fixture.packed, LAYOUT, floors=fixture.floors)
         assert result.passed, result
-        judged = result["dq"].precision
+        judged = result["dq"].criterion.precision_name
         assert judged == out.dtype.name
         for grad in result.grads:
-            assert grad.mode == "calibrated"
-            assert grad.floor is not None
+            assert grad.criterion.mode == "calibrated"
+            assert grad.criterion.floor is not None
             # A class the fixture did not record (bfloat16, for a float32 one) has defaults.
             recorded = fixture.floors.get(judged, {}).get(grad.name)  # type: ignore[union-attr]
-            assert grad.floor[0] >= (recorded or DEFAULT_FLOORS[judged])[0]
+            assert grad.criterion.floor[0] >= (recorded or DEFAULT_FLOORS[judged])[0]
             assert grad.error_floor_ratio is not None
             assert grad.error_floor_ratio <= K[judged]
             assert grad.mismatches == 0
@@ -239,11 +239,11 @@ def test_without_floors_the_defaults_apply(fixture: Fixture) -> None:
     for dtype in ROUNDINGS:
         out = _f32(fixture).astype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
         grad = compare(out, fixture.packed, LAYOUT)["dk"]
-        assert grad.floor == DEFAULT_FLOORS[dtype]
+        assert grad.criterion.floor == DEFAULT_FLOORS[dtype]
         assert grad.passed
     # float64's defaults are float32's, scaled to its unit roundoff.
     wide = fixture.packed.astype(np.float64)
-    assert compare(wide, wide, LAYOUT)["dq"].floor == tuple(
+    assert compare(wide, wide, LAYOUT)["dq"].criterion.floor == tuple(
         f * 2.0**-29 for f in DEFAULT_FLOORS["float32"]
     )
 
@@ -299,12 +299,12 @@ def test_the_class_defaults_from_the_buffers_and_is_chosen_with_precision(
     fixture: Fixture,
 ) -> None:
     out = _f32(fixture)
-    assert compare(out, fixture)["dq"].precision == "float32"
-    assert compare(out, fixture, precision="TF32")["dq"].precision == "tf32"
-    assert compare(out.astype(np.float64), fixture)["dq"].precision == "float32"
+    assert compare(out, fixture)["dq"].criterion.precision_name == "float32"
+    assert compare(out, fixture, precision="TF32")["dq"].criterion.precision_name == "tf32"
+    assert compare(out.astype(np.float64), fixture)["dq"].criterion.precision_name == "float32"
     half = out.astype(ml_dtypes.bfloat16)
-    assert compare(half, fixture)["dq"].precision == "bfloat16"
-    assert compare(half, fixture, precision="bf16")["dq"].precision == "bfloat16"
+    assert compare(half, fixture)["dq"].criterion.precision_name == "bfloat16"
+    assert compare(half, fixture, precision="bf16")["dq"].criterion.precision_name == "bfloat16"
     assert compare(out, fixture).passed
     assert compare(out, fixture, precision="tf32").passed
 
@@ -408,7 +408,7 @@ def test_the_field_s_correct_kernels_pass_every_case(
         judged += 1
         result = compare(out, fx, precision=precision)
         if not result.passed:
-            failed.append(f"{path.name}: {result.failed} {result['dq'].precision}")
+            failed.append(f"{path.name}: {result.failed} {result['dq'].criterion.precision_name}")
     assert judged >= len(paths) // 2
     assert not failed, failed
 
@@ -465,7 +465,7 @@ def _figures_of_named(low: NDArray[Any], truth: NDArray[np.float64]) -> tuple[fl
 def test_a_class_is_checked_only_where_a_gradient_is_calibrated(fixture: Fixture) -> None:
     half = _f32(fixture).astype(ml_dtypes.bfloat16)
     judged = compare(half, fixture, precision="float32", rtol=1e-1, atol=1e-1)
-    assert {g.mode for g in judged.grads} == {"elementwise"}
+    assert {g.criterion.mode for g in judged.grads} == {"elementwise"}
 
 
 def test_a_case_judges_in_its_class_unless_told() -> None:
@@ -474,9 +474,9 @@ def test_a_case_judges_in_its_class_unless_told() -> None:
     fx = make_fixture(GdnBackwardLayout(1, 20, 2, 8), regime="mild")
     case = Case("tf32 case", fx, precision="tf32")
     out = _f32(fx)
-    assert case.compare(out)["dq"].precision == "tf32"
-    assert case.compare(out, precision=None)["dq"].precision == "tf32"
-    assert case.compare(out, precision="float32")["dq"].precision == "float32"
+    assert case.compare(out)["dq"].criterion.precision_name == "tf32"
+    assert case.compare(out, precision=None)["dq"].criterion.precision_name == "tf32"
+    assert case.compare(out, precision="float32")["dq"].criterion.precision_name == "float32"
 
 
 def test_gradient_floors_do_not_depend_on_the_states_kept() -> None:

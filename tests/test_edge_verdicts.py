@@ -144,7 +144,7 @@ def test_a_zero_dg_formed_by_the_identity_passes_against_its_terms(
         judged = compare(actual, fx.packed, fx.layout, floors=fx.floors, scales=fx.scales)
         assert judged["dg"].passed, judged["dg"].summary()
         if np.any(unpack(actual, fx.layout).dg):
-            assert judged["dg"].term_scale == fx.scales["dg"]
+            assert judged["dg"].criterion.term_scale == fx.scales["dg"]
             # Against its own RMS of 0, the same residue would allow nothing at all.
             assert not compare(actual, fx.packed, fx.layout, floors=fx.floors)["dg"].passed
 
@@ -174,7 +174,7 @@ def test_the_least_floor_is_half_the_unit_roundoff_times_the_terms() -> None:
     unpack(expected, layout).dg[0, 0, 0] = 10.0
     unpack(actual, layout).dg[0, 0, 0] = 10.0
     kept = compare(actual, expected, layout, scales={"dg": 1.0})["dg"]
-    assert kept.term_scale is None
+    assert kept.criterion.term_scale is None
     assert kept == compare(actual, expected, layout)["dg"]
 
 
@@ -229,4 +229,4 @@ def test_a_verdict_agrees_with_its_ratio() -> None:
     unpack(actual, layout).dg[...] = 3e-15
     grad = compare(actual, expected, layout, scales={"dg": 1.0})["dg"]
     assert grad.error_floor_ratio is not None
-    assert grad.passed == (grad.error_floor_ratio <= grad.limit)
+    assert grad.passed == (grad.error_floor_ratio <= grad.criterion.limit)

@@ -269,7 +269,7 @@ def test_the_mismatch_map_counts_what_the_active_criterion_counts() -> None:
     actual, expected = _buffers(layout)  # float32 against float64: the calibrated criterion
     unpack(actual, layout).dk[1, 4, 2, 0] += 1.0
     calibrated = compare(actual, expected, layout)
-    assert calibrated["dk"].mode == "calibrated"
+    assert calibrated["dk"].criterion.mode == "calibrated"
     for result in (
         calibrated,
         compare(actual, expected, layout, max_rms_ratio=10.0),
@@ -277,7 +277,7 @@ def test_the_mismatch_map_counts_what_the_active_criterion_counts() -> None:
         compare(actual, expected, layout, rtol=0.0, atol=1e-9),
     ):
         for grad in result.grads:
-            assert int(grad.mismatch_map.sum()) == grad.mismatches, (grad.mode, grad.name)
+            assert int(grad.mismatch_map.sum()) == grad.mismatches, (grad.criterion.mode, grad.name)
     assert calibrated["dk"].mismatches == 1
     assert calibrated["dk"].mismatch_map[1, 4, 2] == 1  # [b, s, h]
     panel = _panels(plot_errors(calibrated))["dk"]

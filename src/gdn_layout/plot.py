@@ -352,8 +352,8 @@ def _heatmap(
         reduced.insert(0, f"b={first}..{last} (binned)")
     what = _WHAT[kind]
     over = f"{what} over {', '.join(reduced)}" if reduced else what.removeprefix("max ")
-    outlined = grad.elementwise  # judged by its RMS ratio alone: no per-element verdict
-    ax.set_title(f"{grad.judged_by.title(grad)}\n{over}", fontsize=8)
+    outlined = grad.criterion.counts_elements  # by the RMS ratio alone: no element judged
+    ax.set_title(f"{grad.title()}\n{over}", fontsize=8)
     # A binned map's cell holds a block of positions: the axes count cells, and say so.
     across_bin, down_bin = grad.error_map_bins
     ax.set_xlabel(_ACROSS[across_axis] + (f" / {across_bin} (binned)" if across_bin > 1 else ""))
@@ -514,9 +514,7 @@ def _state_tiles(
     cols = math.ceil(math.sqrt(heads))
     rows = math.ceil(heads / cols)
     binned = side < grad.shape[2]
-    ax.set_title(
-        f"{grad.judged_by.title(grad)}\n{_WHAT[kind]} over b; a tile of i x j per head", fontsize=8
-    )
+    ax.set_title(f"{grad.title()}\n{_WHAT[kind]} over b; a tile of i x j per head", fontsize=8)
     ax.set_xlabel("value column j, per head" + (" (binned)" if binned else ""))
     ax.set_ylabel("key row i, per head" + (" (binned)" if binned else ""))
     ax.set_xticks([])
@@ -560,7 +558,7 @@ def _patch(label: str, colour: str) -> dict[str, Artist]:
 
 def _no_map(ax: Axes, grad: GradComparison, kind: str) -> None:
     """The panel of a passing gradient, which keeps no signed-error or ratio map."""
-    ax.set_title(f"{grad.judged_by.title(grad)}", fontsize=8)
+    ax.set_title(f"{grad.title()}", fontsize=8)
     ax.set_xticks([])
     ax.set_yticks([])
     ax.text(

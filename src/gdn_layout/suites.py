@@ -35,7 +35,7 @@ from ._checks import integer
 from .check import compare, compare_tensor
 from .check._compare import Judging
 from .check._criterion import Floors
-from .check._records import Comparison, GradComparison
+from .check._records import Comparison, GradComparison, failure_message
 from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
 from .files._manifest import MANIFEST, NotASuite, read_manifest
 from .generate import correct_forms_floors, make_fixture, precisions_of, reference_outputs
@@ -181,15 +181,10 @@ class Case:
         __tracebackhide__ = True  # pytest shows the caller's line, not this one
         result = self.compare(actual, **judging)
         if not result.passed:
-            lines = [f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"]
-            causes = result.causes()
-            lines.extend([*(f"  {line}" for line in causes), ""])
-            table = str(result).splitlines()  # its last lines are the causes, said above
-            lines.extend([*table[: len(table) - len(causes)], ""])
-            lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
-            if (rows := _rows_unlike_the_first(self, actual)) is not None:
-                lines.append(rows)
-            raise AssertionError("\n".join(lines))
+            heading = f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"
+            rows = _rows_unlike_the_first(self, actual)
+            notes = () if rows is None else (rows,)
+            raise AssertionError(failure_message(heading, result, table=True, notes=notes))
         return result
 
     def check_states(
@@ -233,16 +228,10 @@ class Case:
                     precision=self.precision if precision is None else precision,
                     func="check_states",
                 )
-        failed = [r for r in results.values() if not r.passed]
-        if failed:
-            lines = [f"case {self.name}: {', '.join(r.name for r in failed)} differ", ""]
-            for r in failed:
-                lines.append(f"  {r.summary()}")
-                if r.worst is not None:
-                    axes = ", ".join(f"{a}={i}" for a, i in zip(r.axes, r.worst, strict=True))
-                    lines.append(f"    worst at {axes}")
-                lines.extend(f"    likely cause: {f.text}" for f in r.findings)
-            raise AssertionError("\n".join(lines))
+        judged = Comparison(self.layout, tuple(results.values()))
+        if not judged.passed:
+            heading = f"case {self.name}: {', '.join(judged.failed)} differ"
+            raise AssertionError(failure_message(heading, judged, located=True))
         return results
 
 

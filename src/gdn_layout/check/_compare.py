@@ -27,7 +27,7 @@ from ._criterion import (
 )
 from ._findings import Finding, buffer_findings, grad_findings, size_findings, tensor_findings
 from ._misreadings import misreading_findings, overflow_finding
-from ._records import Comparison, GradComparison
+from ._records import Comparison, GradComparison, failure_message
 from ._scan import cause_maps, scan
 
 if TYPE_CHECKING:
@@ -385,13 +385,11 @@ def assert_close(
     """
     result = compare(actual, expected, layout, floors=floors, scales=scales, **judging)
     if not result.passed:
-        lines = [
+        heading = (
             f"gradients differ: {', '.join(result.failed)} ({len(result.failed)} of "
-            f"{len(result.grads)} failed) for {layout_caption(result.layout)}",
-            *(f"  {line}" for line in result.causes()),
-        ]
-        lines.extend(f"  {g.summary()}" for g in result.grads if not g.passed)
-        raise AssertionError("\n".join(lines))
+            f"{len(result.grads)} failed) for {layout_caption(result.layout)}"
+        )
+        raise AssertionError(failure_message(heading, result))
     return result
 
 

@@ -23,8 +23,10 @@ and of order ``exp(g)`` under extreme decay, while chunked kernels form it as
 (``term_scales``). Fixtures without floors of the class fall back to :data:`DEFAULT_FLOORS`.
 
 Changing a criterion changes this module alone: its limits, its verdict (:meth:`Criterion.
-passes`), its words in a report (:meth:`Criterion.facts`) and in a picture
-(:meth:`Criterion.title`), and its score for the findings (:meth:`Criterion.score`).
+passes`), its own words (:attr:`Criterion.words`, :meth:`Criterion.floor_words`), its JSON
+(:meth:`Criterion.to_dict`) and its score for the findings (:meth:`Criterion.score`). What a
+gradient measured against it is said by the record that holds both
+(:class:`~gdn_layout.GradComparison`).
 """
 
 from __future__ import annotations
@@ -33,14 +35,13 @@ import math
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .._dtypes import PRECISIONS, Precision, default_precision, precision_of
 from .._norms import finite_rms, rms_rows
-from .._tables import fmt_float
 from ..layout import GRADIENT_NAMES
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "Tolerance",
     "checked_floors",
     "floor_for",
+    "json_float",
     "judged_precision",
     "per_grad",
     "row_scores",
@@ -140,37 +142,12 @@ def floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[f
 Mode = Literal["elementwise", "rms", "both", "calibrated"]
 
 
-class _Judged(Protocol):
-    """What a criterion reads of a comparison's figures to word its verdict."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def passed(self) -> bool: ...
-    @property
-    def rms_ratio(self) -> float: ...
-    @property
-    def max_abs_error(self) -> float: ...
-    @property
-    def mismatches(self) -> int: ...
-    @property
-    def nonfinite_mismatches(self) -> int: ...
-    @property
-    def worst(self) -> tuple[int, ...] | None: ...
-    @property
-    def worst_expected(self) -> float | None: ...
-    @property
-    def error_floor_ratio(self) -> float | None: ...
-
-
 @dataclass(frozen=True)
 class Criterion:
     """How one gradient is judged: its limits, its verdict, and the words that state them.
 
     A :class:`~gdn_layout.GradComparison` keeps the one it was judged by as
-    :attr:`~gdn_layout.GradComparison.judged_by`; :func:`~gdn_layout.compare` makes it with
+    :attr:`~gdn_layout.GradComparison.criterion`; :func:`~gdn_layout.compare` makes it with
     :meth:`tolerances` (``rtol``, ``atol`` or ``max_rms_ratio`` given) or :meth:`calibrated`.
 
     Attributes
@@ -347,53 +324,55 @@ class Criterion:
         rms = f"rms ratio<={self.max_rms_ratio:.3g}"
         return f"{tolerances} {rms}" if self.mode == "both" else rms
 
-    def facts(self, grad: _Judged) -> list[str]:
-        """Why ``grad`` passes or fails, in the words of a report's line."""
-        if self.floor is not None and self.precision is not None:
-            ratio = grad.error_floor_ratio
-            verb = "<=" if ratio is not None and ratio <= self.limit else ">"
-            terms = (
-                ""
-                if self.term_scale is None
-                else f", none below {self.precision.compute_roundoff / 2:.3g} x "
-                f"{self.term_scale:.3g}, the scale of its terms"
-            )
-            return [
-                f"error/floor {fmt_float(ratio)} {verb} {self.limit:g} "
-                f"(floors for {self.precision.name}: rms ratio {self.floor[0]:.3g}, "
-                f"max error {self.floor[1]:.3g} x rms(expected){terms}"
-                f"{self._reach_words()}); "
-                f"{grad.mismatches} of {grad.size} over the max error"
-            ]
-        facts = []
-        if self.counts_elements:
-            e = grad.worst_expected
-            allowed = self.atol + self.rtol * abs(e) if e is not None and math.isfinite(e) else 0.0
-            facts.append(
-                f"{grad.mismatches} of {grad.size} out of tolerance "
-                f"(|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|; here {allowed:.3g})"
-            )
-        if self.max_rms_ratio is not None:
-            verb = "<=" if grad.rms_ratio <= self.max_rms_ratio else ">"
-            facts.append(f"rms ratio {grad.rms_ratio:.3g} {verb} {self.max_rms_ratio:.3g}")
-        return facts
+    def floor_words(self) -> str:
+        """The calibrated floors in words, as a report's line states them; ``""`` for other
+        criteria.
 
-    def title(self, grad: _Judged) -> str:
-        """The verdict as a picture's title says it, e.g. ``"dk FAIL: 3 of 48 out"``."""
-        ratio = f"error/floor {fmt_float(grad.error_floor_ratio)} > {self.limit:g}"
-        if grad.passed:
-            return f"{grad.name} ok: max |a-e| {fmt_float(grad.max_abs_error)}"
-        if self.counts_elements and grad.mismatches:
-            head = f"{grad.name} FAIL: {grad.mismatches} of {grad.size} out"
-            if grad.worst is not None:
-                head += f", worst [{', '.join(map(str, grad.worst))}]"
-            return head + (f"\n{ratio}" if self.floor is not None else "")
-        if grad.nonfinite_mismatches:
-            n = grad.nonfinite_mismatches
-            return f"{grad.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
-        if self.floor is not None:
-            return f"{grad.name} FAIL: {ratio}"
-        return f"{grad.name} FAIL: rms ratio {fmt_float(grad.rms_ratio)} > {self.max_rms_ratio:.3g}"
+        >>> import numpy as np
+        >>> Criterion.calibrated(None, "float32", "dq", np.ones(8)).floor_words()
+        'floors for float32: rms ratio 3e-05, max error 0.0005 x rms(expected)'
+        """
+        if self.floor is None or self.precision is None:
+            return ""
+        terms = (
+            ""
+            if self.term_scale is None
+            else f", none below {self.precision.compute_roundoff / 2:.3g} x "
+            f"{self.term_scale:.3g}, the scale of its terms"
+        )
+        return (
+            f"floors for {self.precision.name}: rms ratio {self.floor[0]:.3g}, "
+            f"max error {self.floor[1]:.3g} x rms(expected){terms}{self._reach_words()}"
+        )
+
+    def allowed(self, expected: float | None) -> float:
+        """The error allowed to one element whose expected value is ``expected``:
+        ``atol + rtol * |expected|`` (0 for a value that is None or not finite).
+
+        >>> Criterion.tolerances(1e-2, 1e-3).allowed(-2.0)
+        0.021
+        """
+        if expected is None or not math.isfinite(expected):
+            return 0.0
+        return self.atol + self.rtol * abs(expected)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe fields, under the keys a comparison's ``to_dict`` has always had; a
+        non-finite float becomes ``"inf"``/``"nan"``.
+
+        >>> Criterion.tolerances(1e-4, 1e-6).to_dict()["rtol"]
+        0.0001
+        """
+        return {
+            "mode": self.mode,
+            "rtol": json_float(self.rtol),
+            "atol": json_float(self.atol),
+            "max_rms_ratio": json_float(self.max_rms_ratio),
+            "elementwise": self.counts_elements,
+            "floor": None if self.floor is None else [json_float(f) for f in self.floor],
+            "precision": self.precision_name,
+            "term_scale": json_float(self.term_scale),
+        }
 
     def score(self, actual: NDArray[Any], expected: NDArray[Any]) -> float:
         """The error of ``actual`` against ``expected`` (any two arrays of one shape: a
@@ -447,6 +426,14 @@ def step_scores(
         np.moveaxis(actual, 1, 0).reshape(steps, -1),
         np.moveaxis(expected, 1, 0).reshape(steps, -1),
     )
+
+
+def json_float(x: float | None) -> float | str | None:
+    """``x`` as strict JSON takes it: a non-finite float becomes ``"inf"``, ``"-inf"`` or
+    ``"nan"``."""
+    if x is None or math.isfinite(x):
+        return x
+    return str(float(x))
 
 
 def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:

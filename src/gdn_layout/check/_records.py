@@ -3,28 +3,39 @@
 from __future__ import annotations
 
 import html
-import math
 import textwrap
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .._tables import fmt_float, html_table, text_table
 from ..layout import GdnBackwardLayout, gradient_axes, layout_caption
-from ._criterion import Criterion, Mode
+from ._criterion import Criterion, json_float
 from ._findings import Finding
 
 if TYPE_CHECKING:
     from .._picture import Picture
 
-__all__ = ["Comparison", "GradComparison"]
+__all__ = ["Comparison", "GradComparison", "failure_message"]
+
+
+#: ``field`` metadata of what ``to_dict`` leaves out: the maps, which are for plots.
+_NOT_JSON: Final = {"json": False}
 
 
 @dataclass(frozen=True)
 class GradComparison:
-    """How one gradient of an actual buffer compares with the expected one.
+    """How one gradient of an actual buffer compares with the expected one: what was measured,
+    and the :class:`~gdn_layout.check.Criterion` it was judged by.
+
+    Every field is a fact; the verdict (:attr:`passed`, :attr:`error_floor_ratio`) is the
+    criterion's, applied to them. The criterion's own figures are read off it:
+    ``grad.criterion.rtol``, ``.atol``, ``.max_rms_ratio``, ``.mode``, ``.floor``,
+    ``.limit``, ``.term_scale``, ``.precision_name``, and ``.words`` for the criterion in
+    words.
 
     Attributes
     ----------
@@ -36,10 +47,8 @@ class GradComparison:
         The two buffers' dtype names.
     size
         Number of elements.
-    judged_by
-        The :class:`~gdn_layout.check.Criterion` the gradient was judged by; ``rtol``,
-        ``atol``, ``max_rms_ratio``, ``mode``, ``criterion``, ``limit``, ``elementwise``,
-        ``floor``, ``precision`` and ``term_scale`` are read off it.
+    criterion
+        The :class:`~gdn_layout.check.Criterion` the gradient was judged by.
     max_abs_error
         Max ``|a - e|`` over pairs that are both finite (0.0 when none); NaN when a
         non-finite mismatch involves a NaN, else Inf when there is one (as are
@@ -65,8 +74,6 @@ class GradComparison:
         in C order. None for an empty gradient.
     worst_actual, worst_expected
         The two values there.
-    passed
-        Whether the gradient meets its criterion.
     error_map
         Read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
         mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
@@ -89,6 +96,10 @@ class GradComparison:
     batch_bins
         How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
         is so large that a map per batch element would pass 2**20 cells.
+    findings
+        What explains a failing gradient, most specific first (:class:`Finding`): a scale, a
+        transpose, a permutation, a shift, a boundary, ... or only rounding; empty when the
+        gradient passes. Not part of equality.
     signed_error_map, ratio_map
         A failing gradient's maps of its cause (None when it passes): in each cell of
         ``batch_error_map``, the signed ``a - e`` of largest magnitude (NaN for a non-finite
@@ -96,20 +107,28 @@ class GradComparison:
         factor is one colour. ``dstate``'s are ``[H, N, N]`` over (head, key row ``i``, value
         column ``j``), over the batch, so that a transpose is a mirrored pattern; binned along
         ``i`` and ``j`` past 2**20 cells. For plots; not part of equality or ``to_dict``.
-    findings
-        What explains a failing gradient, most specific first (:class:`Finding`): a scale, a
-        transpose, a permutation, a shift, a boundary, ... or only rounding; empty when the
-        gradient passes. Not part of equality.
-    error_floor_ratio
-        The calibrated criterion's figure: the larger of the RMS error and the largest error,
-        each over its floor as an error; None when the gradient was judged by explicit
-        tolerances.
 
     See Also
     --------
     Comparison : The records of every gradient.
     error_map : One gradient's errors over the sequence and heads.
     plot.plot_errors : The maps drawn.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout, compare, unpack
+    >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
+    >>> expected = np.linspace(-1, 1, layout.total_elems)
+    >>> actual = expected.copy()
+    >>> unpack(actual, layout).dv[0, 1, 0, 2] += 0.5
+    >>> dv = compare(actual, expected, layout, rtol=1e-3)["dv"]
+    >>> dv.passed, dv.mismatches, dv.criterion.words
+    (False, 1, 'rtol=0.001 atol=1e-07')
+    >>> print(dv)  # doctest: +ELLIPSIS
+    FAIL dv[0, 1, 0, 2]: actual 0.787356 expected 0.287356; 1 of 24 out of tolerance (...
+    >>> dv.to_dict()["worst"], dv.to_dict()["rtol"]
+    ([0, 1, 0, 2], 0.001)
     """
 
     name: str
@@ -117,7 +136,7 @@ class GradComparison:
     actual_dtype: str
     expected_dtype: str
     size: int
-    judged_by: Criterion
+    criterion: Criterion
     max_abs_error: float
     max_rel_error: float
     rms_ratio: float
@@ -130,75 +149,39 @@ class GradComparison:
     worst: tuple[int, ...] | None
     worst_actual: float | None
     worst_expected: float | None
-    passed: bool
-    error_map: NDArray[np.float64] = field(compare=False, repr=False)
-    batch_error_map: NDArray[np.float64] = field(compare=False, repr=False)
-    mismatch_map: NDArray[np.int64] = field(compare=False, repr=False)
-    error_map_bins: tuple[int, int] = field(default=(1, 1), compare=False, repr=False)
-    batch_bins: int = field(default=1, compare=False, repr=False)
-    error_floor_ratio: float | None = None
+    error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
+    batch_error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
+    mismatch_map: NDArray[np.int64] = field(compare=False, repr=False, metadata=_NOT_JSON)
+    error_map_bins: tuple[int, int] = field(
+        default=(1, 1), compare=False, repr=False, metadata=_NOT_JSON
+    )
+    batch_bins: int = field(default=1, compare=False, repr=False, metadata=_NOT_JSON)
     findings: tuple[Finding, ...] = field(default=(), compare=False)
-    signed_error_map: NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
-    ratio_map: NDArray[np.float64] | None = field(default=None, compare=False, repr=False)
+    signed_error_map: NDArray[np.float64] | None = field(
+        default=None, compare=False, repr=False, metadata=_NOT_JSON
+    )
+    ratio_map: NDArray[np.float64] | None = field(
+        default=None, compare=False, repr=False, metadata=_NOT_JSON
+    )
 
     @property
-    def mode(self) -> Mode:
-        """How ``passed`` was judged: ``"calibrated"`` against the floors, ``"rms"`` by
-        ``max_rms_ratio`` alone, ``"both"`` by it and ``rtol``/``atol``, else
-        ``"elementwise"``."""
-        return self.judged_by.mode
+    def passed(self) -> bool:
+        """Whether the gradient meets its criterion."""
+        return self.criterion.passes(
+            self.rms_ratio, self.max_abs_error, self.mismatches, self.nonfinite_mismatches
+        )
 
     @property
-    def rtol(self) -> float:
-        """The elementwise relative tolerance (0 for the calibrated criterion)."""
-        return self.judged_by.rtol
-
-    @property
-    def atol(self) -> float:
-        """The elementwise absolute tolerance (calibrated: the largest error allowed)."""
-        return self.judged_by.atol
-
-    @property
-    def max_rms_ratio(self) -> float | None:
-        """The RMS criterion, or None when the gradient is judged elementwise."""
-        return self.judged_by.max_rms_ratio
-
-    @property
-    def elementwise(self) -> bool:
-        """Whether ``rtol``/``atol`` applied (with ``max_rms_ratio`` too when it is set)."""
-        return self.judged_by.counts_elements
-
-    @property
-    def floor(self) -> tuple[float, float] | None:
-        """The calibrated ``(rms, max)`` floors, relative to ``rms(expected)``; else None."""
-        return self.judged_by.floor
-
-    @property
-    def precision(self) -> str | None:
-        """The precision class the calibrated floors are for (``"float32"``, ``"tf32"``,
-        ...); else None."""
-        return self.judged_by.precision_name
-
-    @property
-    def term_scale(self) -> float | None:
-        """The scale of the terms that form the gradient, when it was above
-        ``rms(expected)`` and so set the floors' least error; else None."""
-        return self.judged_by.term_scale
-
-    @property
-    def limit(self) -> float:
-        """The calibrated criterion's bound on :attr:`error_floor_ratio` (see ``K``)."""
-        return self.judged_by.limit
+    def error_floor_ratio(self) -> float | None:
+        """The calibrated criterion's figure: the larger of the RMS error and the largest
+        error, each over its floor as an error; None when the gradient was judged by explicit
+        tolerances."""
+        return self.criterion.ratio(self.rms_ratio, self.max_abs_error)
 
     @property
     def axes(self) -> tuple[str, ...]:
         """The names of the axes ``worst`` indexes, e.g. ``("b", "s", "h", "n")``."""
         return gradient_axes(self.name, len(self.shape))
-
-    @property
-    def criterion(self) -> str:
-        """The pass criterion in words, e.g. ``"rtol=1e-05 atol=1e-08"``."""
-        return self.judged_by.words
 
     @property
     def exact(self) -> bool:
@@ -223,7 +206,7 @@ class GradComparison:
             f"{self.where()}: actual {_value(self.worst_actual)} "
             f"expected {_value(self.worst_expected)}"
         )
-        facts = self.judged_by.facts(self)
+        facts = self._verdict()
         if self.nonfinite_mismatches:
             n = self.nonfinite_mismatches
             facts.append(f"{n} non-finite mismatch{'' if n == 1 else 'es'}")
@@ -238,39 +221,63 @@ class GradComparison:
         )
         return f"{head}; " + "; ".join(facts)
 
+    def _verdict(self) -> list[str]:
+        """Why the gradient passes or fails: its figures against its criterion's limits."""
+        c = self.criterion
+        if c.mode == "calibrated":
+            ratio = self.error_floor_ratio
+            verb = "<=" if ratio is not None and ratio <= c.limit else ">"
+            return [
+                f"error/floor {fmt_float(ratio)} {verb} {c.limit:g} ({c.floor_words()}); "
+                f"{self.mismatches} of {self.size} over the max error"
+            ]
+        facts = []
+        if c.counts_elements:
+            facts.append(
+                f"{self.mismatches} of {self.size} out of tolerance "
+                f"(|a-e| <= {c.atol:.3g} + {c.rtol:.3g}*|e|; "
+                f"here {c.allowed(self.worst_expected):.3g})"
+            )
+        if c.max_rms_ratio is not None:
+            verb = "<=" if self.rms_ratio <= c.max_rms_ratio else ">"
+            facts.append(f"rms ratio {self.rms_ratio:.3g} {verb} {c.max_rms_ratio:.3g}")
+        return facts
+
+    def title(self) -> str:
+        """The verdict as a picture's title says it, e.g. ``"dk FAIL: 3 of 48 out"``."""
+        c = self.criterion
+        ratio = f"error/floor {fmt_float(self.error_floor_ratio)} > {c.limit:g}"
+        if self.passed:
+            return f"{self.name} ok: max |a-e| {fmt_float(self.max_abs_error)}"
+        if c.counts_elements and self.mismatches:
+            head = f"{self.name} FAIL: {self.mismatches} of {self.size} out"
+            if self.worst is not None:
+                head += f", worst [{', '.join(map(str, self.worst))}]"
+            return head + (f"\n{ratio}" if c.mode == "calibrated" else "")
+        if self.nonfinite_mismatches:
+            n = self.nonfinite_mismatches
+            return f"{self.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
+        if c.mode == "calibrated":
+            return f"{self.name} FAIL: {ratio}"
+        return f"{self.name} FAIL: rms ratio {fmt_float(self.rms_ratio)} > {c.max_rms_ratio:.3g}"
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe fields (no error map); a non-finite float becomes ``"inf"``/``"nan"``."""
-        return {
-            "name": self.name,
-            "shape": list(self.shape),
-            "axes": list(self.axes),
-            "actual_dtype": self.actual_dtype,
-            "expected_dtype": self.expected_dtype,
-            "size": self.size,
-            "mode": self.mode,
-            "rtol": _json_float(self.rtol),
-            "atol": _json_float(self.atol),
-            "max_rms_ratio": _json_float(self.max_rms_ratio),
-            "max_abs_error": _json_float(self.max_abs_error),
-            "max_rel_error": _json_float(self.max_rel_error),
-            "rms_ratio": _json_float(self.rms_ratio),
-            "mismatches": self.mismatches,
-            "nonfinite_mismatches": self.nonfinite_mismatches,
-            "nan_actual": self.nan_actual,
-            "inf_actual": self.inf_actual,
-            "nan_expected": self.nan_expected,
-            "inf_expected": self.inf_expected,
-            "worst": None if self.worst is None else list(self.worst),
-            "worst_actual": _json_float(self.worst_actual),
-            "worst_expected": _json_float(self.worst_expected),
-            "elementwise": self.elementwise,
-            "floor": None if self.floor is None else [_json_float(f) for f in self.floor],
-            "precision": self.precision,
-            "error_floor_ratio": _json_float(self.error_floor_ratio),
-            "term_scale": _json_float(self.term_scale),
-            "passed": self.passed,
-            "findings": [f.to_dict() for f in self.findings],
-        }
+        """JSON-safe facts (no maps), the criterion's fields among them, then ``axes`` and
+        the verdict; a non-finite float becomes ``"inf"``/``"nan"``."""
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            if f.metadata.get("json", True):
+                value = getattr(self, f.name)
+                if isinstance(value, Criterion):  # its keys sit beside the figures
+                    data.update(value.to_dict())
+                else:
+                    data[f.name] = _json(value)
+        data.update(
+            axes=list(self.axes),
+            error_floor_ratio=json_float(self.error_floor_ratio),
+            passed=self.passed,
+        )
+        return data
 
 
 @dataclass(frozen=True)
@@ -360,23 +367,29 @@ class Comparison:
             ("nan a/e", "r", [f"{g.nan_actual}/{g.nan_expected}" for g in gs]),
             ("inf a/e", "r", [f"{g.inf_actual}/{g.inf_expected}" for g in gs]),
             ("worst", "l", ["-" if g.exact or g.worst is None else str(list(g.worst)) for g in gs]),
-            ("criterion", "l", [g.criterion for g in gs]),
+            ("criterion", "l", [g.criterion.words for g in gs]),
             ("result", "l", ["ok" if g.passed else "FAIL" for g in gs]),
         ]
         return columns
 
-    def table(self, *, wide: bool = False, width: int = 100) -> str:
+    def table(self, *, wide: bool = False, width: int = 100, causes: bool = True) -> str:
         """The report as text: a title, the table and, where every gradient shares them, the
-        dtypes and the criterion on a line of their own.
+        dtypes and the criterion on a line of their own; then, with ``causes``, the likely
+        causes.
 
         Unless ``wide``, columns that say nothing here are left out (NaN/Inf counts that are
         all zero, an error/floor column without a calibrated criterion), then the least useful
         (``shape``, ``max rel``, ...) until every line fits ``width`` characters; a last line
         names what was left out. ``wide=True`` shows every column.
         """
+        below = self.causes(0 if wide else width) if causes else []
+        return "\n".join([*self._table(wide, width), *below])
+
+    def _table(self, wide: bool, width: int) -> list[str]:
+        """:meth:`table`'s lines without the causes below it."""
         columns = self._columns()
         if wide:
-            return "\n".join([self._title(), _render(columns), *self.causes()])
+            return [self._title(), _render(columns)]
         by_name = {header: cells for header, _, cells in columns}
         shared = []
         skip = set()
@@ -407,8 +420,7 @@ class Comparison:
         lines.append(_render(kept))
         if dropped:
             lines.append(f"(left out to fit {width} columns: {', '.join(dropped)}; wide shows all)")
-        lines.extend(self.causes(width))
-        return "\n".join(lines)
+        return lines
 
     def __str__(self) -> str:
         return self.table()
@@ -440,6 +452,48 @@ class Comparison:
         return plot_errors(self, **options)
 
 
+def failure_message(
+    heading: str,
+    comparison: Comparison,
+    *,
+    table: bool = False,
+    located: bool = False,
+    notes: Iterable[str] = (),
+) -> str:
+    """The text of the AssertionError a failed comparison raises, wherever it is raised
+    (:func:`~gdn_layout.assert_close`, :meth:`~gdn_layout.suites.Case.check`, so the pytest
+    plugin, and :meth:`~gdn_layout.suites.Case.check_states`).
+
+    ``heading``, then each likely cause (once), then with ``table`` the report between blank
+    lines, then the :meth:`~GradComparison.summary` of each record that failed (with
+    ``located``, its worst element's axes named below it), then ``notes``.
+
+    >>> import numpy as np
+    >>> from gdn_layout import GdnBackwardLayout, compare, unpack
+    >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
+    >>> expected = np.linspace(-1, 1, layout.total_elems)
+    >>> actual = expected.copy()
+    >>> unpack(actual, layout).dv[0, 1, 0, 2] += 0.5
+    >>> result = compare(actual, expected, layout, rtol=1e-3)
+    >>> print(failure_message("dv is off", result, located=True))  # doctest: +ELLIPSIS
+    dv is off
+      dv[0, 1, 0, 2]: actual 0.787356 expected 0.287356; 1 of 24 out of tolerance ...
+        worst at b=0, s=1, h=0, n=2
+    """
+    lines = [heading, *(f"  {line}" for line in comparison.causes())]
+    if table:
+        lines.extend(["", comparison.table(causes=False), ""])
+    for grad in comparison.grads:
+        if grad.passed:
+            continue
+        lines.append(f"  {grad.summary()}")
+        if located and grad.worst is not None:
+            named = ", ".join(f"{a}={i}" for a, i in zip(grad.axes, grad.worst, strict=True))
+            lines.append(f"    worst at {named}")
+    lines.extend(notes)
+    return "\n".join(lines)
+
+
 #: The columns a narrow table leaves out first, in that order.
 _DROP_ORDER = ("shape", "max rel", "dtypes", "criterion", "inf a/e", "nan a/e", "max abs")
 
@@ -457,7 +511,12 @@ def _value(x: float | None) -> str:
     return "-" if x is None else f"{x:.6g}"
 
 
-def _json_float(x: float | None) -> float | str | None:
-    if x is None or math.isfinite(x):
-        return x
-    return str(x)  # "inf", "-inf" or "nan": strict JSON has no non-finite numbers
+def _json(value: Any) -> Any:
+    """A field's value as JSON takes it: tuples as lists, non-finite floats as strings."""
+    if isinstance(value, tuple):
+        return [_json(v) for v in value]
+    if isinstance(value, float):
+        return json_float(value)
+    if isinstance(value, Finding):
+        return value.to_dict()
+    return value

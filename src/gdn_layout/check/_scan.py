@@ -206,7 +206,7 @@ def scan(
         actual_dtype=actual.dtype.name,
         expected_dtype=expected.dtype.name,
         size=seg.length,
-        judged_by=criterion,
+        criterion=criterion,
         max_abs_error=max_abs,
         max_rel_error=max_rel,
         rms_ratio=rms_ratio,
@@ -219,13 +219,11 @@ def scan(
         worst=worst,
         worst_actual=None if worst is None else worst_a,
         worst_expected=None if worst is None else worst_e,
-        passed=criterion.passes(rms_ratio, max_abs, mismatches, bad_count),
         error_map=_read_only(batch_cells.max(axis=0, initial=0.0)),
         batch_error_map=_read_only(batch_cells),
         mismatch_map=_read_only(counts),
         error_map_bins=(bins[2], bins[1]) if transpose else (bins[1], bins[2]),
         batch_bins=bins[0],
-        error_floor_ratio=criterion.ratio(rms_ratio, max_abs),
     )
 
 
