@@ -1,5 +1,6 @@
 """Helpers the test modules share: a deadline for code that may hang, the command line run in
-this process, and folders that pytest-xdist's workers make once for all of them."""
+this process and what a user error looks like, and folders that pytest-xdist's workers make
+once for all of them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 
 from gdn_layout.cli import main
 
-__all__ = ["Hung", "deadline", "run", "shared_folder"]
+__all__ = ["Hung", "assert_user_error", "deadline", "run", "shared_folder"]
 
 
 class Hung(Exception):
@@ -40,16 +41,39 @@ def deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def run(*args: str | Path) -> subprocess.CompletedProcess[str]:
-    """``gdn-layout ARGS`` in this process, with its output captured."""
+class _Terminal(io.StringIO):
+    """A captured stream that says it is a terminal, as an interactive shell's stderr is."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def run(
+    *args: str | Path, cwd: Path | None = None, terminal: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``gdn-layout ARGS`` in this process (in ``cwd``), with its output captured; with
+    ``terminal``, stderr says it is a terminal."""
     argv = [str(arg) for arg in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    out, err = io.StringIO(), _Terminal() if terminal else io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
         try:
             code = main(argv)
-        except SystemExit as exit_:  # argparse's usage errors
+        except SystemExit as exit_:  # argparse's usage errors and --help
             code = exit_.code if isinstance(exit_.code, int) else 1
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    """Exit 2, one line on stderr that says what is wrong (each of ``words``), no traceback."""
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
 
 
 def shared_folder(

@@ -4,8 +4,6 @@ a missing optional dependency)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -22,38 +20,13 @@ import pytest
 import gdn_layout.cli
 import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
-from gdn_layout.cli import main
+from gdn_layout.cli import _parser
 from gdn_layout.files import load_fixture, save_fixture
 from gdn_layout.files._outputs import FILE_KINDS
 from gdn_layout.regimes import REGIME_SUMMARIES
+from support import assert_user_error, run
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-class _Terminal(io.StringIO):
-    """A captured stream that says it is a terminal, as an interactive shell's stderr is."""
-
-    def isatty(self) -> bool:
-        return True
-
-
-def run(
-    *args: str | Path, cwd: Path | None = None, terminal: bool = False
-) -> subprocess.CompletedProcess[str]:
-    """``gdn-layout ARGS`` in this process, with its output captured; with ``terminal``,
-    stderr says it is a terminal."""
-    argv = [str(arg) for arg in args]
-    out, err = io.StringIO(), _Terminal() if terminal else io.StringIO()
-    with contextlib.ExitStack() as stack:
-        if cwd is not None:
-            stack.enter_context(contextlib.chdir(cwd))
-        stack.enter_context(contextlib.redirect_stdout(out))
-        stack.enter_context(contextlib.redirect_stderr(err))
-        try:
-            code = main(argv)
-        except SystemExit as exit_:  # argparse's usage errors and --help
-            code = exit_.code if isinstance(exit_.code, int) else 1
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
 def run_process(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -66,14 +39,6 @@ def run_process(*args: str | Path, cwd: Path | None = None) -> subprocess.Comple
         timeout=300,
         check=False,
     )
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:
-    """Exit 2, one line on stderr that says what is wrong, and no traceback."""
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert message in result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +60,16 @@ def test_describe_prints_the_table_the_readme_shows() -> None:
     readme = README.read_text()
     block = readme.split("--state-size 8 --carry-state\n", 1)[1].split("```", 1)[0]
     assert result.stdout == block
+
+
+def test_the_readme_tables_every_command() -> None:
+    # A command added to the parser and not to README.md's table fails here.
+    commands = set(_parser().get_default("subcommands"))
+    part = README.read_text().split("## The command line\n", 1)[1].split("\n## ", 1)[0]
+    tabled = re.findall(r"^\| `([\w-]+)` \|", part, re.MULTILINE)
+    assert sorted(tabled) == sorted(commands)
+    counts = ["no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    assert f"has {counts[len(commands)]} commands" in part
 
 
 @pytest.mark.usefixtures("suite_copied")
@@ -161,7 +136,7 @@ def test_fixture_writes_a_loadable_file(fixture_path: Path) -> None:
 def test_fixture_refuses_to_replace_a_file_unless_forced(fixture_path: Path) -> None:
     before = fixture_path.read_bytes()
     result = run("fixture", "-o", fixture_path)
-    assert_user_error(result, f"{fixture_path} exists; use --force to replace it")
+    assert_user_error(result, f"{fixture_path} exists; pass --force to replace it")
     assert fixture_path.read_bytes() == before
     forced = run("fixture", "-B", "1", "-S", "2", "-H", "1", "-N", "2", "-o", fixture_path,
                  "--force", "--dtype", "float64")  # fmt: skip
@@ -404,7 +379,7 @@ def test_fixture_user_errors(tmp_path: Path) -> None:
     assert_user_error(run("fixture", "-o", missing), f"{missing}: the folder")
     huge = ["-B", "100000", "-S", "100000", "-H", "64", "-N", "128"]
     huge_path = tmp_path / "x.safetensors"
-    assert_user_error(run("fixture", *huge, "-o", huge_path), "needs about 9.3 PiB of memory")
+    assert_user_error(run("fixture", *huge, "-o", huge_path), "needs about", "PiB of memory")
     assert list(tmp_path.iterdir()) == []
     # A fixture is written under a .safetensors name, unless told otherwise.
     assert_user_error(
@@ -568,4 +543,5 @@ def test_compare_judges_in_the_precision_class_asked(tmp_path: Path) -> None:
         "compare", tmp_path / "bf16.bin", files[1], "--dtype", "bf16", "--precision", "float32"
     )
     assert finer.returncode == 2
-    assert "precision 'float32' judges float32 buffers, got bfloat16 ones" in finer.stderr
+    assert "--precision 'float32' judges float32 buffers, got bfloat16 ones" in finer.stderr
+    assert "pass --precision='bfloat16' or a coarser class" in finer.stderr

@@ -1,7 +1,7 @@
 """The command line's contract at its edges: hostile manifests, file names no encoding can
-print, headers that claim impossible shapes, a closed stderr, memory limits other than
-``MemAvailable`` (cgroups, ``RLIMIT_AS``), a ``SIGTERM`` mid-run and an existing ``--plot``
-file all end in one line and exit status 2 (or, for SIGTERM, 143 with nothing left behind)."""
+print, headers that claim impossible shapes, a closed stderr, a layout beyond memory, a
+``SIGTERM`` mid-run and an existing ``--plot`` file all end in one line and exit status 2 (or,
+for SIGTERM, 143 with nothing left behind)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,7 @@ import numpy as np
 import pytest
 
 import gdn_layout.plot
-from support import run
-
-limits = importlib.import_module("gdn_layout._limits")
+from support import assert_user_error, run
 
 
 def run_process(
@@ -43,15 +40,6 @@ def run_process(
         timeout=300,
         check=False,
     )
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
-    """Exit 2, one line on stderr that says what is wrong, and no traceback."""
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    for word in words:
-        assert word in result.stderr, result.stderr
 
 
 @pytest.fixture(scope="module")
@@ -206,129 +194,6 @@ def test_progress_survives_a_stderr_that_fails(monkeypatch: pytest.MonkeyPatch) 
     bar.update(0.5)
     assert not bar.enabled
     bar.done()
-
-
-# -- 2: memory limits other than MemAvailable ---------------------------------------------------
-
-
-def _cgroup_tree(tmp_path: Path, levels: dict[str, tuple[str, str] | None]) -> Path:
-    """A fake /sys/fs/cgroup: for each cgroup path, memory.max and memory.current (or none)."""
-    root = tmp_path / "cgroup"
-    for path, files in levels.items():
-        folder = root / path.strip("/")
-        folder.mkdir(parents=True, exist_ok=True)
-        if files is not None:
-            (folder / "memory.max").write_text(files[0] + "\n")
-            (folder / "memory.current").write_text(files[1] + "\n")
-    return root
-
-
-def _proc_cgroup(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "proc-self-cgroup"
-    path.write_text(text)
-    return path
-
-
-def test_cgroup_v2_limit_is_its_max_less_current(tmp_path: Path) -> None:
-    root = _cgroup_tree(tmp_path, {"/": None, "/a": ("max", "5"), "/a/b": ("3000", "1000")})
-    proc = _proc_cgroup(tmp_path, "0::/a/b\n")
-    found = limits.cgroup_memory(root, proc)
-    assert found is not None
-    assert found[0] == 2000
-    assert "memory.max" in found[1]
-    assert "a/b" in found[1]
-
-
-def test_cgroup_v2_limit_of_an_ancestor_applies(tmp_path: Path) -> None:
-    root = _cgroup_tree(
-        tmp_path, {"/a": ("10000", "9000"), "/a/b": ("max", "100"), "/a/b/c": ("max", "1")}
-    )
-    proc = _proc_cgroup(tmp_path, "12:memory:/elsewhere\n0::/a/b/c\n")
-    found = limits.cgroup_memory(root, proc)
-    assert found is not None
-    assert found[0] == 1000
-    assert "/a/memory.max" in found[1].replace(os.sep, "/")
-
-
-def test_cgroup_without_a_limit_says_nothing(tmp_path: Path) -> None:
-    root = _cgroup_tree(tmp_path, {"/a": ("max", "123")})
-    assert limits.cgroup_memory(root, _proc_cgroup(tmp_path, "0::/a\n")) is None
-    assert limits.cgroup_memory(root, _proc_cgroup(tmp_path, "1:memory:/a\n")) is None  # v1
-    assert limits.cgroup_memory(root, tmp_path / "no-such-file") is None
-    assert limits.cgroup_memory(tmp_path / "nothing", _proc_cgroup(tmp_path, "0::/a\n")) is None
-    garbled = _cgroup_tree(tmp_path, {"/g": ("lots", "?")})
-    assert limits.cgroup_memory(garbled, _proc_cgroup(tmp_path, "0::/g\n")) is None
-    # Usage over the limit (it happens briefly) is nothing available, not a negative figure.
-    over = _cgroup_tree(tmp_path, {"/o": ("100", "150")})
-    found = limits.cgroup_memory(over, _proc_cgroup(tmp_path, "0::/o\n"))
-    assert found is not None
-    assert found[0] == 0
-
-
-def test_available_memory_is_the_least_of_the_limits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    root = _cgroup_tree(tmp_path, {"/a": ("4096", "1024")})
-    monkeypatch.setattr(limits, "CGROUP_ROOT", root)
-    monkeypatch.setattr(limits, "PROC_CGROUP", _proc_cgroup(tmp_path, "0::/a\n"))
-    found = limits.available_memory()
-    assert found is not None
-    assert found[0] == 3072
-    assert "memory.max" in found[1]
-    assert_user_error(
-        run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors"),
-        "3.0 KiB is available",
-        "memory.max",
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs Linux's /proc")
-def test_rlimit_as_is_refused_at_once(tmp_path: Path) -> None:
-    # 8 GiB of work under an address-space limit 2 GiB above what the process has mapped:
-    # it failed with MemoryError after 45 s; now it is refused before any work.
-    script = textwrap.dedent(
-        """
-        import resource, sys, time
-        from gdn_layout.cli import main
-        with open("/proc/self/status") as status:
-            size = next(int(l.split()[1]) * 1024 for l in status if l.startswith("VmSize:"))
-        resource.setrlimit(resource.RLIMIT_AS, (size + (2 << 30), resource.RLIM_INFINITY))
-        start = time.perf_counter()
-        code = main(sys.argv[1:])
-        print(f"{time.perf_counter() - start:.3f}")
-        sys.exit(code)
-        """
-    )
-    out = tmp_path / "x.safetensors"
-    argv = ["fixture", "-B", "1", "-S", "131072", "-H", "4", "-N", "128", "-o", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-c", script, *argv],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert done.returncode == 2, done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "RLIMIT_AS" in done.stderr
-    assert "needs about 8.1 GiB of memory, but 2.0 GiB is available" in done.stderr
-    assert float(done.stdout) < 2.0
-    assert not out.exists()
-
-
-def test_rlimit_as_without_a_limit_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    resource = pytest.importorskip("resource")
-    monkeypatch.setattr(
-        resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY)
-    )
-    assert limits.address_space_memory() is None
-    monkeypatch.setattr(resource, "getrlimit", lambda which: (1 << 40, resource.RLIM_INFINITY))
-    found = limits.address_space_memory()
-    if os.path.exists("/proc/self/status"):
-        assert found is not None
-        assert 0 < found[0] < 1 << 40
-        assert "RLIMIT_AS" in found[1]
 
 
 # -- 3: the plugin refuses a layout beyond memory ----------------------------------------------

@@ -16,16 +16,9 @@ import pytest
 
 import gdn_layout.cli
 from gdn_layout.cli import main
-from support import run
+from support import assert_user_error, run
 
 limits = importlib.import_module("gdn_layout._limits")
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:
-    """Exit 2, one line on stderr that says what is wrong, and no traceback."""
-    assert result.returncode == 2, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert message in result.stderr
 
 
 def test_huge_dimensions_are_refused_up_front(tmp_path: Path) -> None:
@@ -52,31 +45,6 @@ def test_the_estimate_is_checked_against_what_is_available(
     # A system that does not say how much is available runs anything.
     monkeypatch.setattr(limits, "available_memory", lambda: None)
     assert run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors").returncode == 0
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="no /proc/meminfo")
-def test_available_memory_reads_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(limits, "cgroup_memory", lambda: None)
-    monkeypatch.setattr(limits, "address_space_memory", lambda: None)
-    found = limits.available_memory()
-    assert found is not None
-    assert found[0] > 0
-    assert found[1] == "MemAvailable in /proc/meminfo"
-
-
-def test_available_memory_falls_back_without_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
-    def missing(*args: object, **kwargs: object) -> None:
-        raise FileNotFoundError("/proc/meminfo")
-
-    monkeypatch.setattr(limits, "cgroup_memory", lambda: None)
-    monkeypatch.setattr(limits, "address_space_memory", lambda: None)
-    monkeypatch.setattr("builtins.open", missing)
-    found = limits.available_memory()
-    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
-        assert found is not None
-        assert found[1] == "free physical memory"
-    else:
-        assert found is None
 
 
 def test_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,14 +88,32 @@ def test_flags_whose_arrays_cannot_exist_are_a_user_error(tmp_path: Path) -> Non
 
 def test_bad_tolerances_are_user_errors(tmp_path: Path) -> None:
     raw = tmp_path / "zeros.bin"
-    raw.write_bytes(b"\0" * 4 * 6)
+    raw.write_bytes(b"\0" * 4 * 5)
     flags = ["--dtype", "float32", "-B", "1", "-S", "1", "-H", "1", "-N", "1"]
+    # Judged by compare(), its messages naming the flag.
     for tolerance, message in [
-        ("-1", "expected numbers >= 0 and < inf, for gradients among dq, dk"),
-        ("inf", "expected numbers >= 0 and < inf"),
-        ("dz=1e-3", "for gradients among dq, dk, dv, dg, dbeta, dstate, got 'dz=1e-3'"),
+        ("-1", "error: --rtol must be a finite float >= 0, got -1.0"),
+        ("inf", "error: --rtol must be a finite float >= 0, got inf"),
+        ("dq=nan", "error: --rtol['dq'] must be a finite float >= 0, got nan"),
+        (
+            "dz=1e-3",
+            "error: --rtol has unknown gradient names ['dz']; "
+            "expected names among dq, dk, dv, dg, dbeta, dstate",
+        ),
     ]:
         assert_user_error(run("compare", raw, raw, *flags, "--rtol", tolerance), message)
+
+
+def test_the_librarys_refusals_name_the_flag(tmp_path: Path) -> None:
+    too_big = str(2**64)
+    assert_user_error(
+        run("describe", "-N", too_big),
+        f"error: --state-size must fit in a 64-bit usize, got {too_big}",
+    )
+    states = ["--states", str(10**20), "-o", str(tmp_path / "x.safetensors")]
+    assert_user_error(
+        run("fixture", "-S", "4", *states), "error: --states must be an integer from 1"
+    )
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")

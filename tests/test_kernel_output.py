@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,33 +15,12 @@ from safetensors.numpy import save_file
 
 from gdn_layout import GdnBackwardLayout, __version__, compare, load_fixture, unpack
 from gdn_layout._arrays import as_packed
-from gdn_layout.cli import _parser, main
+from gdn_layout.cli import _parser
 from gdn_layout.files import FixtureError, open_packed, save_fixture
 from gdn_layout.generate import make_fixture
+from support import assert_user_error, run
 
 LAYOUT = GdnBackwardLayout(1, 5, 2, 4, carry_state=True)
-
-
-def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``gdn-layout ARGS`` in this process (as test_cli.py runs it), output captured."""
-    argv = [str(arg) for arg in args]
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.ExitStack() as stack:
-        if cwd is not None:
-            stack.enter_context(contextlib.chdir(cwd))
-        stack.enter_context(contextlib.redirect_stdout(out))
-        stack.enter_context(contextlib.redirect_stderr(err))
-        try:
-            code = main(argv)
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 1
-    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], message: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert message in result.stderr
 
 
 FLAGS = ["-B", "1", "-S", "5", "-H", "2", "-N", "4", "--carry-state"]

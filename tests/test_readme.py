@@ -4,10 +4,8 @@ line (README.md's sessions are run by tests/test_cli.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import doctest
 import importlib.util
-import io
 import re
 from pathlib import Path
 
@@ -15,8 +13,8 @@ import numpy as np
 import pytest
 
 from gdn_layout import load_fixture, unpack
-from gdn_layout.cli import main
 from gdn_layout.regimes import REGIMES
+from support import run
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -45,15 +43,6 @@ def test_examples(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert result.failed == 0
 
 
-def _run(argv: list[str], cwd: Path) -> tuple[int, str]:
-    """``gdn-layout ARGV`` in this process, in ``cwd``: its exit status and its stdout."""
-    out = io.StringIO()
-    err = io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(argv)
-    return code, out.getvalue()
-
-
 def _make_kernel_npy(folder: Path) -> None:
     """What the pages say kernel.npy is: case.safetensors with one dk element off by 0.25."""
     fx = load_fixture(folder / "case.safetensors")
@@ -79,8 +68,9 @@ def test_console_sessions(path: Path, tmp_path: Path) -> None:
         assert argv[0] == "gdn-layout"
         if argv[1] == "compare":
             _make_kernel_npy(tmp_path)
-        code, stdout = _run(argv[1:], tmp_path)
-        assert code in (0, 1), command
+        result = run(*argv[1:], cwd=tmp_path)
+        stdout = result.stdout
+        assert result.returncode in (0, 1), command
         if argv[1] == "demo":
             # The float32 recomputation's last digits depend on the BLAS: its report is
             # checked for the verdict, everything before it to the letter.

@@ -535,3 +535,28 @@ def test_tiny_gate_gradients_survive_fast_decay_in_float32(seq: int) -> None:
     exact = grads_of(inputs, method="recurrent")["g"]
     single = grads_of(inputs, dtype=np.float32)["g"].astype(np.float64)
     assert_close_to(single, exact, 1e-6, "dg")
+
+
+@pytest.mark.parametrize(("batch", "heads", "size"), [(0, 2, 4), (1, 0, 4), (1, 2, 0)])
+def test_work_without_a_state_element_is_zeros_at_once(batch: int, heads: int, size: int) -> None:
+    """With no element in the state (B, H or N zero) every gradient and y are exactly zero
+    for any S: nothing is stepped through, even over 2**20 steps."""
+    from oracle import oracle
+    from support import deadline
+
+    seq = 2**20 if batch * heads == 0 else 2**16  # N = 0 still has [B, S, H] gates
+    x = np.zeros((batch, seq, heads, size))
+    g, beta = np.full((batch, seq, heads), -0.5), np.full((batch, seq, heads), 0.5)
+    with deadline(5):
+        packed = backward(x, x, x, g, beta, x)
+        y = forward(x, x, x, g, beta)
+    assert packed.shape == (GdnBackwardLayout(batch, seq, heads, size).total_elems,)
+    assert not packed.any()
+    assert y.shape == x.shape
+    # The same zeros the oracle's steps give, on a sequence short enough to step through.
+    short = np.ones((batch, 7, heads, size))
+    stepped = oracle(short, short, short, g[:, :7], beta[:, :7], short)
+    layout = GdnBackwardLayout(batch, 7, heads, size)
+    grads = unpack(backward(short, short, short, g[:, :7], beta[:, :7], short), layout)
+    for name in ("dq", "dk", "dv", "dg", "dbeta"):
+        assert np.array_equal(getattr(grads, name), getattr(stepped, name)), name

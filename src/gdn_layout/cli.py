@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -46,10 +47,9 @@ from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
 from .check import Comparison, compare
-from .check._criterion import judged_precision
 from .files._fixture import FixtureError, load_fixture, save_fixture
 from .files._outputs import FILE_KINDS, PackedFile, open_packed
-from .generate import make_fixture, write_suite
+from .generate import fixture_memory, make_fixture, write_suite
 from .layout import GdnBackwardLayout, layout_caption, layout_table, layout_text
 from .packing import GdnGrads, unpack
 from .regimes import REGIME_SUMMARIES, REGIMES
@@ -60,6 +60,38 @@ __all__ = ["main"]
 
 class UsageError(Exception):
     """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+#: The library's names for the arguments the commands pass on from flags, and those flags.
+_FLAGS = {
+    "batch": "--batch",
+    "seq": "--seq",
+    "heads": "--heads",
+    "state_size": "--state-size",
+    "states": "--states",
+    "directory": "--suite",
+    "overwrite": "--force",
+    "rtol": "--rtol",
+    "atol": "--atol",
+    "max_rms_ratio": "--max-rms-ratio",
+    "precision": "--precision",
+}
+#: Where a library message names an argument: as its subject ("compare: rtol must ...",
+#: "rtol['dq'] ...", "write_suite: directory '.' is ..."), or in advice ("pass overwrite=True").
+#: A path that begins a message ("seq exists; ...") is none of these.
+_NAMES = "|".join(_FLAGS)
+_NAMED = re.compile(rf"^(?:\w+: )?({_NAMES})(?= must | has |\[| ')|\bpass ({_NAMES})=(True\b)?")
+
+
+def _usage_error(error: Exception, where: str = "") -> UsageError:
+    """A library's ``error`` as the user's, after ``where``: each argument it names by its flag."""
+
+    def flag(named: re.Match[str]) -> str:
+        if named[1] is not None:
+            return _FLAGS[named[1]]
+        return f"pass {_FLAGS[named[2]]}" + ("" if named[3] else "=")  # a switch takes no value
+
+    return UsageError(where + _NAMED.sub(flag, str(error)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,7 +362,7 @@ def _checked_layout(
     try:
         layout = GdnBackwardLayout(b, s, h, n, **flags)
     except ValueError as error:
-        raise UsageError(str(error)) from None
+        raise _usage_error(error) from None
     if (why := impossible_arrays(layout)) is not None:
         raise UsageError(why)
     return layout
@@ -362,9 +394,10 @@ def _describe(args: argparse.Namespace) -> int:
 def _fixture(args: argparse.Namespace) -> int:
     try:
         return _write_fixtures(args, resolve(args.dtype, "--dtype"))
-    except FileExistsError as error:
-        # The library's advice names its keyword; here the switch is --force.
-        raise UsageError(str(error).replace("pass overwrite=True", "use --force")) from None
+    # The library refuses an argument: an existing file without --force, a --suite folder that
+    # holds the current one, --states past its limit. The user's to fix.
+    except (FileExistsError, ValueError) as error:
+        raise _usage_error(error) from None
 
 
 def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
@@ -374,17 +407,14 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
         progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
         if args.states is not None:
             raise UsageError("--suite writes no states; drop --states")
-        try:
-            paths = write_suite(
-                args.suite,
-                dtype=dtype,
-                seed=args.seed,
-                overwrite=args.force,
-                progress=progress.update,
-                workers=args.workers,
-            )
-        except ValueError as error:  # the folder given; every other argument is checked here
-            raise UsageError(str(error).replace("write_suite: directory", "--suite")) from None
+        paths = write_suite(
+            args.suite,
+            dtype=dtype,
+            seed=args.seed,
+            overwrite=args.force,
+            progress=progress.update,
+            workers=args.workers,
+        )
         progress.done()
         total = sum(path.stat().st_size for path in paths)
         print(
@@ -397,7 +427,8 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
             "(or pass --any-suffix)"
         )
     layout = _layout_from(args)
-    if (why := memory_refusal(layout)) is not None:
+    needed = fixture_memory(layout, dtype=dtype, states=args.states, workers=args.workers)
+    if (why := memory_refusal(layout, needed, states=args.states)) is not None:
         raise UsageError(why)
     regime = args.gate_regime or "mixed"
     progress = Progress(enabled=not args.quiet and stderr_is_terminal())
@@ -454,25 +485,23 @@ def _compare(args: argparse.Namespace) -> int:
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
-    if args.precision is not None:  # a class finer than the files' dtypes is the user's to fix
-        try:
-            judged_precision(
-                args.precision, "--precision", actual.packed.dtype, expected.packed.dtype
-            )
-        except ValueError as error:
-            raise UsageError(str(error)) from None
     with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
-        result = compare(
-            actual.packed,
-            expected.packed,
-            layout,
-            rtol=args.rtol,
-            atol=args.atol,
-            max_rms_ratio=args.max_rms_ratio,
-            precision=args.precision,
-            floors=expected.floors if expected.floors is not None else actual.floors,
-            scales=expected.scales if expected.scales is not None else actual.scales,
-        )
+        try:
+            result = compare(
+                actual.packed,
+                expected.packed,
+                layout,
+                rtol=args.rtol,
+                atol=args.atol,
+                max_rms_ratio=args.max_rms_ratio,
+                precision=args.precision,
+                floors=expected.floors if expected.floors is not None else actual.floors,
+                scales=expected.scales if expected.scales is not None else actual.scales,
+            )
+        # A tolerance out of range, a --precision finer than the files' dtypes: refused before
+        # any work, and the user's to fix.
+        except ValueError as error:
+            raise _usage_error(error) from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -489,14 +518,14 @@ def _compare(args: argparse.Namespace) -> int:
 def _compare_tensor(args: argparse.Namespace) -> int:
     given = [f for f in ("rtol", "atol", "max_rms_ratio") if getattr(args, f) is not None]
     if given:
-        flags = ", ".join("--" + f.replace("_", "-") for f in given)
+        flags = ", ".join(_FLAGS[f] for f in given)
         raise UsageError(f"--tensor is judged against the fixture's floors; drop {flags}")
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
     try:
         expected = load_fixture(args.expected)
     except FixtureError as error:
-        raise UsageError(f"--tensor judges against a gdn-layout fixture: {error}") from None
+        raise _usage_error(error, "--tensor judges against a gdn-layout fixture: ") from None
     shape = state_shape(expected, args.tensor, args.chunk)
     actual = _open(args.actual, args.dtype)
     flat = actual.packed.reshape(-1)
@@ -515,7 +544,7 @@ def _compare_tensor(args: argparse.Namespace) -> int:
                 precision=args.precision,
             )
     except (TypeError, ValueError) as error:  # the file's dtype, say: the user's to fix
-        raise UsageError(f"{args.actual}: {error}") from None
+        raise _usage_error(error, f"{args.actual}: ") from None
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -548,7 +577,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     layout = _layout_from(args)
     # The fixture, then a float32 recomputation beside it.
-    if (why := memory_refusal(layout, factor=1.5)) is not None:
+    needed = int(1.5 * fixture_memory(layout, dtype=np.float64))
+    if (why := memory_refusal(layout, needed)) is not None:
         raise UsageError(why)
     with tempfile.TemporaryDirectory(prefix="gdn-layout-demo-") as folder:
         path = Path(folder) / "demo.safetensors"
@@ -595,7 +625,7 @@ def _check_plot_path(path: str, *, force: bool) -> None:
     if target.is_dir():
         raise UsageError(f"{path}: is a folder")
     if not force and (target.exists() or target.is_symlink()):
-        raise UsageError(f"{path} exists; use --force to replace it")
+        raise UsageError(f"{path} exists; pass --force to replace it")
     if not target.resolve().parent.is_dir():
         raise UsageError(f"{path}: the folder {target.parent} does not exist")
 
@@ -631,7 +661,7 @@ def _open(path: str, dtype: str | None) -> PackedFile:
         return open_packed(path, dtype)
     # Not a packed buffer, a tensor NumPy cannot read (TypeError), or torch missing: the user's.
     except (ValueError, TypeError, ImportError) as error:
-        raise UsageError(str(error)) from None
+        raise _usage_error(error) from None
 
 
 def _unpack(source: PackedFile, layout: GdnBackwardLayout) -> GdnGrads:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +35,9 @@ from .files._fixture import (
 from .files._manifest import MANIFEST, NotASuite, manifest_entry, manifest_text, read_manifest
 from .files._safetensors import dtype_code
 from .layout import GdnBackwardLayout
-from .reference._fused import FUSED_CHUNK, fused_backward
+from .reference._chunked import chunk_length
+from .reference._fused import FUSED_CHUNK, KEEP_BYTES, fused_backward
+from .reference._recurrent import default_checkpoint_every
 from .reference._states import step_by_step
 from .reference._threads import mapped
 from .regimes import REGIMES, draw_gate
@@ -245,7 +248,10 @@ def _fixture_of(
     q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
     wide = GdnInputs(q, k, v, g, beta, dy, state)
     truth = reference_outputs(wide, states, workers)
-    packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
+    if _has_state(layout):
+        packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
+    else:  # every gradient is zero: its S steps of nothing are not run
+        packed = np.zeros(layout.total_elems)
     floors = state_floors = None
     if calibrate:
         classes = precisions_of(x.q.dtype, precisions)
@@ -301,6 +307,8 @@ def correct_forms_floors(
     cut = states is not None and states % FUSED_CHUNK != 0
 
     def run(form: str) -> tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]] | None]:
+        if not _has_state(layout):  # every form gives the truth's zeros
+            return dict(truth), None
         if form == "step-by-step":
             return _named(*step_by_step(*x, chunk=states), layout), None
         bits = CHUNKED_RUNS[form]
@@ -376,6 +384,15 @@ def reference_outputs(
     """The float64 truth of float64 inputs ``x``: ``y``, and the states a fixture keeps
     (``final_state`` when the state is carried or ``states`` given, ``h`` and ``dh`` with
     ``states``)."""
+    b, s, h, n = x.q.shape
+    if not b * h * n:  # no state element: all zeros, and the S steps of nothing are not run
+        outputs = {"y": np.zeros(x.q.shape)}
+        if states is not None:
+            shape = (b, -(-s // states), h, n, n)
+            outputs.update(h=np.zeros(shape), dh=np.zeros(shape))
+        if states is not None or x.state is not None:
+            outputs["final_state"] = np.zeros((b, h, n, n))
+        return outputs
     result = reference.forward(*x[:5], state=x.state, workers=workers)
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}
@@ -385,6 +402,225 @@ def reference_outputs(
     if final is not None:
         outputs["final_state"] = final
     return outputs
+
+
+def _has_state(layout: GdnBackwardLayout) -> bool:
+    """Whether the state has an element: with B, H or N zero, ``y``, the states and every
+    gradient are zero (or empty) whatever S, and the reference's per-step loops would run S
+    steps of nothing."""
+    return layout.batch * layout.heads * layout.state_size > 0
+
+
+#: Bytes of the Python objects (array headers, tuples, lists) of one chunk the fused form keeps
+#: for its backward, and of one stack of the chunked reference's plan, besides their arrays'
+#: data: most of the memory where chunks are a step long (``states=1``).
+_CHUNK_OBJECTS: Final = 4 << 10
+_STACK_OBJECTS: Final = 1 << 10
+#: What a fixture of a few elements costs: the code its first run imports and sets up.
+_FIRST_RUN: Final = 4 << 20
+
+
+def fixture_memory(
+    layout: GdnBackwardLayout,
+    *,
+    dtype: DTypeLike = np.float32,
+    states: int | None = None,
+    precisions: tuple[str, ...] | str | None = None,
+    workers: int | None = 1,
+) -> int:
+    """The peak memory, in bytes, of :func:`~gdn_layout.make_fixture` of ``layout`` with these
+    arguments and :func:`~gdn_layout.save_fixture` of the result, beyond the interpreter's.
+
+    Counted from the shapes as the arrays alive at the peak of each phase; the estimate is the
+    largest phase:
+
+    * the draw: the inputs in float64 and in ``dtype``, and the gate's temporaries;
+    * the float64 reference, beside the inputs in ``dtype`` and in float64: its forward, with
+      ``states`` its chunk states ``h`` and ``dh`` (``[B, K, H, N, N]``, ``K = ceil(S /
+      states)``), its backward; each with the copies its entry makes, its results, the plan's
+      pair decays, the state it keeps per stack of steps, one stack's working set and each
+      stack's Python objects;
+    * the precision floors' runs (:func:`correct_forms_floors`), in float32 on the stored
+      inputs, one after another (side by side with ``workers`` above 1) beside the float64
+      results: each run's copies, results and states (the step-by-step form's checkpoints,
+      the fused form's state at every chunk and the chunks it keeps) and what the runs before
+      it keep; then the comparison's buffers;
+    * the results cast to ``dtype`` beside their float64 originals.
+
+    Besides, what a first run imports. A per-channel gate's chunks are counted one step long,
+    as the extreme gate regime cuts them. With no state element (B, H or N zero) nothing runs
+    but the draw and the zero results. Measured within 25% above the peak RSS over shapes whose
+    estimate is 100 to 600 MiB (tests/test_limits.py).
+
+    >>> layout = GdnBackwardLayout(1, 4096, 4, 64)
+    >>> fixture_memory(layout, states=1) > fixture_memory(layout) > layout.nbytes(np.float64)
+    True
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "fixture_memory")
+    if states is not None:
+        states = integer(states, "fixture_memory: states", least=1, or_none=True)
+    stored = resolve_dtype(dtype, "fixture_memory")
+    classes = precisions_of(stored, precisions)
+    threads = reference.resolve_workers(workers, "fixture_memory")
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    inputs = 4 * layout.qkv_elems + layout.gate_elems + layout.beta_elems + layout.state_elems
+    chunk_states = (-(-s // states) if states else 0) * b * h * n * n  # h, and as much dh
+    final = b * h * n * n if layout.carry_state or states else 0
+    truth = layout.qkv_elems + 2 * chunk_states + final  # y and the states, in float64
+    results = truth + layout.total_elems
+    # While the gate is drawn: q, k, v and a mixed gate's mild, strong, pick and result.
+    draw = (3 * layout.qkv_elems + 4 * layout.gate_elems) * 8 + 2 * layout.gate_elems
+    held = inputs * (stored.itemsize + 8)  # the inputs as stored and in float64
+    phases = [
+        max(draw, inputs * 8) + inputs * stored.itemsize,
+        held + results * (8 + stored.itemsize),  # the results cast beside the float64 ones
+    ]
+    if b * h * n:  # else every result is zero and nothing runs
+        truth_peak = held + _reference_peak(layout, inputs, truth, states)
+        runs, comparison = _floors_peak(layout, inputs, states, classes, threads)
+        if threads > 1:  # the runs' threads do not reuse what the reference left in its heap
+            phases.append(max(truth_peak, held + results * 8 + comparison) + runs)
+        else:
+            phases += [truth_peak, held + results * 8 + runs + comparison]
+    return _FIRST_RUN + max(phases)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _padded(steps: int, every: int, length: int) -> int:
+    """The elements per batch element and head of the chunked plan's pair decays, ``[B,
+    H * count, L, L]`` for each stack of ``every`` of ``steps`` steps cut in ``count``
+    chunks of ``length``, padded to ``L``, the stack's longest."""
+
+    def one(m: int) -> int:
+        longest = min(length, m)
+        return _ceil(m, longest) * longest * longest if m else 0
+
+    return steps // every * one(every) + one(steps % every)
+
+
+def _stack_work(layout: GdnBackwardLayout, steps: int, length: int) -> int:
+    """The bytes of one stack of ``steps`` steps in chunks of ``length`` that the chunked
+    reference forms: a dozen float64 arrays of ``[B, H, steps, N]``, ten of ``[B, H, steps,
+    length]``, and five states and three for each chunk (with a per-channel gate, chunks of
+    a step)."""
+    bh, n = layout.batch * layout.heads, layout.state_size
+    chunks = steps if layout.gate_per_channel else _ceil(steps, length)
+    return 8 * bh * (13 * steps * n + 10 * steps * min(steps, length) + (5 + 3 * chunks) * n * n)
+
+
+def _reference_peak(layout: GdnBackwardLayout, inputs: int, truth: int, states: int | None) -> int:
+    """The bytes of the float64 reference's peak beyond the inputs: its forward, with
+    ``states`` :func:`~gdn_layout.reference.chunk_states` beside ``y``, its backward beside
+    their results. Each copies its inputs and ends with a mask of its largest result."""
+    b, h, n = layout.batch, layout.heads, layout.state_size
+    s = max(layout.seq, 1)  # S = 0 takes one step's bookkeeping
+    bh, state, qkv, packed = b * h, b * h * n * n, layout.qkv_elems, layout.total_elems
+    length = chunk_length(n)
+    per_head = not layout.gate_per_channel
+    if n > 1:  # the chunked form, a stack of steps at a time
+        every = min(s, length)
+        pairs = per_head * bh * _padded(s, every, length)
+        work = _stack_work(layout, every, length) + _ceil(s, every) * _STACK_OBJECTS + qkv
+        forward = (inputs + state + pairs) * 8 + work  # inputs: the copies, y for dy
+        backward = (inputs + packed + pairs + _ceil(s, every) * state) * 8 + work
+    else:  # the step-by-step form: checkpoints every C steps, C steps recomputed
+        c = default_checkpoint_every(s)
+        forward = (inputs + state + 4 * bh * 256 * n) * 8 + qkv
+        backward = (inputs + packed + (_ceil(s, c) + c + 6) * state + 12 * c * bh * n) * 8 + qkv
+    peak = max(forward, truth * 8 + backward)
+    if states:
+        chunk, count = min(states, s), _ceil(layout.seq, states)
+        at = (inputs + (2 * count + 1) * state) * 8 + count * state  # h, dh, final, mask
+        if n > 1:
+            pairs = per_head * bh * _padded(s, chunk, min(chunk, length))
+            at += pairs * 8 + _stack_work(layout, chunk, min(chunk, length))
+            at += _ceil(s, chunk) * _STACK_OBJECTS
+        else:  # the step-by-step form, its gradients into a scratch buffer
+            at += (packed + (chunk + 6) * state + 12 * chunk * bh * n) * 8
+        peak = max(peak, qkv * 8 + at)
+    return peak
+
+
+def _floors_peak(
+    layout: GdnBackwardLayout,
+    inputs: int,
+    states: int | None,
+    classes: tuple[str, ...],
+    workers: int,
+) -> tuple[int, int]:
+    """The bytes of the precision floors' runs, beyond the inputs and the float64 results, and
+    of the comparison after them. The runs, in float32, of each class's forms: one after
+    another, each beside what the runs before it returned, or side by side on ``workers``
+    threads. The chunks a fused run keeps are small arrays whose heap stays for the runs
+    after it (to hold their chunks, or the states they copy last). The comparison holds a
+    float64 buffer of the longest tensor and float32 copies of the fused form's strided y, h
+    and dh, two at a time."""
+    b, h, n = layout.batch, layout.heads, layout.state_size
+    s = max(layout.seq, 1)  # S = 0 takes one step's bookkeeping
+    bh, state, qkv, packed = b * h, b * h * n * n, layout.qkv_elems, layout.total_elems
+    count = _ceil(layout.seq, states) if states else 0
+    final = state if layout.carry_state or states else 0
+    tensors = [qkv, layout.gate_elems, layout.beta_elems]  # the gradients, y as dq
+    tensors += [state] * layout.carry_state + [count * state] * bool(states) + [final] * bool(final)
+    longest, few = max(tensors), min(tensors) <= FEW_ELEMENTS
+    uncut = (packed + qkv + final) * 4  # what a run returns, but the states
+    returned = uncut + 2 * count * state * 4
+    per_channel = layout.gate_per_channel
+
+    def step_by_step() -> int:
+        every = min(states, s) if states else default_checkpoint_every(s)
+        held = _ceil(s, every) + count + every + 7  # checkpoints, dh, an interval's states
+        return (inputs + packed + qkv + held * state + 16 * every * bh * n) * 4 + longest
+
+    def fused(chunk: int | None, sized: bool, heap: int) -> tuple[int, int]:
+        """The peak of a fused run cut every ``chunk`` steps too, with the chunks it keeps in
+        a heap of at least ``heap`` bytes, and the chunks it keeps."""
+        starts = _ceil(s, FUSED_CHUNK)
+        if chunk:
+            starts += _ceil(s, chunk) - _ceil(s, math.lcm(FUSED_CHUNK, chunk))
+        c = _ceil(s, starts)  # steps of a chunk, on average
+        # A chunk's float32 arrays, and those its budget counts: views of q, k, v too.
+        if per_channel:
+            each = (c * c * n + 3 * c * c + 8 * c * n + c) * bh * 4
+            counted = each + 4 * c * n * bh * 4
+        else:
+            each = (6 * c * c + 6 * c * n + 2 * c) * bh * 4
+            counted = each + 3 * c * n * bh * 4
+        keeps = min(starts, KEEP_BYTES // max(counted, 1)) * (each + _CHUNK_OBJECTS)
+        # Forming a chunk again and its backward: 18 arrays [B, H, C, C], 12 [B, H, C, N],
+        # five [B, H, C, C, N] with a per-channel gate, four states.
+        work = ((18 + 5 * per_channel * n) * c * c + 12 * c * n) * bh * 4 + 4 * state * 4
+        copies = 2 * count * state * 4 if chunk else 0  # the states at the chunk boundaries
+        peak = (inputs + 2 * (starts + 1) * state + packed + qkv) * 4
+        peak += max(heap, keeps) + max(work, copies + longest)
+        if sized:  # the sums of absolute terms of every result, in float64
+            peak += (packed + qkv + 2 * (starts + 1) * state) * 8
+        return peak, keeps
+
+    forms = sorted(
+        {form for c in classes for form, _ in PANEL[c]}, key=("step-by-step", *CHUNKED_RUNS).index
+    )
+    sizes = next((form for form in forms if form in CHUNKED_RUNS), None)
+    peak = done = heap = 0  # the peak so far, what the runs returned, the chunks' heap
+    for form in forms:
+        start = 0 if workers > 1 else heap  # side by side, each thread has its own heap
+        if form not in CHUNKED_RUNS:
+            full = step_by_step()
+        elif states and states % FUSED_CHUNK:  # a run uncut, then one cut at the states
+            one, keeps = fused(None, few and form == sizes, start)
+            two, keeps2 = fused(states, False, max(start, keeps))
+            full, heap = max(one, uncut + two), max(heap, keeps, keeps2)
+        else:
+            full, keeps = fused(states, few and form == sizes, start)
+            heap = max(heap, keeps)
+        peak = peak + full if workers > 1 else max(peak, done + full)
+        done += returned
+    strided = count * state + max(qkv, count * state) if states else qkv
+    return peak, longest * 8 + strided * 4
 
 
 class _Case(NamedTuple):

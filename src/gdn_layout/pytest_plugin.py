@@ -290,6 +290,7 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
 def _layout_cases(config: pytest.Config, spec: str) -> Callable[[], list[Case]]:
     """What makes the cases of ``--gdn-layout spec``, once the options are checked."""
     from ._limits import impossible_arrays, memory_refusal
+    from .generate import fixture_memory
     from .layout import GdnBackwardLayout
     from .suites import make_case
 
@@ -311,7 +312,9 @@ def _layout_cases(config: pytest.Config, spec: str) -> Callable[[], list[Case]]:
         carry_state="state" in flags,
     )
     # Refused up front, as the command line refuses it, rather than after the work.
-    why = impossible_arrays(layout) or memory_refusal(layout)
+    why = impossible_arrays(layout) or memory_refusal(
+        layout, fixture_memory(layout, precisions="all")
+    )
     if why is not None:
         raise ValueError(why)
     regime = config.getoption("gdn_regime")

@@ -205,6 +205,9 @@ def forward(
         if inputs.state is None
         else (inputs.state.copy())
     )
+    if b * h * n == 0:  # no state element: y is zeros, whatever S; nothing to step through
+        y[...] = 0
+        return (y, final) if carried else y
     recurrent = _form(method, inputs) == "recurrent"
     stacks = [] if recurrent else _chunked.forward_plan(inputs, threads)
 
@@ -330,6 +333,9 @@ def backward(
                 f"got {out.dtype}"
             )
         flat = out
+    if layout.batch * layout.heads * layout.state_size == 0:
+        flat[...] = 0  # no state element: every gradient is zeros, whatever S
+        return flat
     form = _form(method, inputs)  # once every argument is checked: it reads all of k
     if checkpoint_every is None and form == "chunked":
         every = _chunked.default_interval(layout.seq, layout.state_size)

@@ -42,7 +42,7 @@ FUSED_CHUNK = 64
 #: Bytes of the forward's chunks kept for the backward; past it, a chunk is formed again
 #: (as the kernels do). A chunk's temporaries are for every batch row and head at once: with a
 #: per-channel gate ``[B, H, C, C, N]``, 64 times the chunk's inputs.
-_KEEP_BYTES = 64 << 20
+KEEP_BYTES = 64 << 20
 
 
 class _Products:
@@ -326,7 +326,7 @@ def fused_backward(
     y = np.empty((batch, heads, seq, n), compute)
 
     kept: dict[int, _Chunk] = {}  # the forward's chunks, for the backward, within a budget
-    budget = _KEEP_BYTES
+    budget = KEEP_BYTES
 
     def part(i: int) -> _Chunk:
         if i in kept:

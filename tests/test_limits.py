@@ -1,0 +1,269 @@
+"""What a fixture asks of the machine: the memory estimate is honest (never under the peak RSS
+of the work, at most 25% over), a run that cannot fit is refused up front, and work with no
+state element finishes at once whatever S."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gdn_layout import GdnBackwardLayout, make_fixture, reference
+from gdn_layout._limits import human_bytes, memory_refusal
+from gdn_layout.generate import draw_inputs, fixture_memory
+from support import assert_user_error, deadline, run
+
+limits = importlib.import_module("gdn_layout._limits")
+
+MiB = 1 << 20
+#: How far above the measured peak the estimate may be.
+SLACK = 1.25
+
+# -- the estimate against the peak RSS ---------------------------------------------------------
+
+#: ``gdn-layout fixture`` in a fresh interpreter: its peak RSS less the interpreter's, the
+#: command line imported.
+_MEASURE = textwrap.dedent(
+    """
+    import json, sys
+
+    def peak():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+    from gdn_layout.cli import main
+
+    start = peak()
+    code = main(json.loads(sys.argv[1]))
+    print(json.dumps({"code": code, "peak": peak() - start}))
+    """
+)
+
+#: Layouts of each kind (per-head and per-channel gates, with and without a carried state,
+#: N small and large, states every step and every 16 and 64 steps, one and two threads).
+_SHAPES: list[dict[str, Any]] = [
+    {"dims": (1, 4096, 4, 64), "workers": 1},
+    {"dims": (1, 4096, 4, 64), "workers": 2},
+    {"dims": (1, 4096, 4, 64), "per_channel": True, "carry_state": True, "states": 64},
+    {"dims": (2, 2048, 3, 16), "states": 1},
+    {"dims": (2, 8192, 3, 16), "states": 16},
+    {"dims": (2, 16384, 4, 4)},
+    {"dims": (2, 1024, 4, 128), "carry_state": True},
+]
+
+
+def _case(shape: dict[str, Any]) -> tuple[GdnBackwardLayout, dict[str, Any], list[str]]:
+    """The layout, the estimate's arguments and the command line of a shape of ``_SHAPES``."""
+    b, s, h, n = shape["dims"]
+    per_channel, carry = shape.get("per_channel", False), shape.get("carry_state", False)
+    layout = GdnBackwardLayout(b, s, h, n, gate_per_channel=per_channel, carry_state=carry)
+    work = {"states": shape.get("states"), "workers": shape.get("workers", 1)}
+    argv = ["fixture", "-B", str(b), "-S", str(s), "-H", str(h), "-N", str(n)]
+    argv += ["--per-channel"] * per_channel + ["--carry-state"] * carry
+    argv += ["--workers", str(work["workers"])]
+    if work["states"] is not None:
+        argv += ["--states", str(work["states"])]
+    return layout, work, argv
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_the_estimate_is_within_25_percent_above_the_peak(tmp_path: Path) -> None:
+    rows, wrong = [], []
+    for shape in _SHAPES:
+        layout, work, argv = _case(shape)
+        estimate = fixture_memory(layout, dtype=np.float32, **work)
+        # Large enough that the interpreter's own noise does not matter, small enough to be quick.
+        assert 100 * MiB <= estimate <= 600 * MiB, (shape, estimate / MiB)
+        argv += ["-o", str(tmp_path / "x.safetensors"), "--force", "-q"]
+        done = subprocess.run(
+            [sys.executable, "-c", _MEASURE, json.dumps(argv)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout.splitlines()[-1])
+        assert result["code"] == 0, done.stderr
+        peak = result["peak"]
+        rows.append(
+            f"{shape}: estimate {estimate / MiB:.1f} MiB, peak {peak / MiB:.1f} MiB, "
+            f"ratio {estimate / peak:.2f}"
+        )
+        if not peak <= estimate <= SLACK * peak:
+            wrong.append(rows[-1])
+    print("\n".join(rows))
+    assert not wrong, "\n".join(wrong)
+
+
+# -- refusals up front -------------------------------------------------------------------------
+
+
+def test_states_every_step_are_refused_when_they_cannot_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Estimated at 99 MiB for every --states, it ran out of memory under a 1.5 GiB limit after
+    # 20 s: h and dh, [B, S, H, N, N] with states every step, are counted now.
+    layout = GdnBackwardLayout(2, 4096, 3, 16)
+    every_step = fixture_memory(layout, states=1, workers=None)
+    plain = fixture_memory(layout, workers=None)
+    states = 2 * layout.seq * layout.batch * layout.heads * layout.state_size**2
+    assert every_step >= plain + states * (8 + 4)  # in float64, and as stored
+    room = (plain + every_step) // 2
+    monkeypatch.setattr(limits, "available_memory", lambda: (room, "a test's figure"))
+    flags: list[str | Path] = ["-B", "2", "-S", "4096", "-H", "3", "-N", "16"]
+    flags += ["-o", tmp_path / "x.safetensors"]
+    assert_user_error(
+        run("fixture", *flags, "--states", "1"),
+        f"B=2 S=4096 H=3 N=16, per-head gate, no state, its states kept every step needs about "
+        f"{human_bytes(every_step)} of memory, but {human_bytes(room)} is available "
+        "(a test's figure); choose smaller dimensions or longer chunks of states",
+    )
+    assert not (tmp_path / "x.safetensors").exists()
+    assert memory_refusal(layout, plain) is None
+
+
+def test_a_huge_s_with_n_0_is_refused_for_its_per_step_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Estimated at 64 MiB, it grew past 4 GB: g and beta are [B, S, H] whatever N.
+    layout = GdnBackwardLayout(2, 10**8, 3, 0)
+    per_step = layout.gate_elems + layout.beta_elems
+    assert fixture_memory(layout) >= per_step * (8 + 8 + 4)  # drawn, converted, stored
+    monkeypatch.setattr(limits, "available_memory", lambda: (1 << 30, "a test's figure"))
+    with deadline(5):
+        result = run("fixture", "-N", "0", "-S", str(10**8), "-o", tmp_path / "x.safetensors")
+    assert_user_error(result, "B=2 S=100000000 H=3 N=0", "needs about", "1.0 GiB is available")
+
+
+def test_the_estimate_names_its_arguments() -> None:
+    layout = GdnBackwardLayout(1, 4, 1, 2)
+    with pytest.raises(ValueError, match=r"^fixture_memory: states must be a positive integer"):
+        fixture_memory(layout, states=0)
+    with pytest.raises(TypeError, match="fixture_memory"):
+        fixture_memory((1, 4, 1, 2))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="workers"):
+        fixture_memory(layout, workers=0)
+
+
+# -- work with no state element ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dims", [(0, 2**40, 3, 16), (2, 2**40, 0, 16)])
+def test_work_with_no_element_finishes_at_once(dims: tuple[int, int, int, int]) -> None:
+    # B = 0 looped over every step, about 80 us each.
+    layout = GdnBackwardLayout(*dims, gate_per_channel=True, carry_state=True)
+    with deadline(5):
+        fixture = make_fixture(layout, states=1, precisions="all")
+    assert fixture.packed.shape == (0,)
+    assert fixture.h is not None
+    assert fixture.h.shape == (dims[0], dims[1], dims[2], 16, 16)
+    assert fixture_memory(layout, states=1) == fixture_memory(GdnBackwardLayout(0, 0, 0, 0))
+
+
+def test_the_command_line_makes_an_empty_fixture_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    with deadline(5):
+        result = run("fixture", "-B", "0", "-S", str(2**40), "--states", "1", "-o", path)
+    assert result.returncode == 0, result.stderr
+    assert path.stat().st_size < 4096
+
+
+def test_n_0_is_done_at_once_for_every_step() -> None:
+    layout = GdnBackwardLayout(1, 10**6, 1, 0, carry_state=True)
+    with deadline(10):
+        fixture = make_fixture(layout, states=3)
+    assert fixture.packed.shape == (layout.total_elems,)
+    assert not fixture.packed.any()
+
+
+@pytest.mark.parametrize(
+    "dims", [(0, 5, 3, 16), (2, 5, 0, 16), (2, 7, 3, 0), (1, 70, 2, 0)], ids=str
+)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_what_is_not_run_is_what_the_reference_gives(
+    dims: tuple[int, int, int, int], per_channel: bool
+) -> None:
+    layout = GdnBackwardLayout(*dims, gate_per_channel=per_channel, carry_state=True)
+    fixture = make_fixture(layout, states=4, regime="mixed", seed=5)
+    x = draw_inputs(layout, regime="mixed", seed=5)
+    assert x.state is not None
+    q, k, v, g, beta, dy, state = (a.astype(np.float64) for a in (*x[:6], x.state))
+    packed = reference.backward(q, k, v, g, beta, dy, state, method="recurrent")
+    y, final = reference.forward(q, k, v, g, beta, state, method="recurrent")
+    h, dh, _ = reference.chunk_states(q, k, v, g, beta, dy, state, chunk=4, method="recurrent")
+    for name, expected in {
+        "packed": packed,
+        "y": y,
+        "final_state": final,
+        "h": h,
+        "dh": dh,
+    }.items():
+        got = getattr(fixture, name)
+        assert got.shape == expected.shape, name
+        assert np.array_equal(got, expected.astype(np.float32)), name
+    # Every form gives those zeros: no rounding to measure.
+    assert fixture.floors is not None
+    assert all(f == (0.0, 0.0, 0.0) for per in fixture.floors.values() for f in per.values())
+
+
+# -- available memory ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="no /proc/meminfo")
+def test_available_memory_reads_meminfo() -> None:
+    found = limits.available_memory()
+    assert found is not None
+    assert found[0] > 0
+    assert found[1] == "MemAvailable in /proc/meminfo"
+
+
+def test_available_memory_falls_back_without_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(*args: object, **kwargs: object) -> None:
+        raise FileNotFoundError("/proc/meminfo")
+
+    monkeypatch.setattr("builtins.open", missing)
+    found = limits.available_memory()
+    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
+        assert found is not None
+        assert found[1] == "free physical memory"
+        assert found[0] == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:
+        assert found is None
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 100])
+def test_the_chunk_states_are_counted(chunk: int) -> None:
+    # h and dh, [B, K, H, N, N] with K = ceil(S / chunk), in float64 and as stored, at least.
+    layout = GdnBackwardLayout(1, 4096, 4, 64)
+    count = -(-layout.seq // chunk)
+    states = 2 * layout.batch * count * layout.heads * layout.state_size**2
+    assert fixture_memory(layout, states=chunk) >= fixture_memory(layout) + states * (8 + 4)
+
+
+@given(
+    st.from_type(GdnBackwardLayout),
+    st.sampled_from([None, 1, 3, 64]),
+    st.sampled_from([np.float32, np.float64]),
+    st.sampled_from([None, "all"]),
+    st.sampled_from([1, 2]),
+)
+def test_every_layout_has_an_estimate(
+    layout: GdnBackwardLayout, states: int | None, dtype: type, precisions: str | None, workers: int
+) -> None:
+    estimate = fixture_memory(
+        layout, dtype=dtype, states=states, precisions=precisions, workers=workers
+    )
+    # At least the packed gradient, in float64 and as stored.
+    assert estimate >= layout.total_elems * (8 + np.dtype(dtype).itemsize)
