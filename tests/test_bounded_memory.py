@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gdn_layout import GdnBackwardLayout, unpack
+from gdn_layout import GdnBackwardLayout, make_fixture, unpack
 from gdn_layout._dtypes import PRECISIONS
 from gdn_layout.check import Criterion, compare
 from gdn_layout.check._compare import _Score
@@ -46,6 +46,13 @@ _MEASURE = textwrap.dedent(
 
 def _peak_rss(*argv: str) -> tuple[int, int]:
     """Run the CLI with ``argv`` in a fresh interpreter: (peak RSS in bytes, exit code)."""
+    peak, code, _ = _run_measured(*argv)
+    return peak, code
+
+
+def _run_measured(*argv: str) -> tuple[int, int, str]:
+    """Run the CLI with ``argv`` in a fresh interpreter: (peak RSS in bytes, exit code,
+    what it printed)."""
     done = subprocess.run(
         [sys.executable, "-c", _MEASURE, json.dumps(list(argv))],
         capture_output=True,
@@ -55,7 +62,7 @@ def _peak_rss(*argv: str) -> tuple[int, int]:
     )
     words = done.stderr.split()
     assert "PEAK" in words, done.stderr
-    return int(words[words.index("PEAK") + 1]), int(words[words.index("EXIT") + 1])
+    return int(words[words.index("PEAK") + 1]), int(words[words.index("EXIT") + 1]), done.stdout
 
 
 def _sparse(path: Path, nbytes: int) -> Path:
@@ -174,3 +181,29 @@ def test_a_failing_gradient_s_findings_hold_copies_of_its_region_not_of_it() -> 
         tracemalloc.stop()
     assert [f.kind for f in found] == ["scale"]
     assert peak <= 6 * region, (peak / MiB, region / MiB)  # measured: 5 copies (10 before)
+
+
+@pytest.mark.slow
+def test_a_misreading_is_named_within_the_bound_of_a_passing_compare(tmp_path: Path) -> None:
+    """A failing compare against a fixture re-runs the op under each reading on a slice of
+    the case (``_misreadings.BUDGET`` state elements); its peak, in a fresh process, stays
+    within the files' size plus the allowance, as a passing compare's does."""
+    from gdn_layout.check._misreadings import BUDGET
+    from gdn_layout.reference import backward
+
+    layout = GdnBackwardLayout(2, 2048, 8, 128, carry_state=True)
+    assert layout.batch * layout.seq * layout.heads * layout.state_size**2 > 4 * BUDGET
+    fixture = make_fixture(layout, regime="mixed")
+    path = save_fixture(tmp_path / "case.safetensors", fixture)
+    q, k, v, g, beta, dy, state = fixture.inputs
+    assert state is not None
+    misread = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    np.save(tmp_path / "kernel.npy", misread)
+    files = path.stat().st_size + (tmp_path / "kernel.npy").stat().st_size
+    passing, code = _peak_rss("compare", str(path), str(path))
+    assert code == 0
+    failing, code, printed = _run_measured("compare", str(tmp_path / "kernel.npy"), str(path))
+    assert code == 1
+    assert "initial state read transposed" in printed, printed
+    assert failing <= files + ALLOWANCE, (failing / MiB, files / MiB)
+    assert passing <= files + ALLOWANCE, (passing / MiB, files / MiB)

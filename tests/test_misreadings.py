@@ -196,3 +196,18 @@ def test_a_reading_whose_op_overflows_is_named_on_the_values_left(reading: str) 
     kernel = panel.misread(fx, reading)
     assert not np.isfinite(kernel).all()  # the kernel overflowed, as its op does in float32
     assert _named(compare(kernel, fx).findings) == [reading]
+
+
+@pytest.mark.parametrize("variant", ["", "early"])
+def test_a_gate_read_a_step_off_under_equal_gates_is_named_by_its_dg_shift(variant: str) -> None:
+    # Under a gate of 0 the reading leaves the forward as it is: only dg moves a step, which
+    # is the shift finding, and its words name the reading.
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    fx = make_fixture(GdnBackwardLayout(1, 40, 2, 8, carry_state=True), regime="zero", seed=2)
+    result = compare(panel.misread(fx, "gate_shift", variant), fx)
+    assert [g.name for g in result.grads if not g.passed] == ["dg"]
+    (finding,) = result["dg"].findings
+    assert finding.kind == "shift"
+    when = "early" if variant else "late"
+    assert f"or the gate read one step {when}" in finding.text, finding.text

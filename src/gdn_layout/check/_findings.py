@@ -834,6 +834,12 @@ def _shift(ctx: _Context) -> Finding | None:
     if unit == "chunk" and k == -1:  # the state leaving chunk c, not the one entering it
         what = "the cotangent of the state" if ctx.name == "dh" else "the state"
         text += f" ({what} leaving chunk {i}, as another library keeps it?)"
+    if ctx.name == "dg" and abs(k) == 1:  # the misreading gate_shift, where gates are equal
+        when = "late" if k == -1 else "early"
+        text += (
+            f" (dg stored a step off, or the gate read one step {when}: where the gates "
+            "are equal, only dg shows that)"
+        )
     return _finding(ctx, "shift", text, result, {"step": k})
 
 
