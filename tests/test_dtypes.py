@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -9,12 +11,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gdn_layout._dtypes import (
+    DTYPES,
     PRECISIONS,
+    SPELLINGS,
     UNIT_ROUNDOFF,
+    canonical_name,
     default_precision,
+    itemsize,
     precision_of,
     round_mantissa,
 )
+from gdn_layout.check._criterion import DEFAULT_TOLERANCES
+from gdn_layout.files._safetensors import DTYPE_NAMES, dtype_code, dtype_of_code
 
 
 @given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
@@ -52,3 +60,31 @@ def test_the_default_class_is_the_less_precise_buffer_s() -> None:
     for p in PRECISIONS.values():  # each class judges its buffers: their roundoff is its own
         assert p.unit_roundoff == UNIT_ROUNDOFF[p.buffer]
         assert p.product_roundoff >= p.compute_roundoff
+
+
+def test_each_dtype_s_facts_are_numpy_s_and_safetensors_() -> None:
+    for d in DTYPES.values():
+        dtype = d.numpy()
+        assert dtype.name == d.name
+        assert dtype.itemsize == d.itemsize == itemsize(d.name, "d")
+        u = d.unit_roundoff  # half the gap above 1: 1 + u rounds (to even) to 1
+        near_one = np.array([1.0, 1 + u, 1 + 2 * u]).astype(dtype).astype(np.float64)
+        assert near_one.tolist() == [1.0, 1.0, 1 + 2 * u]
+        assert d.spellings[:2] == (d.name, d.code.lower())
+        assert all(canonical_name(s.upper()) == d.name for s in d.spellings)
+        assert dtype_code(dtype, "d") == d.code
+        assert dtype_of_code(d.code, "t", Path("f")) == dtype
+        assert PRECISIONS[d.precision].buffer == d.name
+    unit_roundoffs = [d.unit_roundoff for d in DTYPES.values()]
+    assert unit_roundoffs == sorted(unit_roundoffs)  # from the most precise
+
+
+def test_the_tables_by_dtype_are_views_of_the_one_table() -> None:
+    assert DTYPE_NAMES == ("float64", "float32", "float16", "bfloat16")
+    assert list(SPELLINGS) == ["bfloat16", "float16", "float32", "float64"]  # as the CLI lists
+    assert {n: d.spellings for n, d in DTYPES.items()} == SPELLINGS
+    assert {n: d.unit_roundoff for n, d in DTYPES.items()} == UNIT_ROUNDOFF
+    assert {n: d.tolerances for n, d in DTYPES.items()} == DEFAULT_TOLERANCES
+    for p in PRECISIONS.values():  # a class named as a dtype is spelled as it
+        if p.name in DTYPES:
+            assert (p.name, *p.spellings) == DTYPES[p.name].spellings

@@ -1,8 +1,10 @@
 """Files as a hostile user makes them: not regular files, headers built to be slow or large,
-numbers and shapes that cannot exist. Each is refused fast, with a FixtureError naming it."""
+numbers and shapes that cannot exist. Each is refused fast, with a FixtureError naming it; a
+header over MAX_HEADER (1 MiB) before it is read, one within it once parsed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -13,7 +15,18 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.files import FORMAT, FORMAT_VERSION, FixtureError, load_fixture, open_packed
+from gdn_layout.check._criterion import FLOOR_CLASSES
+from gdn_layout.files import (
+    FORMAT,
+    FORMAT_VERSION,
+    FixtureError,
+    load_fixture,
+    open_packed,
+    save_fixture,
+)
+from gdn_layout.files._safetensors import MAX_HEADER
+from gdn_layout.generate import make_fixture
+from gdn_layout.regimes import REGIMES
 from support import deadline
 
 
@@ -81,37 +94,129 @@ def test_duplicate_keys_are_found_in_linear_time(tmp_path: Path) -> None:
     assert time.perf_counter() - start < 2.0
 
 
-def test_a_header_of_millions_of_lists_is_refused_before_parsing(tmp_path: Path) -> None:
+def test_a_header_over_the_cap_is_refused_before_it_is_read(tmp_path: Path) -> None:
     path = _with_header(tmp_path / "lists.safetensors", b"[" + b"[]," * 3_000_000 + b"[]]")
     tracemalloc.start()
     try:
         start = time.perf_counter()
-        _refused(path, "too large to be read: 3000002 lists and objects")
+        _refused(path, r"header is 9000008 bytes, over the 1048576-byte \(1 MiB\) cap")
         elapsed = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    # Parsing it would take some 250 MB of Python objects; the check takes copies of the bytes.
-    assert peak < 3 * path.stat().st_size + (1 << 20)
+    # Parsing it would take some 250 MB of Python objects; loading reads the file's bytes alone.
+    assert peak < path.stat().st_size + (1 << 20)
     assert elapsed < 1.0
+
+
+@pytest.mark.parametrize(
+    ("length", "pattern"),
+    [(MAX_HEADER, "header is not usable JSON"), (MAX_HEADER + 8, "over the 1048576-byte")],
+)
+def test_the_cap_is_on_the_header_s_length(tmp_path: Path, length: int, pattern: str) -> None:
+    _refused(_with_header(tmp_path / "edge.safetensors", b"[" * length), pattern)
+
+
+def _fill(head: bytes, piece: bytes, tail: bytes) -> bytes:
+    """``head``, then ``piece`` repeated, then ``tail``: a header of at most MAX_HEADER bytes."""
+    return head + piece * ((MAX_HEADER - len(head) - len(tail)) // len(piece)) + tail
+
+
+#: Headers that fill the cap with what is slowest or largest to parse, and how each is refused.
+AT_THE_CAP = {
+    "deep lists": (b"[" * MAX_HEADER, "header is not usable JSON"),
+    "deep objects": (_fill(b"", b'{"a":', b""), "header is not usable JSON"),
+    "many lists": (_fill(b"[", b"[],", b"[]]"), "header must be a JSON object, got list"),
+    "many commas": (_fill(b"[", b"0,", b"0]"), "header must be a JSON object, got list"),
+    "many strings": (_fill(b"[", b'"\\"",', b'""]'), "header must be a JSON object, got list"),
+    "many tensors": (_fill(b'{"a":{}', b',"a":{}', b"}"), r"duplicate keys \['a'\]"),
+    "many objects": (_fill(b'{"a":[', b"{},", b"{}]}"), "tensor 'a' must be an object"),
+}
+#: What parsing a header of MAX_HEADER bytes may allocate, whatever it holds (some 25 MiB of
+#: Python objects for a million bytes of empty lists or objects).
+PARSE_BOUND = 48 * MAX_HEADER
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", AT_THE_CAP)
+def test_a_header_at_the_cap_is_parsed_in_bounded_time_and_memory(
+    tmp_path: Path, name: str
+) -> None:
+    header, pattern = AT_THE_CAP[name]
+    path = _with_header(tmp_path / "full.safetensors", header)
+    assert MAX_HEADER - 8 <= path.stat().st_size - 8 <= MAX_HEADER
+    start = time.perf_counter()
+    _refused(path, pattern)
+    assert time.perf_counter() - start < 1.0
+    tracemalloc.start()
+    try:
+        _refused(path, pattern, seconds=10.0)  # tracing slows it down
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < PARSE_BOUND
 
 
 @pytest.mark.parametrize(
     ("header", "pattern"),
     [
-        (b'{"a": [[1]]}', "tensor 'a' must be an object"),  # 3 deep: on to the entries
-        (b'{"a": {"b": [[1]]}}', "nested 4 deep; a safetensors header is at most 3"),
-        (b'{"a": "[[[[[[", "b": [1]}', "tensor 'a'"),  # brackets in strings do not count
-        (b'{"a": "\\\\\\"[[[[", "b": [1]}', "tensor 'a'"),  # nor after escaped quotes
+        (b'{"a": [[1]]}', "tensor 'a' must be an object"),
+        (b'{"a": {"b": [[1]]}}', "tensor 'a' must be an object with exactly dtype, shape and"),
+        (
+            b'{"q": {"dtype": "F32", "shape": [[[[1]]]], "data_offsets": [0, 4]}}',
+            r"tensor 'q': shape must be a list of non-negative integers, got \[\[\[\[1\]",
+        ),
+        (
+            b'{"q": {"dtype": "F32", "shape": [1], "data_offsets": [0, [[4]]]}}',
+            r"tensor 'q': data_offsets must be \[begin, end\]",
+        ),
+        (b'{"__metadata__": {"format": [[[1]]]}}', "__metadata__ must map strings to strings"),
     ],
 )
-def test_nesting_is_bounded(tmp_path: Path, header: bytes, pattern: str) -> None:
+def test_nesting_beyond_a_header_s_is_refused_by_its_schema(
+    tmp_path: Path, header: bytes, pattern: str
+) -> None:
+    # An object of tensors, each an object with two lists of numbers; __metadata__ maps
+    # strings to strings.
     _refused(_with_header(tmp_path / "deep.safetensors", header), pattern)
 
 
 def test_an_integer_of_thousands_of_digits(tmp_path: Path) -> None:
     header = b'{"q": {"dtype": "F32", "shape": [' + b"7" * 5000 + b'], "data_offsets": [0, 4]}}'
     _refused(_with_header(tmp_path / "digits.safetensors", header), "not usable JSON|digits")
+
+
+# -- what this package writes stays far under the cap ------------------------------------------
+
+
+def test_the_largest_header_this_package_writes_is_far_under_the_cap(tmp_path: Path) -> None:
+    # Every metadata key, at its longest: floors and state floors of every class, the longest
+    # regime's name, a 20-digit seed (a layout's numbers add at most some 100 bytes more).
+    layout = GdnBackwardLayout(2, 9, 3, 4, gate_per_channel=True, carry_state=True)
+    regime = max(REGIMES, key=len)
+    made = make_fixture(layout, seed=2**64 - 1, states=4, precisions="all", regime=regime)
+    assert made.floors is not None
+    assert made.state_floors is not None
+    fixture = dataclasses.replace(
+        made,
+        floors={c: made.floors["float32"] for c in FLOOR_CLASSES},
+        state_floors={c: made.state_floors["float32"] for c in FLOOR_CLASSES},
+    )
+    path = save_fixture(tmp_path / "full.safetensors", fixture)
+    assert int.from_bytes(path.read_bytes()[:8], "little") < 4 << 10  # 2.6 KiB
+    assert load_fixture(path).floors == fixture.floors
+
+
+def test_a_header_over_the_cap_is_never_written(tmp_path: Path) -> None:
+    small = make_fixture(GdnBackwardLayout(1, 3, 2, 4), calibrate=False)
+    fixture = dataclasses.replace(small, compute_dtype="x" * MAX_HEADER)
+    with pytest.raises(
+        ValueError,
+        match=r"^the header would be \d+ bytes, over the 1048576-byte \(1 MiB\) cap; the "
+        r"longest metadata value, 'compute_dtype', has 1048576 characters$",
+    ):
+        save_fixture(tmp_path / "big.safetensors", fixture)
+    assert list(tmp_path.iterdir()) == []
 
 
 # -- shapes that cannot exist -------------------------------------------------------------------

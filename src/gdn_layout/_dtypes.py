@@ -1,5 +1,6 @@
-"""The floating dtypes gdn-layout works with, and the precision classes a kernel computes in;
-bfloat16 is ml_dtypes', an optional extra.
+"""The floating dtypes gdn-layout works with (:data:`DTYPES`, one record of facts each), and the
+precision classes a kernel computes in (:data:`PRECISIONS`); bfloat16 is ml_dtypes', an optional
+extra.
 
 Every common spelling of a dtype name is accepted, in any case: NumPy's (``float32``),
 safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, ``double``).
@@ -8,6 +9,8 @@ safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, `
 ['bfloat16', 'float32', 'float16', 'float64', 'float64', 'float16']
 >>> itemsize("bfloat16", "dtype")  # no optional package needed to count bytes
 2
+>>> [(d.name, d.code, d.itemsize) for d in DTYPES.values()]
+[('float64', 'F64', 8), ('float32', 'F32', 4), ('float16', 'F16', 2), ('bfloat16', 'BF16', 2)]
 >>> [(p.name, p.buffer, p.k) for p in PRECISIONS.values()]  # doctest: +NORMALIZE_WHITESPACE
 [('float64', 'float64', 64.0), ('float32', 'float32', 16.0), ('tf32', 'float32', 16.0),
  ('bfloat16', 'bfloat16', 8.0), ('float16', 'float16', 8.0)]
@@ -25,23 +28,53 @@ BF16_HINT: Final = (
     "(from a clone: pip install '.[bfloat16]')"
 )
 
-#: Every accepted spelling (lower case) of each floating dtype, by its NumPy name.
-SPELLINGS: Final = {
-    "bfloat16": ("bfloat16", "bf16"),
-    "float16": ("float16", "f16", "half", "fp16"),
-    "float32": ("float32", "f32", "single", "fp32"),
-    "float64": ("float64", "f64", "double", "fp64"),
-}
-_CANONICAL: Final = {alias: name for name, aliases in SPELLINGS.items() for alias in aliases}
-_ITEMSIZE: Final = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-#: The unit roundoff of each dtype: half its machine epsilon, the largest relative error of
-#: rounding to it.
-UNIT_ROUNDOFF: Final = {
-    "bfloat16": 2.0**-8,
-    "float16": 2.0**-11,
-    "float32": 2.0**-24,
-    "float64": 2.0**-53,
-}
+
+class DType(NamedTuple):
+    """A floating dtype gdn-layout handles, with its facts: one record of :data:`DTYPES`."""
+
+    #: NumPy's name (ml_dtypes' for bfloat16).
+    name: str
+    #: Its safetensors code.
+    code: str
+    #: Bytes per element.
+    itemsize: int
+    #: Half its machine epsilon: the largest relative error of rounding to it.
+    unit_roundoff: float
+    #: ``torch.testing.assert_close``'s default ``(rtol, atol)`` for it.
+    tolerances: tuple[float, float]
+    #: Every accepted spelling (lower case): the name, the safetensors code, then others.
+    spellings: tuple[str, ...]
+    #: The precision class its buffers are judged in by default (:data:`PRECISIONS`).
+    precision: str
+    #: Whether ml_dtypes defines it (an optional extra) rather than NumPy.
+    ml_dtypes: bool = False
+
+    def numpy(self) -> np.dtype[Any]:
+        """The NumPy dtype; for one of ml_dtypes', an ImportError naming the extra without it."""
+        return bfloat16() if self.ml_dtypes else np.dtype(self.name)
+
+
+#: The floating dtypes, from the most precise: the one table of dtype facts, which every
+#: other lookup by dtype reads.
+DTYPES: Final = {
+    d.name: d
+    for d in (
+        DType("float64", "F64", 8, 2.0**-53, (1e-7, 1e-7), ("float64", "f64", "double", "fp64"),
+              "float64"),
+        DType("float32", "F32", 4, 2.0**-24, (1.3e-6, 1e-5), ("float32", "f32", "single", "fp32"),
+              "float32"),
+        DType("float16", "F16", 2, 2.0**-11, (1e-3, 1e-5), ("float16", "f16", "half", "fp16"),
+              "float16"),
+        DType("bfloat16", "BF16", 2, 2.0**-8, (1.6e-2, 1e-5), ("bfloat16", "bf16"), "bfloat16",
+              ml_dtypes=True),
+    )
+}  # fmt: skip
+#: Every accepted spelling of each dtype, by name, from the least precise (as the command line
+#: lists them).
+SPELLINGS: Final = {d.name: d.spellings for d in reversed(DTYPES.values())}
+#: The unit roundoff of each dtype, by name.
+UNIT_ROUNDOFF: Final = {d.name: d.unit_roundoff for d in DTYPES.values()}
+_BY_SPELLING: Final = {alias: d for d in DTYPES.values() for alias in d.spellings}
 
 
 class Precision(NamedTuple):
@@ -68,18 +101,18 @@ class Precision(NamedTuple):
     @property
     def unit_roundoff(self) -> float:
         """Of the buffers: the largest relative error of storing a result."""
-        return UNIT_ROUNDOFF[self.buffer]
+        return DTYPES[self.buffer].unit_roundoff
 
     @property
     def compute_roundoff(self) -> float:
         """Of the computation dtype: float64's for float64, float32's for every other class."""
-        return UNIT_ROUNDOFF["float64" if self.buffer == "float64" else "float32"]
+        return DTYPES["float64" if self.buffer == "float64" else "float32"].unit_roundoff
 
     @property
     def product_roundoff(self) -> float:
         """Of a product's terms: its operands' unit roundoff, or the computation dtype's."""
         if self.product_bits is None:
-            return UNIT_ROUNDOFF["float64" if self.buffer == "float64" else "float32"]
+            return self.compute_roundoff
         return 2.0 ** -(self.product_bits + 1)
 
 
@@ -95,12 +128,12 @@ PRECISIONS: Final = {
     for p in (
         Precision(
             "float64", "float64", None, 64.0, (3e-5 * 2.0**-29, 5e-4 * 2.0**-29),
-            SPELLINGS["float64"][1:],
+            DTYPES["float64"].spellings[1:],
         ),
-        Precision("float32", "float32", None, 16.0, (3e-5, 5e-4), SPELLINGS["float32"][1:]),
+        Precision("float32", "float32", None, 16.0, (3e-5, 5e-4), DTYPES["float32"].spellings[1:]),
         Precision("tf32", "float32", 10, 16.0, (3e-3, 3e-2)),
-        Precision("bfloat16", "bfloat16", 7, 8.0, (1e-2, 0.15), SPELLINGS["bfloat16"][1:]),
-        Precision("float16", "float16", 10, 8.0, (6e-3, 3e-2), SPELLINGS["float16"][1:]),
+        Precision("bfloat16", "bfloat16", 7, 8.0, (1e-2, 0.15), DTYPES["bfloat16"].spellings[1:]),
+        Precision("float16", "float16", 10, 8.0, (6e-3, 3e-2), DTYPES["float16"].spellings[1:]),
     )
 }  # fmt: skip
 _PRECISION_NAMES: Final = {
@@ -115,9 +148,10 @@ def precision_of(value: object, where: str) -> Precision:
         name = _PRECISION_NAMES.get(value.strip().lower())
     else:  # a dtype, or a scalar type: its class
         try:
-            name = _PRECISION_NAMES.get(np.dtype(value).name)  # type: ignore[call-overload]
+            dtype = DTYPES.get(np.dtype(value).name)  # type: ignore[call-overload]
         except TypeError:
-            name = None
+            dtype = None
+        name = None if dtype is None else dtype.precision
     if name is None:
         raise ValueError(f"{where} must be one of {', '.join(PRECISIONS)}, got {value!r}")
     return PRECISIONS[name]
@@ -126,13 +160,14 @@ def precision_of(value: object, where: str) -> Precision:
 def default_precision(*dtypes: np.dtype[Any]) -> Precision:
     """The class buffers of ``dtypes`` are judged in by default: that of the less precise
     dtype; any other dtype (longdouble, an integer) counts as float64."""
-    names = [d.name if d.name in UNIT_ROUNDOFF else "float64" for d in dtypes]
-    return PRECISIONS[max(names, key=UNIT_ROUNDOFF.__getitem__)]
+    known = [DTYPES.get(d.name, DTYPES["float64"]) for d in dtypes]
+    return PRECISIONS[max(known, key=lambda d: d.unit_roundoff).precision]
 
 
 def canonical_name(text: str) -> str | None:
     """The NumPy name of a floating dtype spelled ``text`` in any common way, else None."""
-    return _CANONICAL.get(text.strip().lower())
+    dtype = _BY_SPELLING.get(text.strip().lower())
+    return None if dtype is None else dtype.name
 
 
 def bfloat16() -> np.dtype[Any]:
@@ -159,7 +194,7 @@ def resolve(dtype: object, where: str) -> np.dtype[Any]:
     imported, and so does every spelling of :data:`SPELLINGS`. A value that is no dtype is a
     TypeError naming ``where``."""
     if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
-        return bfloat16() if name == "bfloat16" else np.dtype(name)
+        return DTYPES[name].numpy()
     try:
         return np.dtype(dtype)  # type: ignore[call-overload,no-any-return]
     except TypeError:
@@ -176,7 +211,7 @@ def dtype_name(dtype: object, where: str) -> str:
 def itemsize(dtype: object, where: str) -> int:
     """Bytes per element of ``dtype``; a name of :data:`SPELLINGS` needs no optional package."""
     if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
-        return _ITEMSIZE[name]
+        return DTYPES[name].itemsize
     return resolve(dtype, where).itemsize
 
 

@@ -40,7 +40,7 @@ from typing import Any, Final, Literal
 import numpy as np
 from numpy.typing import NDArray
 
-from .._dtypes import PRECISIONS, Precision, default_precision, precision_of
+from .._dtypes import DTYPES, PRECISIONS, Precision, default_precision, precision_of
 from .._norms import finite_rms, rms_rows
 from ..layout import GRADIENT_NAMES
 
@@ -70,8 +70,8 @@ Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
 Tolerance = Number | Mapping[str, Number]
 
-#: The classes a fixture measures floors for: float64's are float32's, scaled.
-FLOOR_CLASSES: Final = ("float32", "tf32", "bfloat16", "float16")
+#: The classes a fixture measures floors for: all but float64, whose are float32's, scaled.
+FLOOR_CLASSES: Final = tuple(name for name in PRECISIONS if name != "float64")
 #: How far above its floor a correct kernel's error may be, by precision class: 16 for float32
 #: and tf32, 8 for bfloat16 and float16, 64 for float64 (whose truth is itself a float64
 #: computation whose own error adds to the kernel's). docs/criterion.md says how each was
@@ -444,12 +444,7 @@ def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:
 
 #: Default (rtol, atol) by the less precise of the two dtypes, as torch.testing.assert_close
 #: chooses them; longdouble is judged like float64.
-DEFAULT_TOLERANCES: Final = {
-    "bfloat16": (1.6e-2, 1e-5),
-    "float16": (1e-3, 1e-5),
-    "float32": (1.3e-6, 1e-5),
-    "float64": (1e-7, 1e-7),
-}
+DEFAULT_TOLERANCES: Final = {d.name: d.tolerances for d in DTYPES.values()}
 
 
 def judged_precision(precision: object, func: str, *dtypes: np.dtype[Any]) -> Precision:
