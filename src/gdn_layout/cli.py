@@ -47,6 +47,7 @@ from ._progress import Progress, stderr_is_terminal
 from ._stats import grad_stats, grads_text
 from ._version import __version__
 from .check import Comparison, compare
+from .check._compare import Judging
 from .files._fixture import FixtureError, load_fixture, save_fixture
 from .files._outputs import FILE_KINDS, PackedFile, open_packed
 from .generate import fixture_memory, make_fixture, write_suite
@@ -486,18 +487,24 @@ def _compare(args: argparse.Namespace) -> int:
     if args.plot is not None:  # fail before the work, not after it
         _check_plot_path(args.plot, force=args.force)
     with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
+        judging: Judging = {
+            "rtol": args.rtol,
+            "atol": args.atol,
+            "max_rms_ratio": args.max_rms_ratio,
+            "precision": args.precision,
+        }
         try:
-            result = compare(
-                actual.packed,
-                expected.packed,
-                layout,
-                rtol=args.rtol,
-                atol=args.atol,
-                max_rms_ratio=args.max_rms_ratio,
-                precision=args.precision,
-                floors=expected.floors if expected.floors is not None else actual.floors,
-                scales=expected.scales if expected.scales is not None else actual.scales,
-            )
+            if expected.fixture is not None:  # its inputs too: a misreading is re-run
+                result = compare(actual.packed, expected.fixture, **judging)
+            else:
+                result = compare(
+                    actual.packed,
+                    expected.packed,
+                    layout,
+                    floors=actual.floors,
+                    scales=actual.scales,
+                    **judging,
+                )
         # A tolerance out of range, a --precision finer than the files' dtypes: refused before
         # any work, and the user's to fix.
         except ValueError as error:

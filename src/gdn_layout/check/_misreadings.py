@@ -20,7 +20,8 @@ not.
 
 **Cost.** A re-run is the step-by-step form on a slice of the case: the first two batch rows
 (one when ``B = 1``) and as many heads as keep it within :data:`BUDGET` state elements
-stepped (``rows * heads * S * N**2``; at least one head), its states kept at every 64th step
+stepped (``rows * heads * S * N**2``; at least one head), from the head where most gradients
+come nearest their largest error, its states kept at every 64th step
 and recomputed in between. It runs only when the kernel fails on that slice, once per
 reading and variant (a scale is the truth times a factor); where a reading's op grows (its
 gradients a thousand times the op's, or not finite) it runs again in float32, whose own
@@ -415,8 +416,8 @@ def misreading_findings(
         return ()
     rows = slice(0, min(layout.batch, 2))
     steps = layout.seq * layout.state_size**2 * (rows.stop - rows.start)
-    heads = slice(0, max(1, min(layout.heads, BUDGET // steps)))
     names = layout.names
+    heads = _worst_heads(actual, expected, names, rows, max(1, min(layout.heads, BUDGET // steps)))
     actual_of = {n: _sliced(actual[n], n, rows, heads, keep=True) for n in names}
     theirs = {n: _sliced(expected[n], n, rows, heads) for n in names}
     x = _case_slice(inputs, layout, rows, heads)
@@ -544,6 +545,35 @@ def _finding(reading: Reading, variant: str) -> Finding:
         f"every gradient matches the op with {what}",
         {"reading": reading.name, "variant": variant or None},
     )
+
+
+def _worst_heads(
+    actual: Mapping[str, NDArray[Any]],
+    expected: Mapping[str, NDArray[Any]],
+    names: tuple[str, ...],
+    rows: slice,
+    count: int,
+) -> slice:
+    """``count`` consecutive heads around the one where the most gradients of the rows
+    ``rows`` come nearest their largest error: where a misreading shows in every gradient
+    it changes (under fast decay, some heads show it in one gradient alone)."""
+    heads = np.asarray(actual[names[0]]).shape[2] if names else 0
+    if count >= heads:
+        return slice(0, heads)
+    worst = np.zeros((len(names), heads))
+    for i, name in enumerate(names):
+        for h in range(heads):
+            a = _sliced(actual[name], name, rows, slice(h, h + 1))
+            e = _sliced(expected[name], name, rows, slice(h, h + 1))
+            with np.errstate(all="ignore"):
+                worst[i, h] = np.nan_to_num(np.max(np.abs(a - e), initial=0.0), nan=np.inf)
+    largest = worst.max(axis=1, keepdims=True)
+    with np.errstate(all="ignore"):
+        share = np.nan_to_num(np.where(largest > 0, worst / largest, 0.0), nan=1.0)
+    # The most gradients within half their largest error; then the nearest to it overall.
+    best = int(np.argmax((share >= 0.5).sum(axis=0) + share.mean(axis=0) / 2))
+    start = min(best, heads - count)
+    return slice(start, start + count)
 
 
 def _sliced(t: NDArray[Any], name: str, rows: slice, heads: slice, keep: bool = False) -> Any:
