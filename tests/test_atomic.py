@@ -463,3 +463,85 @@ def test_a_mount_point_is_refused_in_one_line(tmp_path: Path) -> None:
     finally:
         subprocess.run(["umount", str(target)], check=True)
     assert _others(tmp_path) == ["mnt"]
+
+
+def test_a_read_only_folder_is_replaced_and_keeps_its_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its mode comes once the new folder is in place (a read-only one would bar the moves
+    # for its owner), and a read-only old folder is opened up to be removed.
+    target = tmp_path / "suite"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    target.chmod(0o555)
+    real, modes = files._install, []
+
+    def install(built: Path, *args: Any, **kwargs: Any) -> Any:
+        modes.append(stat.S_IMODE(built.stat().st_mode))
+        return real(built, *args, **kwargs)
+
+    monkeypatch.setattr(files, "_install", install)
+    _write(target)
+    assert len(modes) == 1
+    assert modes[0] & stat.S_IWUSR
+    assert stat.S_IMODE(target.stat().st_mode) == 0o555
+    assert sorted(os.listdir(target)) == ["new.txt"]
+    assert _others(tmp_path) == ["suite"]
+
+
+def test_an_error_before_the_work_names_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refused(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), os.fspath(path))
+
+    monkeypatch.setattr(os, "mkdir", refused)
+    with pytest.raises(PermissionError) as info:
+        _write(tmp_path / "suite")
+    assert info.value.filename == str(tmp_path / "suite")
+    assert _others(tmp_path) == []
+
+
+def test_names_that_share_their_first_64_bytes_share_no_temporary(tmp_path: Path) -> None:
+    stem = "x" * 64
+    theirs = files._temporary(tmp_path / (stem + "b"))
+    theirs.write_text("another file's temporary")
+    files.atomic_write(tmp_path / (stem + "a"), lambda out: out.write(b"new"), overwrite=False)
+    assert theirs.read_text() == "another file's temporary"
+    assert files._temporary(tmp_path / (stem + "a")).name != theirs.name
+
+
+@pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() != 0, reason="only the superuser gives folders away"
+)
+def test_another_user_s_look_alike_folder_is_never_touched(tmp_path: Path) -> None:
+    target = tmp_path / "suite"
+    planted = files._temporary(target)
+    planted.mkdir()
+    (planted / "keys.txt").write_text("theirs")
+    os.chown(planted / "keys.txt", 65534, 65534)
+    os.chown(planted, 65534, 65534)
+    _write(target)
+    assert (planted / "keys.txt").read_text() == "theirs"
+
+
+def test_an_old_folder_moved_aside_is_not_another_writer_s_to_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "suite"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    real, seen = files._exchange, []
+
+    def and_another_writer(a: Path, b: Path) -> bool:
+        done = bool(real(a, b))
+        seen.append(sorted(os.listdir(a)))  # the old folder, where a is now
+        files._remove_abandoned(target, lambda f: [p.name for p in f.glob("*.txt")], None)
+        seen.append(sorted(os.listdir(a)))  # still there: it is locked
+        return done
+
+    monkeypatch.setattr(files, "_exchange", and_another_writer)
+    _write(target)
+    assert seen == [["old.txt"], ["old.txt"]]
+    assert sorted(os.listdir(target)) == ["new.txt"]
+    assert _others(tmp_path) == ["suite"]

@@ -520,3 +520,15 @@ def test_the_command_line_refuses_a_mount_point_in_one_line(tmp_path: Path) -> N
         "give a folder inside it\n"
     )
     assert _siblings(point) == ["mnt"]
+
+
+@pytest.mark.slow
+def test_a_new_suite_is_written_where_an_old_one_was_left_aside(tmp_path: Path) -> None:
+    # Without overwrite a suite left aside by a stopped replacement is not put back in the
+    # way of the new one: it goes, and the new one takes the place.
+    root = tmp_path / "suite"
+    write_suite(root, seed=1)
+    os.rename(root, files._temporary(root))
+    write_suite(root, seed=2)
+    assert _check_consistent(root)["seed"] == 2
+    assert _siblings(root) == ["suite"]

@@ -540,7 +540,7 @@ def _examine(
     The folder is opened once and every file read through it, so that a suite replaced
     meanwhile is read old or new, whole: the old folder's files go only after the exchange,
     and a file found gone then means reading the new one from the start."""
-    for _ in range(_READS):
+    for attempt in range(_READS):
         try:
             fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except FileNotFoundError:
@@ -548,23 +548,31 @@ def _examine(
         except OSError as err:
             raise NotASuite(root, f"it cannot be opened ({err.strerror})") from None
         try:
-            found = _examine_in(root, fd, keep, select)
-            if not found[0] or os.fstat(fd).st_ino == _inode(root):
+            opened = os.fstat(fd)
+            try:
+                found = _examine_in(root, fd, keep, select)
+            except NotASuite:  # its manifest gone with the old folder: read the new one
+                if attempt + 1 < _READS and _identity(opened) != _identity(root):
+                    continue
+                raise
+            if not found[0] or attempt + 1 == _READS or _identity(opened) == _identity(root):
                 return found
         finally:
             os.close(fd)
-    return found
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 #: How many times a suite replaced while it is read is read again.
 _READS: Final = 3
 
 
-def _inode(path: Path) -> int | None:
+def _identity(what: Path | os.stat_result) -> tuple[int, int] | None:
+    """The device and inode of a status, or of what ``what`` names now (None: nothing)."""
     try:
-        return os.stat(path).st_ino
+        status = what if isinstance(what, os.stat_result) else os.stat(what)
     except OSError:
         return None
+    return status.st_dev, status.st_ino
 
 
 def _examine_in(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import secrets
@@ -138,16 +139,21 @@ def write_folder(
     """
     if os.path.ismount(target):  # refused before the work, not after it
         raise _mount_point(target)
-    _remove_abandoned(target, own, replaceable)
+    _remove_abandoned(target, own, replaceable if overwrite else None)
     built = _temporary(target)
-    os.mkdir(built)
-    fd = os.open(built, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    fd = None
     try:
+        os.mkdir(built)
+        fd = os.open(built, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         _lock(fd)
         try:
             result = fill(built)
-            _keep_identity(fd, _status(target))
-            old = _install(built, target, overwrite=overwrite, replaceable=replaceable)
+            mode = _status(target)
+            with _locked_folder(target):  # the old folder, moved aside, is not another's
+                old = _install(built, target, overwrite=overwrite, replaceable=replaceable)
+                _keep_identity(fd, mode)  # once in place: a read-only mode would bar moves
+                if old is not None:
+                    _remove_own(old, own)
         except BaseException:
             if _same(fd, built):
                 shutil.rmtree(built, ignore_errors=True)
@@ -155,13 +161,33 @@ def write_folder(
                 _remove_own(built, own)
             raise
     except OSError as err:
+        if fd is None:
+            with contextlib.suppress(OSError):
+                os.rmdir(built)
         raise _naming(err, target, built) from None
     finally:
-        os.close(fd)
-    if old is not None:
-        _remove_own(old, own)
+        if fd is not None:
+            os.close(fd)
     _fsync_dir(target.parent)
     return result
+
+
+@contextlib.contextmanager
+def _locked_folder(path: Path) -> Iterator[None]:
+    """Within the block, the folder at ``path`` (if any) is locked as a temporary is: moved
+    aside, it is this writer's to remove, not another writer's to reclaim."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0))
+    except OSError:  # missing, or not a folder: _install says what
+        yield
+        return
+    try:
+        if fcntl is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)  # waits for another writer replacing it
+        yield
+    finally:
+        os.close(fd)
 
 
 def _install(
@@ -222,24 +248,37 @@ def _remove_own(folder: Path, own: Callable[[Path], Iterable[str] | None]) -> No
     """Remove the regular files of ``folder`` that ``own`` names, then it if it is empty; all
     of it when ``own`` names nothing (None: unfinished work). The last name (a manifest) goes
     last, and only when nothing else is left: a folder that keeps something of someone
-    else's keeps saying what in it was its own."""
-    names = own(folder)
-    if names is None:
-        shutil.rmtree(folder, ignore_errors=True)
+    else's keeps saying what in it was its own. Files go through the open folder, so a link
+    planted in its place leads nowhere else."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
         return
-    *files, last = names or [""]
-    for name in files:
-        _unlink_regular(folder / name)
+    try:
+        status = os.fstat(fd)
+        if status.st_uid == os.geteuid() and not status.st_mode & stat.S_IWUSR:
+            os.fchmod(fd, stat.S_IMODE(status.st_mode) | stat.S_IRWXU)  # a read-only suite
+        listed = own(folder)
+        if listed is None:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        *names, last = [*listed] or [""]
+        for name in names:
+            _unlink_regular(name, fd)
+        if last and os.listdir(fd) == [last]:
+            _unlink_regular(last, fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
     with contextlib.suppress(OSError):
-        if last and os.listdir(folder) == [last]:
-            _unlink_regular(folder / last)
         os.rmdir(folder)
 
 
-def _unlink_regular(path: Path) -> None:
+def _unlink_regular(name: str, folder: int) -> None:
     with contextlib.suppress(OSError):
-        if stat.S_ISREG(os.lstat(path).st_mode):
-            os.unlink(path)
+        if stat.S_ISREG(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+            os.unlink(name, dir_fd=folder)
 
 
 def _same(fd: int, path: Path) -> bool:
@@ -255,7 +294,12 @@ def _same(fd: int, path: Path) -> bool:
 
 
 def _prefix(target: Path) -> str:
-    return "." + os.fsdecode(os.fsencode(target.name)[:_NAME_BYTES]) + "."
+    """The start of every temporary's name of ``target``: its name, or, past 64 bytes, their
+    first 48 and a digest of the whole (names that share a beginning share no temporary)."""
+    name = os.fsencode(target.name)
+    if len(name) > _NAME_BYTES:
+        name = name[:48] + b"~" + hashlib.sha256(name).hexdigest()[:12].encode()
+    return "." + os.fsdecode(name) + "."
 
 
 def _temporary(target: Path) -> Path:
@@ -275,10 +319,11 @@ def _remove_abandoned(
     own: Callable[[Path], Iterable[str] | None] | None = None,
     replaceable: Callable[[Path], str | None] | None = None,
 ) -> None:
-    """Remove the temporaries of earlier writes of ``target`` whose writer has ended: a
-    file, or a folder as :func:`write_folder` removes one it replaced (with ``own``). A
-    whole folder (``replaceable`` says nothing against it) left where ``target`` is missing,
-    by a writer stopped between two renames, is moved back instead."""
+    """Remove the temporaries of earlier writes of ``target`` whose writer has ended and
+    that this user owns: a file, or a folder as :func:`write_folder` removes one it replaced
+    (with ``own``). Given ``replaceable`` (a write that replaces), a whole folder (it says
+    nothing against it, and every file ``own`` names is there) left where ``target`` is
+    missing, by a writer stopped between two renames, is moved back instead."""
     if fcntl is None:  # pragma: no cover
         return
     pattern = re.compile(re.escape(_prefix(target)) + "[0-9a-f]{16}" + re.escape(_SUFFIX))
@@ -288,21 +333,27 @@ def _remove_abandoned(
         with contextlib.suppress(OSError), _unlocked(path) as kind:
             if kind == "file":
                 os.unlink(path)
-            elif kind == "folder":
-                whole = replaceable is not None and replaceable(path) is None
-                if whole and not os.path.lexists(target):
-                    os.rename(path, target)
-                    continue
-                if own is not None:
-                    _remove_own(path, own)
+            elif kind == "folder" and own is not None:
+                if replaceable is not None and not os.path.lexists(target):
+                    names = own(path)
+                    whole = names is not None and replaceable(path) is None
+                    if whole and all(os.path.lexists(path / n) for n in names or ()):
+                        os.rename(path, target)
+                        continue
+                _remove_own(path, own)
 
 
 @contextlib.contextmanager
 def _unlocked(path: Path) -> Iterator[str | None]:
-    """``path``'s kind ("file" or "folder") when no writer holds it locked, else None."""
+    """``path``'s kind ("file" or "folder") when it is this user's and no writer holds it
+    locked, else None."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
-        mode = os.fstat(fd).st_mode
+        status = os.fstat(fd)
+        mode = status.st_mode
+        if status.st_uid != os.geteuid():  # another user's: never this writer's work
+            yield None
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # its writer runs

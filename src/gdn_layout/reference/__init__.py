@@ -335,6 +335,7 @@ def backward(
         flat = out
     if layout.batch * layout.heads * layout.state_size == 0:
         flat[...] = 0  # no state element: every gradient is zeros, whatever S
+        _ticker(progress, 1)()  # all of it done
         return flat
     form = _form(method, inputs)  # once every argument is checked: it reads all of k
     if checkpoint_every is None and form == "chunked":
