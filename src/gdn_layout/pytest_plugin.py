@@ -311,20 +311,23 @@ def _layout_cases(config: pytest.Config, spec: str) -> Callable[[], list[Case]]:
         gate_per_channel="channel" in flags,
         carry_state="state" in flags,
     )
-    # Refused up front, as the command line refuses it, rather than after the work.
-    why = impossible_arrays(layout) or memory_refusal(
-        layout, fixture_memory(layout, precisions="all")
-    )
-    if why is not None:
-        raise ValueError(why)
     regime = config.getoption("gdn_regime")
     regimes = REGIMES if regime is None else (regime,)
     try:
         dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
     except argparse.ArgumentTypeError as err:
         raise ValueError(f"gdn_dtype: {err}") from None
+    # Refused up front, as the command line refuses it, rather than after the work: the
+    # making of one case, beside the cases made before it, which stay.
     from ._dtypes import resolve
 
+    size = resolve(dtype, "--gdn-dtype").itemsize
+    arrays = layout.total_elems + 5 * layout.qkv_elems + layout.gate_elems + layout.beta_elems
+    kept = (len(regimes) - 1) * size * (arrays + layout.state_elems)
+    needed = fixture_memory(layout, dtype=dtype, precisions="all") + kept
+    why = impossible_arrays(layout) or memory_refusal(layout, needed)
+    if why is not None:
+        raise ValueError(why)
     _precision(config, [resolve(dtype, "--gdn-dtype")])
     seed = config.getoption("gdn_seed")
     return lambda: [make_case(layout, dtype=dtype, regime=r, seed=seed) for r in regimes]
