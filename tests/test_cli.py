@@ -4,6 +4,7 @@ a missing optional dependency)."""
 
 from __future__ import annotations
 
+import doctest
 import json
 import os
 import re
@@ -92,8 +93,11 @@ def test_readme_console_sessions_print_what_the_readme_shows(tmp_path: Path) -> 
             head = shown.split("3. a float32")[0]
             assert result.stdout.startswith(head), command
             assert "compare passed" in result.stdout
-        else:
-            assert result.stdout == shown, command
+        else:  # "..." stands for what the suite's definitions make, a count or a size
+            assert doctest.OutputChecker().check_output(shown, result.stdout, doctest.ELLIPSIS), (
+                command,
+                result.stdout,
+            )
 
 
 def _make_kernel_npy(folder: Path) -> None:

@@ -95,7 +95,7 @@ def test_no_correct_kernel_of_the_suite_gets_a_structural_finding(cases: list[Ca
                 assert not structural, (case.name, label, structural)
             assert buffer_findings(out, expected, case.layout, score) == (), (case.name, label)
             seen.append(label)
-    assert len(seen) == 4 * len(cases) == 4 * 264
+    assert len(seen) == 4 * len(cases)
     assert tried > 1000, tried  # of 4 * 1416 gradients
 
 

@@ -10,7 +10,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import gdn_layout.files._safetensors
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.files import Fixture, FixtureError, GdnInputs, load_fixture, save_fixture
 from gdn_layout.generate import draw_inputs, make_fixture, write_suite
-from gdn_layout.regimes import REGIMES
+from gdn_layout.regimes import REGIME_SINCE, REGIMES
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -402,7 +402,7 @@ def test_bad_header_length(saved: Path, length: int) -> None:
         (b"[1, 2, 3]", "header must be a JSON object, got list"),
         (b'{"q": 1, "q": 2}', r"duplicate keys \['q'\]"),
         (b"{}      ", "not a gdn-layout fixture: the header has no __metadata__"),
-        (b"[" * 100_000, "nested 100000 deep"),
+        (b"[" * 100_000, "header is not usable JSON: maximum recursion depth"),
     ],
 )
 def test_header_that_is_not_a_json_object(tmp_path: Path, header: bytes, pattern: str) -> None:
@@ -745,20 +745,27 @@ def test_qwen_gates_decay_at_a_rate_per_head() -> None:
         assert medians.max() / medians.min() > 1.5
 
 
-def test_the_suite_keeps_the_files_of_the_first_four_regimes(
-    suite: tuple[Path, list[Path]],
-) -> None:
-    # The first 112 entries (name, regime) and their seeds, as gdn-layout 0.1.0 numbered
-    # them: new regimes are appended after them, so old files keep their seeds and bytes.
+def test_the_suite_s_manifest_lists_its_cases_in_order(suite: tuple[Path, list[Path]]) -> None:
     root, _ = suite
     entries = json.loads((root / "manifest.json").read_text())["fixtures"]
-    lines = [f"{e['seed'] - 100} {e['file']} {e['regime']}" for e in entries[:112]]
-    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    assert digest == "8a3b5453f5f9c13efff53ab232b766e2de1e84e3047a76435c8fd5996b2f1b6a"
-    assert {e["regime"] for e in entries[112:168]} == {"qwen", "extreme"}
-    # Then the chunk-boundary shapes, in every regime.
-    assert {e["regime"] for e in entries[168:]} == set(REGIMES)
-    assert len(entries) == (7 + 4) * 2 * 2 * len(REGIMES)
+    listed = [(e["file"], e["regime"], e["seed"] - 100) for e in entries]  # written with seed 100
+    assert listed == [(c.name, c.regime, i) for i, c in enumerate(generate._suite_cases())]
+
+
+def test_each_revision_of_the_suite_keeps_its_files_names_and_seeds() -> None:
+    # Each revision's (seed, name, regime), pinned: later revisions add files after them, so
+    # their files keep their seeds and bytes. Revision 0 is gdn-layout 0.1.0's suite; 1 added
+    # the qwen and extreme regimes, 2 the chunk-boundary shapes.
+    cases = list(generate._suite_cases())
+    assert len(cases) == len(generate._SUITE_SHAPES) * 2 * 2 * len(REGIMES)
+    pinned = {
+        0: "8a3b5453f5f9c13efff53ab232b766e2de1e84e3047a76435c8fd5996b2f1b6a",
+        2: "6ad52ccdcb27c350cb9a787eb021f62254dd56f2c900119fb13a87ca3d92048c",
+    }
+    for revision, digest in pinned.items():
+        lines = [f"{i} {c.name} {c.regime}" for i, c in enumerate(cases) if c.since <= revision]
+        assert hashlib.sha256("\n".join(lines).encode()).hexdigest() == digest, revision
+    assert {c.regime for c in cases if c.since == 1} == {"qwen", "extreme"}
 
 
 def test_draw_inputs_streams_are_independent() -> None:
@@ -776,7 +783,7 @@ def test_draw_inputs_streams_are_independent() -> None:
 
 
 def test_draw_inputs_rejects_bad_arguments() -> None:
-    regimes = r"\('zero', 'mild', 'strong', 'mixed', 'qwen', 'extreme'\)"
+    regimes = re.escape(str(REGIMES))
     with pytest.raises(
         ValueError, match=rf"draw_inputs: regime must be one of {regimes}, got 'hot'"
     ):
@@ -876,13 +883,40 @@ def test_a_fixture_opens_with_the_fields_of_its_inputs() -> None:
     assert all(a is b for a, b in zip(fixture.inputs, held, strict=True))
 
 
-def test_a_regime_added_at_the_end_keeps_every_file_of_the_suite_in_its_place() -> None:
-    """Adding a gate regime is a change to gdn_layout.regimes alone: the suite gains every
-    shape in it, after all of today's files, which keep their names, order and seeds."""
-    today = [(case.name, case.regime) for case in generate._suite_cases()]
-    grown = [(case.name, case.regime) for case in generate._suite_cases((*REGIMES, "new"))]
-    assert len(today) == 264
-    assert grown[: len(today)] == today
-    added = grown[len(today) :]
-    assert {regime for _, regime in added} == {"new"}
-    assert len(added) == len(generate._SUITE_SHAPES) * 4  # both gate modes, both state modes
+def _seeds(cases: Iterable[Any]) -> dict[str, int]:
+    """Each suite case's file name and its seed's offset: file i has seed ``seed + i``."""
+    return {case.name: i for i, case in enumerate(cases)}
+
+
+def test_a_regime_appended_keeps_every_file_of_the_suite_its_name_and_seed() -> None:
+    """Adding a gate regime is a change to gdn_layout.regimes alone: one more entry in its
+    table, with a revision of its own. The suite gains every shape in it, after all of
+    today's files, which keep their names and seeds (and so their bytes); a second regime
+    appended after it moves none of the first one's."""
+    table = REGIME_SINCE
+    revision = max(*table.values(), *(shape.since for shape in generate._SUITE_SHAPES)) + 1
+    today = _seeds(generate._suite_cases())
+    one = _seeds(generate._suite_cases({**table, "new": revision}))
+    two = _seeds(generate._suite_cases({**table, "new": revision, "newer": revision + 1}))
+    assert len(today) == len(generate._SUITE_SHAPES) * 2 * 2 * len(REGIMES)
+    for before, after, added in ((today, one, "new"), (one, two, "newer")):
+        assert {name: after[name] for name in before} == before
+        grown = set(after) - set(before)
+        assert all(name.endswith(f"-{added}.safetensors") for name in grown)
+        assert len(grown) == len(generate._SUITE_SHAPES) * 4  # both gate and state modes
+        assert min(after[name] for name in grown) == len(before)
+
+
+def test_a_shape_appended_keeps_every_file_of_the_suite_its_name_and_seed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shapes = generate._SUITE_SHAPES
+    revision = max(*REGIME_SINCE.values(), *(shape.since for shape in shapes)) + 1
+    today = _seeds(generate._suite_cases())
+    added = generate._Case("s2", 1, 2, 1, 4, since=revision)
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", (*shapes, added))
+    grown = _seeds(generate._suite_cases())
+    assert {name: grown[name] for name in today} == today
+    new = set(grown) - set(today)
+    assert len(new) == 4 * len(REGIMES)
+    assert all(name.startswith("s2-") for name in new)

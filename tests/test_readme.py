@@ -76,8 +76,11 @@ def test_console_sessions(path: Path, tmp_path: Path) -> None:
             # checked for the verdict, everything before it to the letter.
             assert stdout.startswith(shown.split("3. a float32")[0]), command
             assert "compare passed" in stdout
-        else:
-            assert stdout == shown, command
+        else:  # "..." stands for what the suite's definitions make, a count or a size
+            assert doctest.OutputChecker().check_output(shown, stdout, doctest.ELLIPSIS), (
+                command,
+                stdout,
+            )
 
 
 SWAPPED_HEADS = """

@@ -18,6 +18,7 @@ from gdn_layout.cli import main
 from gdn_layout.files import Fixture, FixtureError
 from gdn_layout.generate import make_fixture
 from gdn_layout.reference import chunk_states, forward
+from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import STATE_TENSORS, compare_states, make_case
 from support import run
 
@@ -236,10 +237,10 @@ def test_states(gdn_case):
 def test_the_plugin_checks_states(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_states=PLUGIN_TEST.replace("BUG", "1"))
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,40,2,4,state")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=len(REGIMES))  # one case per regime
     pytester.makepyfile(test_states=PLUGIN_TEST.replace("BUG", "0"))
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,40,2,4,state")
-    result.assert_outcomes(failed=6)
+    result.assert_outcomes(failed=len(REGIMES))
     result.stdout.fnmatch_lines(["*: h differ*", "*worst at b=0, c=2, h=*"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -16,9 +17,11 @@ from gdn_layout.check._findings import _IDENTIFIED
 from gdn_layout.cli import main
 from gdn_layout.files import FixtureError
 from gdn_layout.reference import backward
+from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, suite_files, verify_suite
 
 Suite = tuple[Path, list[Path]]
+generate = importlib.import_module("gdn_layout.generate")
 
 
 def test_load_suite_gives_one_case_per_manifest_entry(suite: Suite) -> None:
@@ -89,7 +92,9 @@ def test_cli_verify_exit_codes(
     copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["verify", str(copy)]) == 0
-    assert capsys.readouterr().out == f"{copy}: 264 fixtures match manifest.json\n"
+    count = len(list(copy.glob("*.safetensors")))
+    assert count == len(list(generate._suite_cases()))
+    assert capsys.readouterr().out == f"{copy}: {count} fixtures match manifest.json\n"
     victim = sorted(copy.glob("*.safetensors"))[5]
     victim.unlink()
     assert main(["verify", str(copy)]) == 1
@@ -176,7 +181,7 @@ def test_plugin_runs_a_kernel_test_over_the_suite(suite: Suite, pytester: pytest
 def test_plugin_builds_cases_from_a_layout(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_kernel=KERNEL_TESTS)
     result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,5,2,4,channel,state")
-    result.assert_outcomes(passed=6, failed=6)  # one case per regime, the six of REGIMES
+    result.assert_outcomes(passed=len(REGIMES), failed=len(REGIMES))  # one case per regime
     result.stdout.fnmatch_lines(["FAILED *test_swapped_heads?b1s5h2n4-channel-state-zero-seed0?*"])
     one = pytester.runpytest(
         "-p", "no:cacheprovider", "--gdn-layout", "1,5,1,4", "--gdn-regime", "strong", "-v"
@@ -203,9 +208,10 @@ def test_tf32_kernel(gdn_case):
 def test_plugin_judges_in_the_precision_class_asked(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_kernel=TF32_KERNEL)
     layout = ("-p", "no:cacheprovider", "--gdn-layout", "1,40,2,16,channel,state")
-    pytester.runpytest(*layout, "--gdn-precision", "TF32").assert_outcomes(passed=6)
+    # One case per regime.
+    pytester.runpytest(*layout, "--gdn-precision", "TF32").assert_outcomes(passed=len(REGIMES))
     failed = pytester.runpytest(*layout)  # judged as float32 by default: its rounding is TF32's
-    failed.assert_outcomes(failed=6)
+    failed.assert_outcomes(failed=len(REGIMES))
     failed.stdout.fnmatch_lines(["*error/floor<=16 (float32)*"])
 
 
@@ -267,7 +273,8 @@ def test_plugin_under_xdist_makes_cases_in_the_workers_only(
     pytester.makeconftest(RECORDING.format(log=str(log)))
     pytester.makepyfile(test_kernel=CORRECT_KERNEL)
     if given == "layout":
-        args, calls, passed = ["--gdn-layout", "1,5,2,4,channel,state"], 6, 6  # one per regime
+        args, calls = ["--gdn-layout", "1,5,2,4,channel,state"], len(REGIMES)  # one per regime
+        passed = calls
     else:
         root, _ = request.getfixturevalue("suite")
         mild = len(suite_files(root, regime="mild"))
@@ -390,7 +397,7 @@ def test_load_suite_and_verify_select_by_length_regime_and_boundary(
     assert {c.layout.seq for c in long} == {c.layout.seq for c in everything if c.layout.seq >= 256}
     assert {c.layout.seq for c in long} == {300, 513}
     qwen = load_suite(root, regime="qwen")
-    assert len(qwen) == len(everything) // 6
+    assert len(qwen) == len(everything) // len(REGIMES)
     assert {c.regime for c in qwen} == {"qwen"}
     crossing = load_suite(root, crossing=256, regime="zero")
     assert {c.layout.seq for c in crossing} == {300, 513}

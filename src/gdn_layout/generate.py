@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple, SupportsIndex
@@ -40,7 +40,7 @@ from .reference._fused import FUSED_CHUNK, KEEP_BYTES, fused_backward
 from .reference._recurrent import default_checkpoint_every
 from .reference._states import step_by_step
 from .reference._threads import mapped
-from .regimes import REGIMES, draw_gate
+from .regimes import REGIME_SINCE, REGIMES, draw_gate
 
 __all__ = ["REGIMES", "draw_inputs", "make_fixture", "write_suite"]
 
@@ -629,8 +629,10 @@ class _Case(NamedTuple):
     seq: int
     heads: int
     state_size: int
-    #: Which set of shapes it belongs to: 0 the first suite's, 1 those that reach every chunk
-    #: boundary; a later set never moves an earlier one's files.
+    #: The revision of the standard suite it joined, counted with the regimes'
+    #: (:data:`~gdn_layout.regimes.REGIME_SINCE`): 0 the first suite's shapes, 2 those that
+    #: reach every chunk boundary (revision 1 added two regimes). A new shape takes the next
+    #: revision, so that its files follow every file of the suite so far (see _suite_cases).
     since: int = 0
     #: Every batch row gets the same inputs, so that a row that differs is the kernel's doing.
     identical_rows: bool = False
@@ -653,24 +655,11 @@ _SUITE_SHAPES: Final = (
     _Case("s65", 2, 65, 2, 16),
     _Case("s100", 1, 100, 3, 16),
     _Case("n128", 1, 3, 1, 128),
-    _Case("s255", 1, 255, 2, 16, since=1),
-    _Case("s300", 1, 300, 1, 128, since=1),
-    _Case("s513", 1, 513, 2, 16, since=1),
-    _Case("twin", 2, 130, 2, 8, since=1, identical_rows=True),
+    _Case("s255", 1, 255, 2, 16, since=2),
+    _Case("s300", 1, 300, 1, 128, since=2),
+    _Case("s513", 1, 513, 2, 16, since=2),
+    _Case("twin", 2, 130, 2, 8, since=2, identical_rows=True),
 )
-
-
-def _suite_groups(regimes: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], tuple[str, ...]], ...]:
-    """The sets of shapes (by the suite they came with) and the regimes of each, in file
-    order: the first suite's shapes in its four regimes, then in the two regimes added next,
-    the chunk-boundary shapes in those six, and every shape in any regime added to ``regimes``
-    since. Every file of an older suite keeps its place, and so its seed and its bytes."""
-    return (
-        ((0,), regimes[:4]),
-        ((0,), regimes[4:6]),
-        ((1,), regimes[:6]),
-        ((0, 1), regimes[6:]),
-    )
 
 
 class _SuiteCase(NamedTuple):
@@ -678,33 +667,44 @@ class _SuiteCase(NamedTuple):
     layout: GdnBackwardLayout
     regime: str
     identical_rows: bool
+    #: The suite's revision that added it: the later of its shape's and its regime's.
+    since: int
 
 
-def _suite_cases(regimes: tuple[str, ...] = REGIMES) -> Iterator[_SuiteCase]:
-    for suites, group in _suite_groups(regimes):
-        shapes = [case for case in _SUITE_SHAPES if case.since in suites]
-        yield from _suite_cases_of(shapes, group)
+def _suite_cases(regimes: Mapping[str, int] = REGIME_SINCE) -> Iterator[_SuiteCase]:
+    """Every file of the standard suite, in file (and seed) order, for ``regimes`` (each
+    regime's revision, as :data:`~gdn_layout.regimes.REGIME_SINCE`): by the revision that
+    added it, then by shape, gate mode, state mode and regime (in their tables' order).
+
+    A regime or a shape added with a new revision adds files after every existing one, so that
+    every file keeps its place, and so its seed and its bytes."""
+    cases = [
+        _suite_case(shape, per_channel, carry, regime, max(shape.since, since))
+        for shape in _SUITE_SHAPES
+        for per_channel in (False, True)
+        for carry in (False, True)
+        for regime, since in regimes.items()
+    ]
+    return iter(sorted(cases, key=lambda case: case.since))  # stable: the rest in table order
 
 
-def _suite_cases_of(shapes: list[_Case], regimes: tuple[str, ...]) -> Iterator[_SuiteCase]:
-    for case in shapes:
-        for per_channel in (False, True):
-            for carry in (False, True):
-                layout = GdnBackwardLayout(
-                    case.batch,
-                    case.seq,
-                    case.heads,
-                    case.state_size,
-                    gate_per_channel=per_channel,
-                    carry_state=carry,
-                )
-                for regime in regimes:
-                    name = (
-                        f"{case.tag}-b{case.batch}s{case.seq}h{case.heads}n{case.state_size}"
-                        f"-{'channel' if per_channel else 'scalar'}"
-                        f"-{'state' if carry else 'nostate'}-{regime}.safetensors"
-                    )
-                    yield _SuiteCase(name, layout, regime, case.identical_rows)
+def _suite_case(
+    shape: _Case, per_channel: bool, carry: bool, regime: str, since: int
+) -> _SuiteCase:
+    layout = GdnBackwardLayout(
+        shape.batch,
+        shape.seq,
+        shape.heads,
+        shape.state_size,
+        gate_per_channel=per_channel,
+        carry_state=carry,
+    )
+    name = (
+        f"{shape.tag}-b{shape.batch}s{shape.seq}h{shape.heads}n{shape.state_size}"
+        f"-{'channel' if per_channel else 'scalar'}"
+        f"-{'state' if carry else 'nostate'}-{regime}.safetensors"
+    )
+    return _SuiteCase(name, layout, regime, shape.identical_rows, since)
 
 
 def _identical_rows_fixture(
@@ -748,17 +748,18 @@ def write_suite(
     """Write the standard fixture set for a kernel test-suite into ``directory``.
 
     Every combination of gate mode (scalar, per channel), state mode (carried or not), gate
-    regime (:data:`REGIMES`) and edge shape is one file (264 files). The shapes: S=1, N=1, B and
-    H above 1, S = 64, 65, 100 and N=128, then those that reach every chunk boundary of
+    regime (:data:`REGIMES`) and edge shape is one file. The shapes: S=1, N=1, B and H above
+    1, S = 64, 65, 100 and N=128, then those that reach every chunk boundary of
     :data:`CHUNK_SIZES` (16 to 256): S = 255 (each chunk size's last chunk one step short),
     S = 513 (two boundaries of each crossed, the last chunk one step long), S = 300 with
     N = 128, and two batch rows of identical inputs over S = 130. File ``i`` uses seed
-    ``seed + i``, in the order the shapes and regimes were added, so that an older suite's
-    files keep their seeds and bytes. ``manifest.json`` lists each file with its layout,
-    regime, seed, dtype, size, SHA-256, the boundaries of each chunk size it crosses
-    (``crosses``) and whether its batch rows are identical (``identical_rows``). The whole set
-    is about 71 MiB in float32. Returns the fixture paths. ``progress``, when given, is called
-    with the fraction of the files written so far.
+    ``seed + i``, in the order the shapes and regimes joined the suite (each names the
+    revision it came with), so that a shape or a regime added later never changes an existing
+    file's name, seed or bytes. ``manifest.json`` lists each file with its layout, regime,
+    seed, dtype, size, SHA-256, the boundaries of each chunk size it crosses (``crosses``) and
+    whether its batch rows are identical (``identical_rows``). The whole set takes tens of MiB
+    in float32. Returns the fixture paths. ``progress``, when given, is called with the
+    fraction of the files written so far.
 
     The suite is all or nothing: it is written into a temporary folder next to ``directory``
     and renamed into place when complete. A ``directory`` that exists and is not empty is
@@ -919,7 +920,7 @@ def _write_suite_files(
     cases = list(_suite_cases())
 
     def make(index: int) -> Fixture:
-        _name, layout, regime, identical_rows = cases[index]
+        _name, layout, regime, identical_rows, _since = cases[index]
         if identical_rows:
             return _identical_rows_fixture(layout, target, regime, seed + index)
         return make_fixture(
@@ -927,7 +928,7 @@ def _write_suite_files(
         )
 
     for index, fixture in enumerate(_in_order(make, len(cases), workers)):
-        name, layout, regime, identical_rows = cases[index]
+        name, layout, regime, identical_rows, _since = cases[index]
         path = save_fixture(root / name, fixture)
         if progress is not None:
             progress((index + 1) / len(cases))

@@ -20,8 +20,10 @@ A regime says how the log-gate ``g`` is drawn (the decay of a step is ``exp(g)``
     ``g`` uniform in ``[-30, -10]``: ``exp(g)`` below ``5e-5``, down to ``1e-13``, where a
     kernel that divides by cumulative decays overflows.
 
-New regimes go at the end of :data:`REGIMES`: the standard suite numbers its files (and seeds)
-in this order.
+A new regime is one entry at the end of the table below, with the next revision of the
+standard suite as its ``since`` (:data:`REGIME_SINCE`), and its branch in :func:`draw_gate`:
+the suite (:func:`~gdn_layout.generate.write_suite`) then gains every shape in it, numbered
+(and seeded) after every file it had, which keep their names, seeds and bytes.
 
 >>> import numpy as np
 >>> g = draw_gate(np.random.default_rng(0), (1, 4, 2), "strong")
@@ -31,24 +33,38 @@ True
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = ["REGIMES", "REGIME_SUMMARIES", "draw_gate"]
 
-#: Each gate regime in a phrase (for help texts), in the standard suite's order.
-REGIME_SUMMARIES: Final = {
-    "zero": "no decay, where state-path bugs show most",
-    "mild": "exp(g) near 1",
-    "strong": "exp(g) near 0",
-    "mixed": "each element one of the three above",
-    "qwen": "Qwen3-Next's gates, -exp(A_log)*softplus(a+dt_bias)",
-    "extreme": "g in [-30, -10], exp(g) down to 1e-13",
-}
+
+class _Regime(NamedTuple):
+    #: The regime in a phrase, for help texts.
+    summary: str
+    #: The revision of the standard suite it joined: 0 the first suite's, 1 the two added
+    #: next, ... (the suite's shapes count in the same revisions). A new regime takes the
+    #: next revision, above every shape's and regime's, so that its files follow all others.
+    since: int
+
+
 #: Every gate regime, in the standard suite's order.
-REGIMES: Final = tuple(REGIME_SUMMARIES)
+_TABLE: Final = {
+    "zero": _Regime("no decay, where state-path bugs show most", since=0),
+    "mild": _Regime("exp(g) near 1", since=0),
+    "strong": _Regime("exp(g) near 0", since=0),
+    "mixed": _Regime("each element one of the three above", since=0),
+    "qwen": _Regime("Qwen3-Next's gates, -exp(A_log)*softplus(a+dt_bias)", since=1),
+    "extreme": _Regime("g in [-30, -10], exp(g) down to 1e-13", since=1),
+}
+#: Each gate regime in a phrase (for help texts), in the standard suite's order.
+REGIME_SUMMARIES: Final = {name: regime.summary for name, regime in _TABLE.items()}
+#: The revision of the standard suite each gate regime joined, in the suite's order.
+REGIME_SINCE: Final = {name: regime.since for name, regime in _TABLE.items()}
+#: Every gate regime, in the standard suite's order.
+REGIMES: Final = tuple(_TABLE)
 
 
 def draw_gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:
