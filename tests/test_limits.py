@@ -222,7 +222,32 @@ def test_what_is_not_run_is_what_the_reference_gives(
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/meminfo"), reason="no /proc/meminfo")
-def test_available_memory_reads_meminfo() -> None:
+def _cgroup(tmp_path: Path, limit: str, current: int) -> Path:
+    """A cgroup v2 tree of one group, ``/job``, and the listing that names it."""
+    (tmp_path / "job").mkdir()
+    (tmp_path / "job" / "memory.max").write_text(limit + "\n")
+    (tmp_path / "job" / "memory.current").write_text(f"{current}\n")
+    listing = tmp_path / "cgroup"
+    listing.write_text("0::/job\n")
+    return listing
+
+
+@pytest.mark.parametrize(("limit", "source"), [("1610612736", "cgroup"), ("max", "MemAvailable")])
+def test_available_memory_is_within_this_process_s_cgroup_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, source: str
+) -> None:
+    # A container limited to 1.5 GiB on a machine with more: the limit is what is available.
+    monkeypatch.setattr(limits, "PROC_CGROUP", str(_cgroup(tmp_path, limit, 100 << 20)))
+    monkeypatch.setattr(limits, "CGROUP_ROOT", str(tmp_path))
+    found = limits.available_memory()
+    assert found is not None
+    assert source in found[1]
+    if source == "cgroup":
+        assert found[0] == int(limit) - (100 << 20)
+
+
+def test_available_memory_reads_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(limits, "PROC_CGROUP", "/nonexistent/cgroup")  # no cgroup limit
     found = limits.available_memory()
     assert found is not None
     assert found[0] > 0

@@ -16,11 +16,42 @@ __all__ = [
 ]
 
 
+#: Where this process's cgroup (v2) is named, and where cgroups are mounted; module
+#: attributes so that tests can point them at files of their own.
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
 def available_memory() -> tuple[int, str] | None:
     """The memory available to a new allocation, in bytes, and where the figure comes from:
-    Linux's ``MemAvailable`` (free memory plus what the page cache would give back) when
-    ``/proc/meminfo`` has it, else the free physical pages ``os.sysconf`` reports; None when
-    this system says neither."""
+    what this process's own cgroup (v2) leaves under its ``memory.max`` (a container's
+    limit), when it has one below the machine's; else Linux's ``MemAvailable`` (free memory
+    plus what the page cache would give back) when ``/proc/meminfo`` has it, else the free
+    physical pages ``os.sysconf`` reports; None when this system says none of these."""
+    machine = _machine_memory()
+    limit = _cgroup_room()
+    if limit is not None and (machine is None or limit < machine[0]):
+        return limit, "memory.max of this process's cgroup"
+    return machine
+
+
+def _cgroup_room() -> int | None:
+    """``memory.max - memory.current`` of this process's own cgroup (v2); None without one."""
+    try:
+        with open(PROC_CGROUP) as listing:
+            path = next(line[3:].strip() for line in listing if line.startswith("0::"))
+        folder = os.path.join(CGROUP_ROOT, path.lstrip("/"))
+        with open(os.path.join(folder, "memory.max")) as limit:
+            text = limit.read().strip()
+        if text == "max":
+            return None
+        with open(os.path.join(folder, "memory.current")) as current:
+            return max(0, int(text) - int(current.read()))
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _machine_memory() -> tuple[int, str] | None:
     try:
         with open("/proc/meminfo", "rb") as meminfo:
             for line in meminfo:
