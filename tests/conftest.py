@@ -24,7 +24,7 @@ from support import shared_folder
 for _variable in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_variable, "1")
 
-#: pytester runs the gdn-layout pytest plugin on test files of its own (tests/test_suites.py).
+#: pytester runs the gdn-layout pytest plugin on test files of its own (test_pytest_plugin.py).
 pytest_plugins = ["pytester"]
 
 

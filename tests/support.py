@@ -9,6 +9,7 @@ import fcntl
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
@@ -18,7 +19,19 @@ import pytest
 
 from gdn_layout.cli import main
 
-__all__ = ["Hung", "assert_user_error", "deadline", "run", "shared_folder"]
+__all__ = [
+    "Hung",
+    "Suite",
+    "assert_user_error",
+    "deadline",
+    "run",
+    "shared_folder",
+    "suite_with_huge_integer",
+]
+
+#: The ``suite`` fixture's value (conftest.py): the standard suite's folder and its fixture
+#: paths.
+Suite = tuple[Path, list[Path]]
 
 
 class Hung(Exception):
@@ -94,3 +107,15 @@ def shared_folder(
             paths = make(folder)
             listed.write_text(json.dumps([str(path) for path in paths]))
     return [Path(path) for path in json.loads(listed.read_text())]
+
+
+def suite_with_huge_integer(root: Path, fixture_path: Path) -> Path:
+    """A suite folder at ``root`` (made here): a copy of ``fixture_path`` and a manifest whose
+    integer has 5000 digits, more than Python converts to an int by default."""
+    root.mkdir()
+    shutil.copy(fixture_path, root / "case.safetensors")
+    huge = "9" * 5000
+    (root / "manifest.json").write_text(
+        '{"fixtures": [{"file": "case.safetensors", "sha256": "0", "bytes": ' + huge + "}]}"
+    )
+    return root

@@ -1,18 +1,29 @@
-"""The command line, judged by output and exit status: run in-process through ``main(argv)``,
-and end to end in a subprocess where the process itself matters (the entry point, a terminal,
-a missing optional dependency)."""
+"""The command line (``gdn_layout.cli``), judged by output and exit status: run in-process
+through ``main(argv)``, and end to end in a subprocess where the process itself matters (the
+entry point, a terminal, a closed stderr, a signal, a missing optional dependency).
+
+A user's error is one line and exit status 2, the command line's own bug a traceback and exit
+status 1. At its edges (hostile manifests, file names no encoding can print, headers that claim
+impossible shapes, a run beyond memory, an existing ``--plot`` file) it is still one line and
+exit status 2; a ``SIGTERM`` mid-run, 143 with nothing left behind."""
 
 from __future__ import annotations
 
 import doctest
+import importlib
+import io
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Any
 
 import ml_dtypes
 import numpy as np
@@ -21,22 +32,36 @@ import pytest
 import gdn_layout.cli
 import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
-from gdn_layout.cli import _parser
+from gdn_layout.cli import _parser, main
 from gdn_layout.files import load_fixture, save_fixture
 from gdn_layout.files._outputs import FILE_KINDS
 from gdn_layout.regimes import REGIME_SUMMARIES
-from support import assert_user_error, run
+from support import assert_user_error, run, suite_with_huge_integer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+limits = importlib.import_module("gdn_layout._limits")
 
 
-def run_process(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m gdn_layout ARGS`` in a subprocess."""
+def run_process(
+    *args: str | bytes | Path,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    close_stderr: bool = False,
+    text: bool = False,
+) -> subprocess.CompletedProcess[Any]:
+    """``python -m gdn_layout ARGS`` in a subprocess (in ``cwd``, with ``env`` added to this
+    process's environment; with ``close_stderr``, fd 2 closed: ``2>&-``): its output as bytes,
+    or with ``text`` as text."""
+    argv: list[str | bytes | Path] = [sys.executable, "-m", "gdn_layout", *args]
+    if close_stderr:
+        argv = ["sh", "-c", 'exec "$0" "$@" 2>&-', *argv]
     return subprocess.run(
-        [sys.executable, "-m", "gdn_layout", *map(str, args)],
-        capture_output=True,
-        text=True,
+        argv,
+        capture_output=not close_stderr,
+        stdout=subprocess.PIPE if close_stderr else None,
+        text=text,
         cwd=cwd,
+        env={**os.environ, **(env or {})},
         timeout=300,
         check=False,
     )
@@ -510,7 +535,7 @@ def test_bfloat16_without_its_extra_names_the_extra(
 def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     # End to end: `python -m gdn_layout`, exit statuses and streams as a shell sees them.
     result = run_process("fixture", "-B", "1", "-S", "3", "-H", "1", "-N", "2", "-o", "x.st",
-                         "--any-suffix", cwd=tmp_path)  # fmt: skip
+                         "--any-suffix", cwd=tmp_path, text=True)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # no progress bar into a pipe
     assert result.stdout.startswith("wrote x.st (")
@@ -549,3 +574,323 @@ def test_compare_judges_in_the_precision_class_asked(tmp_path: Path) -> None:
     assert finer.returncode == 2
     assert "--precision 'float32' judges float32 buffers, got bfloat16 ones" in finer.stderr
     assert "pass --precision='bfloat16' or a coarser class" in finer.stderr
+
+
+# -- the user's errors and the command line's own bugs; runs beyond memory ---------------------
+
+
+def test_huge_dimensions_are_refused_up_front(tmp_path: Path) -> None:
+    # Made and then refused for want of memory after 42 s; now refused before any work.
+    start = time.perf_counter()
+    result = run("fixture", "-S", "10000000", "-o", tmp_path / "x.safetensors")
+    assert time.perf_counter() - start < 2.0
+    assert_user_error(result, "B=2 S=10000000 H=3 N=16, per-head gate, no state needs about ")
+    assert re.search(
+        r"needs about [\d.]+ GiB of memory, but [\d.]+ \w+ is available", result.stderr
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_estimate_is_checked_against_what_is_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits, "available_memory", lambda: (1000, "a test's figure"))
+    assert_user_error(
+        run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors"),
+        "of memory, but 1000 B is available (a test's figure)",
+    )
+    assert_user_error(run("demo", "-S", "4"), "but 1000 B is available")
+    # A system that does not say how much is available runs anything.
+    monkeypatch.setattr(limits, "available_memory", lambda: None)
+    assert run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors").returncode == 0
+
+
+def test_a_bug_shows_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: object) -> str:
+        raise TypeError("a bug inside the library")
+
+    monkeypatch.setattr(gdn_layout.cli, "layout_text", broken)
+    with pytest.raises(TypeError, match="a bug inside the library"):
+        main(["describe"])
+
+
+@pytest.mark.slow
+def test_a_bug_exits_1_with_a_traceback_from_the_entry_point() -> None:
+    script = textwrap.dedent(
+        """
+        import sys
+        import gdn_layout.cli as cli
+
+        def broken(*args):
+            raise ValueError("a bug inside the library")
+
+        cli.layout_text = broken
+        sys.argv = ["gdn-layout", "describe"]
+        sys.exit(cli.main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr
+    assert "ValueError: a bug inside the library" in done.stderr
+
+
+def test_flags_whose_arrays_cannot_exist_are_a_user_error(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.bin"
+    empty.write_bytes(b"")
+    flags = ["--dtype", "float32", "-B", "0", "-S", str(2**40), "-H", str(2**40), "-N", "2"]
+    assert_user_error(run("inspect", empty, *flags), "which no array can have")
+
+
+def test_bad_tolerances_are_user_errors(tmp_path: Path) -> None:
+    raw = tmp_path / "zeros.bin"
+    raw.write_bytes(b"\0" * 4 * 5)
+    flags = ["--dtype", "float32", "-B", "1", "-S", "1", "-H", "1", "-N", "1"]
+    # Judged by compare(), its messages naming the flag.
+    for tolerance, message in [
+        ("-1", "error: --rtol must be a finite float >= 0, got -1.0"),
+        ("inf", "error: --rtol must be a finite float >= 0, got inf"),
+        ("dq=nan", "error: --rtol['dq'] must be a finite float >= 0, got nan"),
+        (
+            "dz=1e-3",
+            "error: --rtol has unknown gradient names ['dz']; "
+            "expected names among dq, dk, dv, dg, dbeta, dstate",
+        ),
+    ]:
+        assert_user_error(run("compare", raw, raw, *flags, "--rtol", tolerance), message)
+
+
+def test_the_librarys_refusals_name_the_flag(tmp_path: Path) -> None:
+    too_big = str(2**64)
+    assert_user_error(
+        run("describe", "-N", too_big),
+        f"error: --state-size must fit in a 64-bit usize, got {too_big}",
+    )
+    states = ["--states", str(10**20), "-o", str(tmp_path / "x.safetensors")]
+    assert_user_error(
+        run("fixture", "-S", "4", *states), "error: --states must be an integer from 1"
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_a_user_error(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe.safetensors"
+    os.mkfifo(fifo)
+    assert_user_error(run("inspect", fifo), f"{fifo}: not a regular file: it is a FIFO")
+
+
+# -- a manifest holding an integer of more digits than Python converts -------------------------
+
+
+def test_verify_refuses_a_manifest_with_a_5000_digit_integer(
+    tmp_path: Path, fixture_path: Path
+) -> None:
+    root = suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    assert_user_error(run("verify", root), "manifest.json is not JSON", "digits")
+
+
+def test_verify_counts_the_fixtures_through_the_suite_module(
+    tmp_path: Path, fixture_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The count does not come from a second json.loads of its own: a manifest that changed
+    # after the check is reported by the suite module, in one line.
+    root = suite_with_huge_integer(tmp_path / "suite", fixture_path)
+    monkeypatch.setattr(
+        importlib.import_module("gdn_layout.cli"), "verify_suite", lambda d, **selection: []
+    )
+    assert_user_error(run("verify", root), "manifest.json is not JSON", "digits")
+    manifest = {"format": "gdn-layout-fixture-suite", "fixtures": [{"file": "a", "sha256": "0"}]}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    assert run("verify", root).stdout == f"{root}: 1 fixtures match manifest.json\n"
+
+
+# -- names that the output's encoding cannot print ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="bytes file names are POSIX's")
+@pytest.mark.parametrize("encoding", ["ascii:strict", "utf-8:strict"])
+def test_names_that_cannot_be_encoded_are_printed_escaped(
+    tmp_path: Path, fixture_path: Path, encoding: str
+) -> None:
+    undecodable = os.path.join(os.fsencode(tmp_path), b"\xff.safetensors")
+    with open(undecodable, "wb") as file:
+        file.write(fixture_path.read_bytes())
+    env = {"PYTHONIOENCODING": encoding}
+    done = run_process("inspect", undecodable, env=env)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert b"\\udcff.safetensors: fixture, float32" in done.stdout
+    # The same name in an error message: one line on stderr, exit 2.
+    missing = os.path.join(os.fsencode(tmp_path), b"nope-\xff.npy")
+    done = run_process("inspect", missing, env=env)
+    assert done.returncode == 2, done.stderr
+    assert b"Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert b"\\udcff" in done.stderr
+    assert b"no such file" in done.stderr
+    # A name that is valid UTF-8 but not ASCII.
+    accented = tmp_path / "caf\u00e9.safetensors"
+    shutil.copy(fixture_path, accented)
+    done = run_process("inspect", accented, env=env)
+    assert done.returncode == 0, done.stderr
+    expected = "caf\\xe9" if encoding.startswith("ascii") else "caf\u00e9"
+    assert f"{expected}.safetensors: fixture".encode() in done.stdout
+
+
+# -- a .npy header that claims more elements than any array can have ---------------------------
+
+
+@pytest.mark.parametrize("shape", [(2**64,), (2**32, 2**32), (2**62,)])
+@pytest.mark.parametrize("command", ["inspect", "compare"])
+def test_npy_header_claiming_an_impossible_shape_is_a_user_error(
+    tmp_path: Path, shape: tuple[int, ...], command: str
+) -> None:
+    path = tmp_path / "huge.npy"
+    with open(path, "wb") as file:
+        header = {"descr": "<f4", "fortran_order": False, "shape": shape}
+        np.lib.format.write_array_header_1_0(file, header)
+    args = [path, path] if command == "compare" else [path]
+    result = run(command, *args, "-B", "1", "-S", "1", "-H", "1", "-N", "1")
+    assert_user_error(result, str(path), f"shape {shape}", "float32")
+
+
+@pytest.mark.slow
+def test_npy_header_warnings_do_not_add_lines(tmp_path: Path) -> None:
+    path = tmp_path / "huge.npy"
+    with open(path, "wb") as file:
+        header = {"descr": "<f4", "fortran_order": False, "shape": (2**32, 2**32)}
+        np.lib.format.write_array_header_1_0(file, header)
+    done = run_process("inspect", path)
+    assert done.returncode == 2
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+# -- stderr closed -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("sh") is None, reason="needs a POSIX shell")
+def test_a_closed_stderr_disables_progress_and_keeps_the_exit_status(tmp_path: Path) -> None:
+    out = tmp_path / "x.safetensors"
+    done = run_process("fixture", "-S", "4", "-o", out, close_stderr=True)
+    assert done.returncode == 0
+    assert out.is_file()
+    assert done.stdout.startswith(f"wrote {out}".encode())
+    done = run_process("demo", "-S", "4", close_stderr=True)
+    assert done.returncode == 0
+    # An error has nowhere to go, and does not go to stdout; the status still says it.
+    done = run_process("inspect", tmp_path / "nowhere.npy", close_stderr=True)
+    assert (done.returncode, done.stdout) == (2, b"")
+    done = run_process("describe", "--seq", "x", close_stderr=True)
+    assert (done.returncode, done.stdout) == (2, b"")
+
+
+def test_progress_survives_a_stderr_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gdn_layout._progress import Progress, stderr_is_terminal
+
+    monkeypatch.setattr(sys, "stderr", None)
+    assert stderr_is_terminal() is False
+    bar = Progress(enabled=True)
+    bar.update(0.5)
+    bar.done()
+
+    class Broken(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(sys, "stderr", Broken())
+    bar = Progress(enabled=True)
+    bar.update(0.5)
+    assert not bar.enabled
+    bar.done()
+
+
+# -- SIGTERM cleans up the demo's temporary folder ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(signal, "SIGTERM") or sys.platform == "win32", reason="POSIX")
+def test_sigterm_during_demo_removes_its_temporary_folder(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gdn_layout",
+            "demo",
+            *("-B", "2", "-S", "4096", "-H", "8", "-N", "64"),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp.iterdir()) and time.monotonic() < deadline:
+            assert process.poll() is None, process.stderr.read() if process.stderr else ""
+            time.sleep(0.05)
+        assert any(tmp.iterdir()), "the demo made no temporary folder"
+        time.sleep(0.3)  # well into the work
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert code == 128 + signal.SIGTERM, process.stderr.read() if process.stderr else ""
+    assert list(tmp.iterdir()) == []
+
+
+def test_main_restores_the_sigterm_handler() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    assert run("describe", "-S", "2").returncode == 0
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# -- --plot does not replace a file unless told to ---------------------------------------------
+
+
+def test_compare_plot_refuses_an_existing_file_without_force(
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "errors.png"
+    png.write_bytes(b"precious")
+    drawn: list[object] = []
+    monkeypatch.setattr(
+        gdn_layout.plot, "plot_errors", lambda result, path, chunk=None: drawn.append(path)
+    )
+    result = run("compare", fixture_path, fixture_path, "--plot", png)
+    assert_user_error(result, str(png), "exists", "--force")
+    assert result.stdout == "", "refused before the work"
+    assert (png.read_bytes(), drawn) == (b"precious", [])
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force")
+    assert result.returncode == 0, result.stderr
+    assert drawn == [str(png)]
+
+
+@pytest.mark.slow
+def test_plot_errors_writes_its_file_atomically(
+    fixture_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib")
+    files = importlib.import_module("gdn_layout.files._atomic")
+    written: list[Path] = []
+    real: Callable[..., Path] = files.atomic_write
+
+    def spy(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
+        written.append(path)
+        return real(path, write, overwrite=overwrite)
+
+    monkeypatch.setattr(files, "atomic_write", spy)
+    png = tmp_path / "errors.png"
+    png.write_bytes(b"old")
+    result = run("compare", fixture_path, fixture_path, "--plot", png, "--force")
+    assert result.returncode == 0, result.stderr
+    assert written == [png]
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir()] == ["errors.png"]
