@@ -3,6 +3,7 @@ kernels or on unrelated data."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -667,9 +668,18 @@ def test_large_gradients_are_tested_on_their_first_batch_elements(
     assert kinds(grad_findings("dq", e[:, :, [1, 0, 2]], e, layout, SCORE)) == ["heads"]
     # The batch permutation needs all of the batch: it is skipped.
     assert "batch" not in kinds(grad_findings("dq", e[::-1], e, layout, SCORE))
+    # One batch element too many: the first steps of the first are read.
     monkeypatch.setattr(findings, "MAX_WHOLE_ELEMENTS", per_batch // 2)
-    assert grad_findings("dq", 2 * e, e, layout, SCORE) == ()
+    assert kinds(grad_findings("dq", 2 * e, e, layout, SCORE)) == ["scale"]
+    late = e.copy()
+    late[:, 2:] *= 2  # wrong only past the steps read: no finding, and no false one
+    assert grad_findings("dq", late, e, layout, SCORE) == ()
     assert kinds(grad_findings("dq", np.zeros_like(e), e, layout, SCORE)) == ["unwritten"]
+    # A state has no steps: one batch element too many gets only the scanned kinds.
+    carried = dataclasses.replace(layout, carry_state=True)
+    state = grads(carried)["dstate"]
+    monkeypatch.setattr(findings, "MAX_WHOLE_ELEMENTS", state.size // 8)
+    assert grad_findings("dstate", 2 * state, state, carried, SCORE) == ()
 
 
 def test_findings_come_most_specific_first() -> None:

@@ -90,9 +90,10 @@ run and 8 in its right part.
 batch elements for ``dstate``) at a time for the ``unwritten`` and ``nonfinite`` kinds; if
 either holds, or the expected values are not all finite, nothing else is tried. The other
 hypotheses need the gradient in float64: they run on at most :data:`MAX_WHOLE_ELEMENTS`
-elements, all of the gradient when it fits, else its first batch elements that fit (then
-``batch`` and the axis orders that move ``b`` are skipped); a gradient whose one batch element
-does not fit gets only the scanned kinds. Each hypothesis is a few passes over that region:
+elements, all of the gradient when it fits, else its first batch elements that fit, or the
+first steps of the first (then ``batch`` and the axis orders that move ``b`` are skipped, and
+what goes wrong only later in the sequence gets no finding); a ``dstate`` whose one batch
+element does not fit gets only the scanned kinds. Each hypothesis is a few passes over that region:
 the scale one dot product, the permutations one ``H x H`` (``B x B``) matrix, the boundary
 ``S`` per-step scores, the axis orders at most 23 reorderings, most refused on their sample;
 the caller's score is called a few times on the region, and for the steps once (its
@@ -163,7 +164,7 @@ KINDS: Final = (
     "rounding",
 )
 #: The most elements of a gradient the hypotheses hold in float64 at once.
-MAX_WHOLE_ELEMENTS: Final = 1 << 23
+MAX_WHOLE_ELEMENTS: Final = 1 << 21
 #: An undone hypothesis holds when its score is at most 1 or fell by this factor.
 FALLS: Final = 100.0
 #: ... and in either case fell by at least this factor.
@@ -489,18 +490,16 @@ def grad_findings(
     if found or not scan.expected_finite:
         return tuple(found)
 
-    per_batch = actual.size // shape[0]
-    if actual.size <= MAX_WHOLE_ELEMENTS:
-        rows = shape[0]
-    elif per_batch <= MAX_WHOLE_ELEMENTS:
-        rows = MAX_WHOLE_ELEMENTS // per_batch
-    else:
+    region = _leading(name, shape)
+    if region is None:
         return ()
-    a, e = _f64(actual[:rows]), _f64(e_all[:rows])
+    rows, steps = region
+    a, e = _f64(actual[:rows, :steps]), _f64(e_all[:rows, :steps])
     base = _scored(score, name, a, e)
     if base <= 1.0:
         return ()
-    ctx = _Context(name, a, e, score, base, layout.state_size, rows == shape[0], actual.dtype)
+    whole = a.shape == shape
+    ctx = _Context(name, a, e, score, base, layout.state_size, whole, actual.dtype)
     found += _tried(ctx, GRADIENTS)
     if not found and base <= ROUNDING_MAX:
         found.append(_rounding(name, base))
@@ -522,6 +521,22 @@ def _checked_shape(name: str, layout: GdnBackwardLayout) -> tuple[int, ...]:
             f"{', '.join(layout.names)}"
         )
     return layout.shape(name)
+
+
+def _leading(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """The leading region of gradient ``name`` of ``shape`` that the hypotheses read, at most
+    :data:`MAX_WHOLE_ELEMENTS` elements: ``(rows, steps)``, its first batch elements and, when
+    one is too many, the first steps of the first; None when not even one step fits."""
+    size = math.prod(shape)
+    per_batch = size // shape[0]
+    if size <= MAX_WHOLE_ELEMENTS:
+        return shape[0], shape[1] if len(shape) > 1 else 0
+    if per_batch <= MAX_WHOLE_ELEMENTS:
+        return MAX_WHOLE_ELEMENTS // per_batch, shape[1]
+    if _step_axis(name) is None:
+        return None
+    steps = MAX_WHOLE_ELEMENTS // (per_batch // shape[1])
+    return (1, steps) if steps else None
 
 
 def _step_axis(name: str) -> int | None:
@@ -1188,7 +1203,7 @@ def buffer_findings(
     found: dict[str, int] = {}
     missing: list[str] = []
     for seg in segments:
-        region = _segment_region(seg.length, seg.shape)
+        region = _segment_region(seg.name, seg.length, seg.shape)
         if region is None:
             continue
         count, shape = region
@@ -1216,15 +1231,19 @@ def buffer_findings(
     return (_layout_finding(layout, other, found, expected_at, moved, missing),)
 
 
-def _segment_region(length: int, shape: tuple[int, ...]) -> tuple[int, tuple[int, ...]] | None:
-    """The leading part of a segment the hypotheses read: its first batch elements."""
-    if length == 0:
+def _segment_region(
+    name: str, length: int, shape: tuple[int, ...]
+) -> tuple[int, tuple[int, ...]] | None:
+    """The leading part of a segment the hypotheses read (:func:`_leading`): its length and
+    shape, contiguous in C order."""
+    region = None if length == 0 else _leading(name, shape)
+    if region is None:
         return None
-    if length <= MAX_WHOLE_ELEMENTS:
+    rows, steps = region
+    if len(shape) == 1:
         return length, shape
-    per_batch = length // shape[0]
-    rows = MAX_WHOLE_ELEMENTS // per_batch
-    return (rows * per_batch, (rows, *shape[1:])) if rows else None
+    part = (rows, steps, *shape[2:])
+    return math.prod(part), part
 
 
 def _segment_score(
