@@ -332,6 +332,14 @@ def _replaceable(folder: Path) -> str | None:
     return f"it holds {odd[0]}" if odd else None
 
 
+def _old_folder(parent: Path) -> Path:
+    """``parent / "suite"``, holding one file of its own: ``old.txt``."""
+    target = parent / "suite"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    return target
+
+
 def _write(target: Path, overwrite: bool = True) -> str:
     result: str = files.write_folder(
         target,
@@ -375,9 +383,7 @@ def test_a_replaced_folder_keeps_its_owner(tmp_path: Path) -> None:
 def test_what_arrives_in_the_old_folder_during_the_write_is_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool
 ) -> None:
-    target = tmp_path / "suite"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
+    target = _old_folder(tmp_path)
     if not exchange:
         monkeypatch.setattr(files, "_exchange", lambda a, b: False)
 
@@ -470,9 +476,7 @@ def test_a_read_only_folder_is_replaced_and_keeps_its_mode(
 ) -> None:
     # Its mode comes once the new folder is in place (a read-only one would bar the moves
     # for its owner), and a read-only old folder is opened up to be removed.
-    target = tmp_path / "suite"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
+    target = _old_folder(tmp_path)
     target.chmod(0o555)
     real, modes = files._install, []
 
@@ -528,9 +532,7 @@ def test_another_user_s_look_alike_folder_is_never_touched(tmp_path: Path) -> No
 def test_an_old_folder_moved_aside_is_not_another_writer_s_to_take(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target = tmp_path / "suite"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
+    target = _old_folder(tmp_path)
     real, seen = files._exchange, []
 
     def and_another_writer(a: Path, b: Path) -> bool:

@@ -491,6 +491,15 @@ def test_a_real_terminal_gets_the_progress_bar(tmp_path: Path) -> None:
     assert "reference backward [" in b"".join(chunks).decode()
 
 
+def _await_temporary(process: subprocess.Popen[Any], folder: Path, why: str) -> None:
+    """Wait (up to 60 s) until ``process``, still running, has made something in ``folder``."""
+    deadline = time.monotonic() + 60
+    while not any(folder.iterdir()) and time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        time.sleep(0.05)
+    assert any(folder.iterdir()), why
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_a_suite_is_one_line_and_leaves_nothing(tmp_path: Path) -> None:
     # SIGINT, as Ctrl-C sends it, well into `fixture --suite`: its temporaries are on disk.
@@ -503,11 +512,7 @@ def test_ctrl_c_during_a_suite_is_one_line_and_leaves_nothing(tmp_path: Path) ->
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not any(parent.iterdir()) and time.monotonic() < deadline:
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            time.sleep(0.05)
-        assert any(parent.iterdir()), "the suite's writer made no temporary"
+        _await_temporary(process, parent, "the suite's writer made no temporary")
         time.sleep(0.5)  # well into the work
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
@@ -829,11 +834,7 @@ def test_sigterm_during_demo_removes_its_temporary_folder(tmp_path: Path) -> Non
         stderr=subprocess.PIPE,
     )
     try:
-        deadline = time.monotonic() + 60
-        while not any(tmp.iterdir()) and time.monotonic() < deadline:
-            assert process.poll() is None, process.stderr.read() if process.stderr else ""
-            time.sleep(0.05)
-        assert any(tmp.iterdir()), "the demo made no temporary folder"
+        _await_temporary(process, tmp, "the demo made no temporary folder")
         time.sleep(0.3)  # well into the work
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=60)

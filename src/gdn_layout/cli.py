@@ -552,17 +552,15 @@ def _compare_tensor(args: argparse.Namespace) -> int:
             )
     except (TypeError, ValueError) as error:  # the file's dtype, say: the user's to fix
         raise _usage_error(error, f"{args.actual}: ") from None
+    one = Comparison(expected.layout, (result,))  # its causes' words; one panel of a plot
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        print(result)
-        for finding in result.findings:
-            print(f"likely cause: {finding.text}")
+        print("\n".join([str(result), *one.causes()]))
     if args.plot is not None:
         from .plot import plot_errors
 
-        picture = Comparison(expected.layout, (result,))  # one panel: the tensor's map
-        plot_errors(picture, path=args.plot, chunk=args.chunk if args.tensor == "y" else None)
+        plot_errors(one, path=args.plot, chunk=args.chunk if args.tensor == "y" else None)
         print(f"wrote {args.plot}")
     return 0 if result.passed else 1
 

@@ -130,6 +130,8 @@ def chunk_states(
     record = _recurrent.Boundaries(h, dh, np.empty((b, heads, n, n), compute))
     if method not in ("chunked", "recurrent"):
         raise ValueError(f"chunk_states: method must be 'chunked' or 'recurrent', got {method!r}")
+    if b * heads * n == 0:  # no state element: nothing to record, whatever S
+        return h, dh, record.final
     chunked = method == "chunked" and _chunked.suits(inputs)
     stacks = _chunked.backward_plan(inputs, every, threads) if chunked else []
 
