@@ -1,6 +1,6 @@
-"""Helpers the test modules share: a deadline for code that may hang, the command line run in
-this process and what a user error looks like, and folders that pytest-xdist's workers make
-once for all of them."""
+"""Helpers the test modules share: the dtypes and modes of fixtures and a bitwise comparison, a
+deadline for code that may hang, the command line run in this process and what a user error
+looks like, and folders that pytest-xdist's workers make once for all of them."""
 
 from __future__ import annotations
 
@@ -14,20 +14,39 @@ import signal
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+import ml_dtypes
+import numpy as np
 import pytest
+from numpy.typing import NDArray
 
 from gdn_layout.cli import main
+from gdn_layout.files import Fixture
 
 __all__ = [
+    "DTYPES",
+    "FLAGS",
     "Hung",
     "Suite",
+    "assert_same_fixture",
     "assert_user_error",
     "deadline",
+    "dtype_id",
     "run",
+    "same_bits",
     "shared_folder",
     "suite_with_huge_integer",
 ]
+
+#: Every dtype a fixture holds, and every (gate_per_channel, carry_state) of a layout.
+DTYPES = [
+    np.dtype(np.float64),
+    np.dtype(np.float32),
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+]
+FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
 #: The ``suite`` fixture's value (conftest.py): the standard suite's folder and its fixture
 #: paths.
@@ -119,3 +138,25 @@ def suite_with_huge_integer(root: Path, fixture_path: Path) -> Path:
         '{"fixtures": [{"file": "case.safetensors", "sha256": "0", "bytes": ' + huge + "}]}"
     )
     return root
+
+
+def dtype_id(dtype: np.dtype[Any]) -> str:
+    return dtype.name
+
+
+def _bits(a: NDArray[Any]) -> NDArray[Any]:
+    # Bitwise comparison: works for bfloat16 and tells -0.0 from 0.0.
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def same_bits(a: NDArray[Any] | None, b: NDArray[Any] | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
+
+
+def assert_same_fixture(a: Fixture, b: Fixture) -> None:
+    assert a.layout == b.layout
+    for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
+        assert same_bits(getattr(a, name), getattr(b, name)), name
+    assert (a.regime, a.seed, a.compute_dtype) == (b.regime, b.seed, b.compute_dtype)

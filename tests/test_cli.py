@@ -177,7 +177,7 @@ def test_fixture_refuses_to_replace_a_file_unless_forced(fixture_path: Path) -> 
 def test_fixture_suite_passes_its_flags_to_write_suite(
     suite: tuple[Path, list[Path]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    # The suite itself is tested in test_fixtures.py (written once, in conftest.py); here,
+    # The suite itself is tested in test_generate.py (written once, in conftest.py); here,
     # that the command asks for it as told and reports what was written.
     calls: list[tuple[str, dict[str, object]]] = []
 

@@ -1,4 +1,5 @@
-"""The package's modules: small, layered without cycles, private names kept private."""
+"""The package's modules: small, layered without cycles, private names kept private, each
+module's tests found by its name."""
 
 from __future__ import annotations
 
@@ -167,3 +168,31 @@ def test_no_private_attribute_of_another_module_or_object(module: str) -> None:
         }
     )
     assert not private
+
+
+TESTS = Path(__file__).resolve().parent
+
+#: The test modules that guard a concern across modules rather than one module's contract.
+CONCERNS = {
+    "bounded_memory": "compare and inspect's peak memory, in a fresh process",
+    "golden": "every layout quantity against the Rust seed's",
+    "notebook": "the example notebook in a Jupyter kernel",
+    "oracle": "the tests' own long-double oracle",
+    "pinned_bytes": "fixture files byte for byte as 0.1.0 wrote them",
+    "public_api": "what the public modules export and document",
+    "readme": "the examples of README.md and docs/",
+    "reference_exact": "the reference against the oracle in every regime",
+    "same_bits": "fast forms against their plain forms, bit for bit",
+    "state_checks": "a kernel's parts, from fixture to verdict to command line",
+    "structure": "the modules' layering",
+    "views": "the notebook and terminal views of every record",
+}
+
+
+def test_each_test_module_is_named_after_its_module_or_a_concern() -> None:
+    # A newcomer finds the tests of files/_atomic.py in test_atomic.py.
+    homes = {module.rsplit(".", 1)[-1].lstrip("_") for module in MODULES}
+    tested = {path.stem.removeprefix("test_") for path in TESTS.glob("test_*.py")}
+    assert tested - homes <= set(CONCERNS), sorted(tested - homes - set(CONCERNS))
+    assert set(CONCERNS) <= tested, sorted(set(CONCERNS) - tested)
+    assert not set(CONCERNS) & homes

@@ -1,4 +1,5 @@
-"""``chunk_states``: the state entering each chunk, its cotangent and the final state.
+"""``reference._states``: ``chunk_states``, the state entering each chunk, its cotangent
+and the final state.
 
 Measured as the reference's other results are (``test_reference_exact.py``): against the
 long-double oracle, ``max|result - truth| / max|truth|`` per result, at most ``1e-12`` in

@@ -1,4 +1,5 @@
-"""The calibrated criterion: floors measured at fixture time, stored, and judged against."""
+"""``check._floors``: the calibrated criterion's floors, measured at fixture time, stored,
+and judged against."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Files that change under a reader: truncated, rewritten or swapped for a FIFO after they were
+"""``files._mapping``: what a reader holds stays what it checked.
+
+Files that change under a reader: truncated, rewritten or swapped for a FIFO after they were
 checked or loaded, and suites of many files. Each is a FixtureError naming the file (or a
 problem `verify` lists), never a SIGBUS, a hang or a silent pass.
 

@@ -1,16 +1,16 @@
-"""Fixture files: the safetensors format, atomic saving, strict loading, and generation."""
+"""``files._fixture``: fixture files in the safetensors format, saved atomically, loaded
+strictly, and generated."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib
 import json
 import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,6 @@ import safetensors
 import safetensors.numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from numpy.typing import NDArray
 
 import gdn_layout
 import gdn_layout.files
@@ -30,30 +29,13 @@ import gdn_layout.files._mapping
 import gdn_layout.files._safetensors
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.files import Fixture, FixtureError, GdnInputs, load_fixture, save_fixture
-from gdn_layout.generate import draw_inputs, make_fixture, write_suite
-from gdn_layout.regimes import REGIME_SINCE, REGIMES
+from gdn_layout.generate import draw_inputs, make_fixture
+from support import DTYPES, FLAGS, assert_same_fixture, dtype_id, same_bits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.float16), BF16]
 CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 generate = importlib.import_module("gdn_layout.generate")
 SMALL = GdnBackwardLayout(batch=2, seq=5, heads=3, state_size=4, carry_state=True)
-
-
-def _dtype_id(dtype: np.dtype[Any]) -> str:
-    return dtype.name
-
-
-def _bits(a: NDArray[Any]) -> NDArray[Any]:
-    # Bitwise comparison: works for bfloat16 and tells -0.0 from 0.0.
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
-def _same(a: NDArray[Any] | None, b: NDArray[Any] | None) -> bool:
-    if a is None or b is None:
-        return a is b
-    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(_bits(a), _bits(b))
 
 
 def _fixture(layout: GdnBackwardLayout = SMALL, dtype: Any = np.float32, **kw: Any) -> Fixture:
@@ -63,13 +45,6 @@ def _fixture(layout: GdnBackwardLayout = SMALL, dtype: Any = np.float32, **kw: A
     y = rng.standard_normal(layout.shape("dq")).astype(x.q.dtype)
     packed = rng.standard_normal(layout.total_elems).astype(x.q.dtype)
     return Fixture(*x, y=y, packed=packed, **kw)
-
-
-def _assert_same_fixture(a: Fixture, b: Fixture) -> None:
-    assert a.layout == b.layout
-    for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
-        assert _same(getattr(a, name), getattr(b, name)), name
-    assert (a.regime, a.seed, a.compute_dtype) == (b.regime, b.seed, b.compute_dtype)
 
 
 # -- raw safetensors, written independently of the module under test ---------------------------
@@ -103,7 +78,7 @@ def saved(tmp_path: Path) -> Path:
 # -- round trips ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize(("per_channel", "carry"), FLAGS)
 def test_round_trip(tmp_path: Path, dtype: np.dtype[Any], per_channel: bool, carry: bool) -> None:
     layout = GdnBackwardLayout(2, 5, 3, 4, gate_per_channel=per_channel, carry_state=carry)
@@ -111,7 +86,7 @@ def test_round_trip(tmp_path: Path, dtype: np.dtype[Any], per_channel: bool, car
     path = save_fixture(tmp_path / "x.safetensors", original)
     for mmap in (True, False):
         loaded = load_fixture(path, mmap=mmap)
-        _assert_same_fixture(loaded, original)
+        assert_same_fixture(loaded, original)
         assert loaded.dtype == dtype
         assert loaded.path == path
         assert loaded.writer_version == gdn_layout.__version__
@@ -119,7 +94,7 @@ def test_round_trip(tmp_path: Path, dtype: np.dtype[Any], per_channel: bool, car
         expected = unpack(loaded.packed, layout)
         for name, grad in zip(loaded.layout.names, loaded.grads, strict=False):
             assert np.shares_memory(grad, loaded.packed), name
-            assert _same(grad, getattr(expected, name)), name
+            assert same_bits(grad, getattr(expected, name)), name
         assert all(not a.flags.writeable for a in loaded.tensors().values())
 
 
@@ -141,7 +116,7 @@ def test_round_trip_of_empty_tensors(tmp_path: Path, shape: tuple[int, ...]) -> 
     b, s, h, n = shape
     layout = GdnBackwardLayout(b, s, h, n, carry_state=True)
     original = _fixture(layout)
-    _assert_same_fixture(load_fixture(save_fixture(tmp_path / "e.safetensors", original)), original)
+    assert_same_fixture(load_fixture(save_fixture(tmp_path / "e.safetensors", original)), original)
 
 
 def test_the_file_layout(saved: Path) -> None:
@@ -240,29 +215,29 @@ def _input_shape(layout: GdnBackwardLayout, name: str) -> tuple[int, ...]:
 # -- interop with the official safetensors package ---------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_official_reader_reads_ours(tmp_path: Path, dtype: np.dtype[Any]) -> None:
     original = _fixture(dtype=dtype, regime="mild", seed=2, compute_dtype="float64")
     path = save_fixture(tmp_path / "ours.safetensors", original)
     tensors = safetensors.numpy.load_file(path)
     assert tensors.keys() == original.tensors().keys()
     for name, array in original.tensors().items():
-        assert _same(tensors[name], array), name
+        assert same_bits(tensors[name], array), name
     with safetensors.safe_open(path, framework="np") as f:
         assert f.metadata() == original.metadata()
-        assert _same(f.get_tensor("packed"), original.packed)
+        assert same_bits(f.get_tensor("packed"), original.packed)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_we_read_the_official_writer(tmp_path: Path, dtype: np.dtype[Any]) -> None:
     original = _fixture(GdnBackwardLayout(1, 3, 2, 4, gate_per_channel=True), dtype, seed=5)
     path = tmp_path / "theirs.safetensors"
     safetensors.numpy.save_file(original.tensors(), path, metadata=original.metadata())
     loaded = load_fixture(path)
-    _assert_same_fixture(loaded, original)
+    assert_same_fixture(loaded, original)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_same_bytes_as_the_official_writer(tmp_path: Path, dtype: np.dtype[Any]) -> None:
     original = _fixture(dtype=dtype, regime="zero", seed=1)
     ours = save_fixture(tmp_path / "ours.safetensors", original)
@@ -577,7 +552,7 @@ def test_corrupt_headers_give_a_fixture_error_or_a_consistent_fixture(
         tensors = loaded.tensors()
         assert set(official) == set(tensors)
         for name, array in tensors.items():
-            assert _same(official[name], np.asarray(array)), name
+            assert same_bits(official[name], np.asarray(array)), name
         return
     assert message.startswith(f"{path}: ")
 
@@ -629,248 +604,7 @@ def test_fixture_checks_its_tensors() -> None:
     )
 
 
-# -- generation ----------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize(("per_channel", "carry"), FLAGS)
-def test_make_fixture_stores_the_answer_for_its_stored_inputs(
-    dtype: np.dtype[Any], per_channel: bool, carry: bool
-) -> None:
-    # One step has a closed form (gated-delta-net.md: c = 1/sqrt(N), S_1 = A*S_0 + outer(k, u) with
-    # u = beta * (v - k @ (A*S_0))), computed here from the stored inputs in float64: the
-    # fixture must hold it up to the final rounding to its dtype.
-    layout = GdnBackwardLayout(2, 1, 3, 4, gate_per_channel=per_channel, carry_state=carry)
-    fixture = make_fixture(layout, dtype=dtype, regime="strong", seed=11)
-    assert fixture.dtype == dtype
-    assert fixture.compute_dtype == "float64"
-    assert (fixture.regime, fixture.seed) == ("strong", 11)
-    assert all(a.dtype == dtype for a in fixture.tensors().values())
-    q, k, v, g, beta, dy = (np.asarray(a, dtype=np.float64) for a in fixture.inputs[:6])
-    c, b = 1 / np.sqrt(layout.state_size), beta[..., None]
-    decay = np.exp(g)[..., None] if per_channel else np.exp(g)[..., None, None]
-    if carry:
-        assert fixture.state is not None
-        prior = decay[:, 0] * np.asarray(fixture.state, dtype=np.float64)  # [B, H, N, N]
-        m = np.einsum("bhi,bhij->bhj", k[:, 0], prior)
-        u = (v[:, 0] - m) * b[:, 0]
-        state = prior + k[:, 0, :, :, None] * u[:, :, None, :]
-        y = c * np.einsum("bhi,bhij->bhj", q[:, 0], state)[:, None]
-    else:
-        y = c * b * v * (k * q).sum(-1, keepdims=True)
-    eps = float(ml_dtypes.finfo(dtype).eps)  # type: ignore[no-untyped-call]
-    np.testing.assert_allclose(np.asarray(fixture.y, np.float64), y, rtol=eps, atol=eps)
-    if not carry:  # and the gradients of sum(y * dy), by hand
-        kq, dyv = (k * q).sum(-1, keepdims=True), (dy * v).sum(-1, keepdims=True)
-        expected = {
-            "dq": c * b * dyv * k,
-            "dk": c * b * dyv * q,
-            "dv": c * b * kq * dy,
-            "dg": np.zeros(layout.shape("dg")),  # no state before the one step to decay
-            "dbeta": c * (dyv * kq)[..., 0],
-        }
-        for name, value in expected.items():
-            got = np.asarray(getattr(fixture.grads, name), np.float64)
-            np.testing.assert_allclose(got, value, rtol=eps, atol=eps, err_msg=name)
-
-
-def test_make_fixture_is_deterministic(tmp_path: Path) -> None:
-    layout = GdnBackwardLayout(1, 4, 2, 4, carry_state=True)
-    a, b = make_fixture(layout, seed=3), make_fixture(layout, seed=3)
-    _assert_same_fixture(a, b)
-    assert not _same(make_fixture(layout, seed=4).q, a.q)
-    path = save_fixture(tmp_path / "a.safetensors", a)
-    _assert_same_fixture(load_fixture(path), a)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_draw_inputs_regimes(dtype: np.dtype[Any], per_channel: bool) -> None:
-    layout = GdnBackwardLayout(2, 64, 3, 16, gate_per_channel=per_channel, carry_state=True)
-    tol = {8: 1e-12, 4: 1e-6, 2: 2e-2}[dtype.itemsize]
-    gates = {}
-    for regime in REGIMES:
-        x = draw_inputs(layout, regime=regime, seed=5, dtype=dtype)
-        assert all(a is not None and a.dtype == dtype for a in x)
-        assert x.g.shape == layout.shape("dg")
-        assert x.state is not None
-        for name in ("q", "k"):
-            norms = np.linalg.norm(getattr(x, name).astype(np.float64), axis=-1)
-            np.testing.assert_allclose(norms, 1.0, atol=tol, err_msg=name)
-        beta = x.beta.astype(np.float64)
-        assert beta.min() > 0.0
-        assert beta.max() < 1.0
-        for name in ("v", "dy", "state"):
-            values = getattr(x, name).astype(np.float64)
-            assert abs(values.mean()) < 0.1, name
-            assert 0.9 < values.std() < 1.1, name
-        gates[regime] = x.g.astype(np.float64)
-    assert not gates["zero"].any()
-    assert gates["mild"].max() < 0.0
-    assert gates["mild"].min() >= -0.1 - tol
-    assert np.exp(gates["mild"]).min() > 0.9
-    assert gates["strong"].max() <= -3.0 + tol * 8
-    assert gates["strong"].min() >= -8.0 - tol * 8
-    assert np.exp(gates["strong"]).max() < 0.051
-    mixed = gates["mixed"]
-    fractions = [np.mean(mixed == 0), np.mean((mixed < 0) & (mixed > -1)), np.mean(mixed <= -3)]
-    assert sum(fractions) == pytest.approx(1.0)
-    assert all(0.25 < f < 0.42 for f in fractions), fractions
-    extreme = gates["extreme"]
-    assert extreme.max() <= -10.0 + tol * 30
-    assert extreme.min() >= -30.0 - tol * 30
-    assert extreme.std() > 5.0  # spread over the range, not stuck at one end
-    # qwen: g = -exp(A_log) * softplus(a + dt_bias), exp(A_log) in [1, 16] per head, so
-    # g / -softplus is one constant per head; with a ~ N(0, 1) and |dt_bias| <= 1, softplus
-    # lies in (0, 7) and the gates in (-112, 0).
-    qwen = gates["qwen"]
-    assert qwen.max() < 0.0
-    assert qwen.min() > -112.0
-    if dtype.itemsize == 8:
-        heads = np.moveaxis(qwen, 2, 0).reshape(layout.heads, -1)
-        ranges = heads.max(axis=1) - heads.min(axis=1)
-        assert (ranges > 0.5).all()  # a varies per step (and per channel)
-
-
-def test_qwen_gates_decay_at_a_rate_per_head() -> None:
-    # -g = exp(A_log) * softplus(a + dt_bias): positive, below 16 * softplus(max a + 1), and
-    # with exp(A_log) and dt_bias drawn per head, the heads' typical rates differ.
-    for per_channel in (False, True):
-        layout = GdnBackwardLayout(3, 40, 4, 4, gate_per_channel=per_channel)
-        g = draw_inputs(layout, regime="qwen", seed=2, dtype=np.float64).g
-        rates = -np.moveaxis(g, 2, 0).reshape(layout.heads, -1)
-        assert (rates > 0).all()
-        assert (rates < 16 * 7).all()
-        medians = np.median(rates, axis=1)
-        assert medians.max() / medians.min() > 1.5
-
-
-def test_the_suite_s_manifest_lists_its_cases_in_order(suite: tuple[Path, list[Path]]) -> None:
-    root, _ = suite
-    entries = json.loads((root / "manifest.json").read_text())["fixtures"]
-    listed = [(e["file"], e["regime"], e["seed"] - 100) for e in entries]  # written with seed 100
-    assert listed == [(c.name, c.regime, i) for i, c in enumerate(generate._suite_cases())]
-
-
-def test_each_revision_of_the_suite_keeps_its_files_names_and_seeds() -> None:
-    # Each revision's (seed, name, regime), pinned: later revisions add files after them, so
-    # their files keep their seeds and bytes. Revision 0 is gdn-layout 0.1.0's suite; 1 added
-    # the qwen and extreme regimes, 2 the chunk-boundary shapes.
-    cases = list(generate._suite_cases())
-    assert len(cases) == len(generate._SUITE_SHAPES) * 2 * 2 * len(REGIMES)
-    pinned = {
-        0: "8a3b5453f5f9c13efff53ab232b766e2de1e84e3047a76435c8fd5996b2f1b6a",
-        2: "6ad52ccdcb27c350cb9a787eb021f62254dd56f2c900119fb13a87ca3d92048c",
-    }
-    for revision, digest in pinned.items():
-        lines = [f"{i} {c.name} {c.regime}" for i, c in enumerate(cases) if c.since <= revision]
-        assert hashlib.sha256("\n".join(lines).encode()).hexdigest() == digest, revision
-    assert {c.regime for c in cases if c.since == 1} == {"qwen", "extreme"}
-
-
-def test_draw_inputs_streams_are_independent() -> None:
-    base = GdnBackwardLayout(1, 6, 2, 4)
-    a = draw_inputs(base, regime="zero", seed=9)
-    b = draw_inputs(
-        GdnBackwardLayout(1, 6, 2, 4, gate_per_channel=True, carry_state=True),
-        regime="strong",
-        seed=9,
-    )
-    for name in ("q", "k", "v", "beta", "dy"):
-        assert _same(getattr(a, name), getattr(b, name)), name
-    assert _same(draw_inputs(base, seed=9).q, a.q)
-    assert not _same(draw_inputs(base, seed=10).q, a.q)
-
-
-def test_draw_inputs_rejects_bad_arguments() -> None:
-    regimes = re.escape(str(REGIMES))
-    with pytest.raises(
-        ValueError, match=rf"draw_inputs: regime must be one of {regimes}, got 'hot'"
-    ):
-        draw_inputs(SMALL, regime="hot")
-    dtypes = "float64, float32, float16 or bfloat16"
-    with pytest.raises(TypeError, match=f"draw_inputs: dtype must be {dtypes}, got int32"):
-        draw_inputs(SMALL, dtype=np.int32)
-    with pytest.raises(TypeError, match="got 'float17'"):
-        draw_inputs(SMALL, dtype="float17")
-    with pytest.raises(ValueError, match="seed must be a non-negative integer, got -1"):
-        draw_inputs(SMALL, seed=-1)
-    with pytest.raises(
-        TypeError, match=r"draw_inputs: seed must be a non-negative integer, got float 1\.5"
-    ):
-        draw_inputs(SMALL, seed=1.5)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="layout must be a GdnBackwardLayout, got tuple"):
-        draw_inputs((1, 2, 3, 4))  # type: ignore[arg-type]
-
-
-# -- the suite -----------------------------------------------------------------------------------
-
-
-def test_suite_manifest_lists_every_file(suite: tuple[Path, list[Path]]) -> None:
-    root, paths = suite
-    manifest = json.loads((root / "manifest.json").read_text())
-    assert manifest["format"] == "gdn-layout-fixture-suite"
-    assert manifest["dtype"] == "F32"
-    entries = manifest["fixtures"]
-    assert sorted(e["file"] for e in entries) == sorted(p.name for p in root.glob("*.safetensors"))
-    assert [root / e["file"] for e in entries] == paths
-    assert sorted(e["seed"] for e in entries) == list(range(100, 100 + len(entries)))
-    for entry in entries:
-        path = root / entry["file"]
-        fixture = load_fixture(path)
-        assert fixture.layout.to_dict() == entry["layout"]
-        assert (fixture.regime, fixture.seed) == (entry["regime"], entry["seed"])
-        assert CODES[fixture.dtype.name] == entry["dtype"]
-        assert entry["bytes"] == path.stat().st_size
-        assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def test_suite_coverage_and_size(suite: tuple[Path, list[Path]]) -> None:
-    _root, paths = suite
-    fixtures = [load_fixture(p) for p in paths]
-    layouts = {f.layout for f in fixtures}
-    combos = {(f.layout.gate_per_channel, f.layout.carry_state, f.regime) for f in fixtures}
-    assert combos == {(pc, cs, r) for pc in (False, True) for cs in (False, True) for r in REGIMES}
-    shapes = {(lay.batch, lay.seq, lay.heads, lay.state_size) for lay in layouts}
-    for flags in FLAGS:
-        same_flags = {
-            (lay.batch, lay.seq, lay.heads, lay.state_size)
-            for lay in layouts
-            if (lay.gate_per_channel, lay.carry_state) == flags
-        }
-        assert same_flags == shapes  # every shape in every mode
-    assert any(s == 1 for _, s, _, _ in shapes)
-    assert any(n == 1 for *_, n in shapes)
-    assert any(b > 1 and h > 1 for b, _, h, _ in shapes)
-    assert any(s % 64 != 0 and s > 64 for _, s, _, _ in shapes)
-    assert any(s % 64 == 1 and s > 64 for _, s, _, _ in shapes)
-    total = sum(p.stat().st_size for p in paths)
-    assert total < 128 * 2**20
-    # The same set in float64 stays within twice that: every tensor byte doubles.
-    tensor_bytes = sum(sum(a.nbytes for a in f.tensors().values()) for f in fixtures)
-    assert total + tensor_bytes < 256 * 2**20
-
-
-def test_suite_refuses_to_overwrite(suite: tuple[Path, list[Path]]) -> None:
-    root, _ = suite
-    with pytest.raises(FileExistsError, match=r"exists and is not empty; pass overwrite=True"):
-        write_suite(root)
-
-
-@pytest.mark.slow
-def test_suite_is_reproducible(suite: tuple[Path, list[Path]]) -> None:
-    _, paths = suite
-    for path in paths[-30:-20]:  # the last of S = 513 and the first identical rows
-        stored = load_fixture(path)
-        assert stored.regime is not None
-        assert stored.seed is not None
-        if path.name.startswith("twin-"):
-            again = generate._identical_rows_fixture(
-                stored.layout, stored.dtype, stored.regime, stored.seed
-            )
-        else:
-            again = make_fixture(stored.layout, regime=stored.regime, seed=stored.seed)
-        _assert_same_fixture(stored, again)
+# -- the Fixture's fields ----------------------------------------------------------------------
 
 
 def test_a_fixture_opens_with_the_fields_of_its_inputs() -> None:
@@ -881,42 +615,3 @@ def test_a_fixture_opens_with_the_fields_of_its_inputs() -> None:
     fixture = make_fixture(GdnBackwardLayout(1, 2, 1, 2, carry_state=True), seed=1)
     held = [getattr(fixture, name) for name in GdnInputs._fields]
     assert all(a is b for a, b in zip(fixture.inputs, held, strict=True))
-
-
-def _seeds(cases: Iterable[Any]) -> dict[str, int]:
-    """Each suite case's file name and its seed's offset: file i has seed ``seed + i``."""
-    return {case.name: i for i, case in enumerate(cases)}
-
-
-def test_a_regime_appended_keeps_every_file_of_the_suite_its_name_and_seed() -> None:
-    """Adding a gate regime is a change to gdn_layout.regimes alone: one more entry in its
-    table, with a revision of its own. The suite gains every shape in it, after all of
-    today's files, which keep their names and seeds (and so their bytes); a second regime
-    appended after it moves none of the first one's."""
-    table = REGIME_SINCE
-    revision = max(*table.values(), *(shape.since for shape in generate._SUITE_SHAPES)) + 1
-    today = _seeds(generate._suite_cases())
-    one = _seeds(generate._suite_cases({**table, "new": revision}))
-    two = _seeds(generate._suite_cases({**table, "new": revision, "newer": revision + 1}))
-    assert len(today) == len(generate._SUITE_SHAPES) * 2 * 2 * len(REGIMES)
-    for before, after, added in ((today, one, "new"), (one, two, "newer")):
-        assert {name: after[name] for name in before} == before
-        grown = set(after) - set(before)
-        assert all(name.endswith(f"-{added}.safetensors") for name in grown)
-        assert len(grown) == len(generate._SUITE_SHAPES) * 4  # both gate and state modes
-        assert min(after[name] for name in grown) == len(before)
-
-
-def test_a_shape_appended_keeps_every_file_of_the_suite_its_name_and_seed(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    shapes = generate._SUITE_SHAPES
-    revision = max(*REGIME_SINCE.values(), *(shape.since for shape in shapes)) + 1
-    today = _seeds(generate._suite_cases())
-    added = generate._Case("s2", 1, 2, 1, 4, since=revision)
-    monkeypatch.setattr(generate, "_SUITE_SHAPES", (*shapes, added))
-    grown = _seeds(generate._suite_cases())
-    assert {name: grown[name] for name in today} == today
-    new = set(grown) - set(today)
-    assert len(new) == 4 * len(REGIMES)
-    assert all(name.startswith("s2-") for name in new)

@@ -1,4 +1,5 @@
-"""Kernel output in any form, and a report that reads well: dtype spellings, flags, widths."""
+"""``files._outputs``: kernel output in any form, and a report that reads well: dtype
+spellings, flags, widths."""
 
 from __future__ import annotations
 

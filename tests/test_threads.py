@@ -1,4 +1,5 @@
-"""``workers=``: the reference, fixtures and suites spread over threads, with the same bits."""
+"""``reference._threads``, behind ``workers=``: the reference, fixtures and suites spread over
+threads, with the same bits."""
 
 from __future__ import annotations
 

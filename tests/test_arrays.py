@@ -1,4 +1,5 @@
-"""A case's inputs in RLX's order and as a framework's tensors; a framework's gradients packed."""
+"""``_arrays``: a case's inputs in RLX's order and as a framework's tensors; a framework's
+gradients packed."""
 
 from __future__ import annotations
 
