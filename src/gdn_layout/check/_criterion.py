@@ -345,6 +345,15 @@ class Criterion:
             f"max error {self.floor[1]:.3g} x rms(expected){terms}{self._reach_words()}"
         )
 
+    @property
+    def bound_words(self) -> str:
+        """The error one element may have, as a formula.
+
+        >>> Criterion.tolerances(1e-2, 1e-3).bound_words
+        '|a-e| <= 0.001 + 0.01*|e|'
+        """
+        return f"|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|"
+
     def allowed(self, expected: float | None) -> float:
         """The error allowed to one element whose expected value is ``expected``:
         ``atol + rtol * |expected|`` (0 for a value that is None or not finite).
@@ -354,7 +363,13 @@ class Criterion:
         """
         if expected is None or not math.isfinite(expected):
             return 0.0
-        return self.atol + self.rtol * abs(expected)
+        return float(self.allowances(np.array([abs(expected)]))[0])
+
+    def allowances(self, magnitude: NDArray[np.float64]) -> NDArray[np.float64]:
+        """:meth:`allowed` of each element at once, from the finite ``|expected|``: the one
+        place a criterion's elementwise bound is written."""
+        allowed: NDArray[np.float64] = self.atol + self.rtol * magnitude
+        return allowed
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe fields, under the keys a comparison's ``to_dict`` has always had; a
@@ -407,7 +422,7 @@ def row_scores(
         else:
             parts = []
             if c.counts_elements:
-                parts.append(np.max(_over(err, c.atol + c.rtol * np.abs(expected)), axis=1))
+                parts.append(np.max(_over(err, c.allowances(np.abs(expected))), axis=1))
             if c.max_rms_ratio is not None:
                 magnitude = np.abs(expected)
                 allowed = c.max_rms_ratio * rms_rows(magnitude, magnitude.max(axis=1))

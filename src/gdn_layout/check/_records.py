@@ -235,8 +235,7 @@ class GradComparison:
         if c.counts_elements:
             facts.append(
                 f"{self.mismatches} of {self.size} out of tolerance "
-                f"(|a-e| <= {c.atol:.3g} + {c.rtol:.3g}*|e|; "
-                f"here {c.allowed(self.worst_expected):.3g})"
+                f"({c.bound_words}; here {c.allowed(self.worst_expected):.3g})"
             )
         if c.max_rms_ratio is not None:
             verb = "<=" if self.rms_ratio <= c.max_rms_ratio else ">"

@@ -123,7 +123,7 @@ def scan(
     """One gradient's figures, error maps and verdict under ``criterion``, in one pass of
     chunks of at most ``CHUNK_ELEMENTS`` elements (see the module)."""
     name, shape = seg.name, seg.shape
-    rtol, atol, elementwise = criterion.rtol, criterion.atol, criterion.counts_elements
+    elementwise = criterion.counts_elements
     # Chunks of elements, never of rows: a dstate row alone is N * N elements. The per-batch
     # maps are over the first three axes, (b, s, h), or (b, h, i) for dstate, turned into
     # (b, i, h); the error map is their maximum over b. All of them are binned when large.
@@ -163,7 +163,7 @@ def scan(
             diff_map = np.where(bad, np.inf, diff)
         else:
             diff_map = diff
-        allowed = atol + rtol * abs_e
+        allowed = criterion.allowances(abs_e)
         out = (diff > allowed) | bad
         counted = out if elementwise else bad  # what the criterion counts, element by element
         mismatches += int(counted.sum())
