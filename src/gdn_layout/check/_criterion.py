@@ -186,8 +186,8 @@ class Criterion:
     >>> Criterion.tolerances(1e-4, 1e-6).words
     'rtol=0.0001 atol=1e-06'
     >>> c = Criterion.calibrated(None, "float32", "dq", np.ones(8))
-    >>> c.words, c.floor, c.limit
-    ('error/floor<=16 (float32)', (3e-05, 0.0005), 16.0)
+    >>> c.precision_name, c.floor, c.limit == c.precision.k  # K of its class
+    ('float32', (3e-05, 0.0005), True)
     >>> c.score(np.ones(8) * (1 + 1e-6), np.ones(8)) < 1  # within the limit
     True
     """
