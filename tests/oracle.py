@@ -105,7 +105,7 @@ def _run_forward(
     qe, ke, ve, ge, be = (_heads_first(extended(x)) for x in (q, k, v, g, beta))
     steps, batch, heads, n = qe.shape
     per_channel = ge.ndim == 4
-    c = 1 / np.sqrt(extended(n))
+    c = 1 / np.sqrt(extended(max(n, 1)))  # N = 0: no term to scale
     current = (
         np.zeros((batch, heads, n, n), dtype=EXTENDED) if state is None else extended(state).copy()
     )
@@ -152,7 +152,7 @@ def oracle(
     tape = _run_forward(q, k, v, g, beta, state)
     dye = _heads_first(extended(dy))
     steps, batch, heads, n = tape.q.shape
-    c = 1 / np.sqrt(extended(n))
+    c = 1 / np.sqrt(extended(max(n, 1)))  # N = 0: no term to scale
     dq = np.empty_like(tape.q)
     dk = np.empty_like(tape.k)
     dv = np.empty_like(tape.v)
