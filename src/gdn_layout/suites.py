@@ -150,8 +150,8 @@ class Case:
         """:func:`~gdn_layout.compare` of ``actual`` (any array: NumPy, torch, anything with
         ``__dlpack__`` or ``__array__``) with the fixture: against its floors in the
         precision class of the buffers (or :attr:`precision`, or ``precision=``) unless
-        tolerances are given. ``judging`` takes :func:`~gdn_layout.compare`'s ``rtol``,
-        ``atol``, ``max_rms_ratio``, ``equal_nan`` and ``precision``.
+        tolerances are given. ``judging`` takes :func:`~gdn_layout.compare`'s judging
+        keywords (:class:`~gdn_layout.check._compare.Judging`).
 
         A fixture memory-mapped from a large file is held unchanged during the comparison
         (:meth:`Fixture.unchanged`), so that a file truncated or rewritten under the mapping

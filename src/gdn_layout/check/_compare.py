@@ -347,8 +347,7 @@ def assert_close(
     actual, expected, layout, floors, scales
         As for :func:`compare`.
     **judging
-        ``rtol``, ``atol``, ``max_rms_ratio``, ``equal_nan``, ``precision``: as for
-        :func:`compare`.
+        The judging keywords of :func:`compare` (:class:`Judging`), as it takes them.
 
     Returns
     -------
