@@ -1,10 +1,9 @@
-"""``files._fixture``: fixture files in the safetensors format, saved atomically, loaded
-strictly, and generated."""
+"""``files._fixture``: fixture files in the safetensors format, saved atomically and loaded
+strictly."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import re
@@ -33,8 +32,6 @@ from gdn_layout.generate import draw_inputs, make_fixture
 from support import DTYPES, FLAGS, assert_same_fixture, dtype_id, same_bits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16"}
-generate = importlib.import_module("gdn_layout.generate")
 SMALL = GdnBackwardLayout(batch=2, seq=5, heads=3, state_size=4, carry_state=True)
 
 

@@ -579,6 +579,8 @@ def test_inputs_laid_out_for_the_reference_are_read_in_place_and_never_written(
     x = draw_inputs(layout, regime="mixed", seed=5, dtype=np.float64)
     laid = in_reference_order(tuple(x), dtype)
     before = [a.copy() for a in laid]
+    for array in laid:
+        array.flags.writeable = False  # a write raises where it happens
     q, k, v, g, beta, dy, state = laid
     read = validate(q, k, v, g, beta, state, dy, dtype)
     assert all(np.shares_memory(read[i], laid[i]) for i in range(5))  # q, k, v, g, beta
@@ -596,3 +598,16 @@ def test_inputs_laid_out_for_the_reference_are_read_in_place_and_never_written(
     plain = [np.array(a) for a in x]  # C-ordered [B, S, H, N]: every call converts its own
     assert np.array_equal(backward(*plain, dtype=dtype, method=method), outputs[0])
     assert all(not np.shares_memory(out, a) for out in outputs for a in laid)
+
+
+@pytest.mark.parametrize("method", ["chunked", "recurrent"])
+def test_out_may_overlap_an_input_read_in_place(method: Method) -> None:
+    # With H = 1, a float64 dy is read in place; out holds the gradients the backward writes
+    # while it still reads dy.
+    layout = GdnBackwardLayout(1, 12, 1, 4)
+    x = draw_inputs(layout, seed=2, dtype=np.float64)
+    flat = np.zeros(layout.total_elems)
+    dy = unpack(flat, layout).dq
+    dy[...] = x.dy
+    expected = backward(*x[:5], dy.copy(), method=method)
+    assert np.array_equal(backward(*x[:5], dy, out=flat, method=method), expected)

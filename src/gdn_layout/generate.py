@@ -293,7 +293,8 @@ def correct_forms_floors(
     that rounding analysis allows. Forms run side by side on ``workers`` threads."""
     layout = GdnBackwardLayout.from_inputs(x.q, x.g, x.state)
     forms = sorted({form for c in precisions for form, _ in PANEL[c]}, key=_FORMS.index)
-    x = GdnInputs(*in_reference_order(tuple(x), np.float32))  # the forms compute in float32
+    if _has_state(layout):  # the forms compute in float32; without a state element none runs
+        x = GdnInputs(*in_reference_order(tuple(x), np.float32))
     # The rounding analysis's least floor guards tensors of few elements, whose measured
     # figures are a few samples of one rounding order.
     sized = next((f for f in forms if f in CHUNKED_RUNS), None)

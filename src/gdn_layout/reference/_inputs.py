@@ -4,7 +4,7 @@ that workers take of them and of the gradients; and the check of what comes back
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -15,6 +15,7 @@ from ..packing import GdnGrads
 from ._threads import mapped
 
 _Array = NDArray[Any]
+_MaybeArray = TypeVar("_MaybeArray", _Array, None, _Array | None)
 
 
 class Inputs(NamedTuple):
@@ -153,6 +154,24 @@ def validate(
         dy=done.get("dy"),
         layout=layout,
         scale=1.0 / math.sqrt(n) if n else 1.0,
+    )
+
+
+def apart_from(x: Inputs, out: _Array) -> Inputs:
+    """``x`` with a copy of each input that may share memory with ``out``: inputs are read in
+    place (:func:`validate`), and a backward writes ``out`` while it still reads them."""
+
+    def apart(a: _MaybeArray) -> _MaybeArray:
+        return a.copy() if a is not None and np.may_share_memory(a, out) else a
+
+    return x._replace(
+        q=apart(x.q),
+        k=apart(x.k),
+        v=apart(x.v),
+        g=apart(x.g),
+        beta=apart(x.beta),
+        state=apart(x.state),
+        dy=apart(x.dy),
     )
 
 
