@@ -12,11 +12,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.generate import draw_inputs
-from gdn_layout.reference import Method, backward, chunk_states, default_checkpoint_every, forward
-from gdn_layout.reference._fused import fused_backward
-from gdn_layout.reference._inputs import in_reference_order, validate
-from gdn_layout.reference._states import step_by_step
+from gdn_layout.reference import Method, backward, default_checkpoint_every, forward
 
 Array = NDArray[Any]
 Inputs = dict[str, Array]
@@ -566,48 +562,3 @@ def test_work_without_a_state_element_is_zeros_at_once(batch: int, heads: int, s
     grads = unpack(backward(short, short, short, g[:, :7], beta[:, :7], short), layout)
     for name in ("dq", "dk", "dv", "dg", "dbeta"):
         assert np.array_equal(getattr(grads, name), getattr(stepped, name)), name
-
-
-@pytest.mark.parametrize("method", ["chunked", "recurrent"])
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_inputs_laid_out_for_the_reference_are_read_in_place_and_never_written(
-    method: Method, dtype: type[np.floating[Any]]
-) -> None:
-    # A fixture lays its inputs out once (in_reference_order) for several calls, which then
-    # copy nothing: the arrays must come back as they went in, and the results be the same.
-    layout = GdnBackwardLayout(2, 70, 3, 8, gate_per_channel=True, carry_state=True)
-    x = draw_inputs(layout, regime="mixed", seed=5, dtype=np.float64)
-    laid = in_reference_order(tuple(x), dtype)
-    before = [a.copy() for a in laid]
-    for array in laid:
-        array.flags.writeable = False  # a write raises where it happens
-    q, k, v, g, beta, dy, state = laid
-    read = validate(q, k, v, g, beta, state, dy, dtype)
-    assert all(np.shares_memory(read[i], laid[i]) for i in range(5))  # q, k, v, g, beta
-    assert np.shares_memory(read.dy, dy)
-    assert np.shares_memory(read.state, state)
-    outputs = [
-        backward(q, k, v, g, beta, dy, state, dtype=dtype, method=method),
-        *forward(q, k, v, g, beta, state, dtype=dtype, method=method),
-        *chunk_states(q, k, v, g, beta, dy, state, chunk=16, dtype=dtype),
-        step_by_step(q, k, v, g, beta, dy, state, chunk=16, dtype=dtype)[0],
-        fused_backward(q, k, v, g, beta, dy, state, dtype=dtype)[0],
-    ]
-    for a, b in zip(laid, before, strict=True):
-        assert np.array_equal(a, b)
-    plain = [np.array(a) for a in x]  # C-ordered [B, S, H, N]: every call converts its own
-    assert np.array_equal(backward(*plain, dtype=dtype, method=method), outputs[0])
-    assert all(not np.shares_memory(out, a) for out in outputs for a in laid)
-
-
-@pytest.mark.parametrize("method", ["chunked", "recurrent"])
-def test_out_may_overlap_an_input_read_in_place(method: Method) -> None:
-    # With H = 1, a float64 dy is read in place; out holds the gradients the backward writes
-    # while it still reads dy.
-    layout = GdnBackwardLayout(1, 12, 1, 4)
-    x = draw_inputs(layout, seed=2, dtype=np.float64)
-    flat = np.zeros(layout.total_elems)
-    dy = unpack(flat, layout).dq
-    dy[...] = x.dy
-    expected = backward(*x[:5], dy.copy(), method=method)
-    assert np.array_equal(backward(*x[:5], dy, out=flat, method=method), expected)

@@ -37,7 +37,6 @@ from .files._safetensors import dtype_code
 from .layout import GdnBackwardLayout
 from .reference._chunked import chunk_length
 from .reference._fused import FUSED_CHUNK, KEEP_BYTES, fused_backward
-from .reference._inputs import in_reference_order
 from .reference._recurrent import default_checkpoint_every
 from .reference._states import step_by_step
 from .reference._threads import mapped
@@ -245,7 +244,9 @@ def _fixture_of(
     precisions: tuple[str, ...] = ("float32",),
 ) -> Fixture:
     """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
-    wide = GdnInputs(*in_reference_order(tuple(x), np.float64))  # read by every call below
+    state = None if x.state is None else x.state.astype(np.float64)
+    q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
+    wide = GdnInputs(q, k, v, g, beta, dy, state)
     truth = reference_outputs(wide, states, workers)
     packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
@@ -293,8 +294,6 @@ def correct_forms_floors(
     that rounding analysis allows. Forms run side by side on ``workers`` threads."""
     layout = GdnBackwardLayout.from_inputs(x.q, x.g, x.state)
     forms = sorted({form for c in precisions for form, _ in PANEL[c]}, key=_FORMS.index)
-    if _has_state(layout):  # the forms compute in float32; without a state element none runs
-        x = GdnInputs(*in_reference_order(tuple(x), np.float32))
     # The rounding analysis's least floor guards tensors of few elements, whose measured
     # figures are a few samples of one rounding order.
     sized = next((f for f in forms if f in CHUNKED_RUNS), None)
@@ -426,12 +425,12 @@ def fixture_memory(
     * the draw: the inputs in float64 and in ``dtype``, and the gate's temporaries;
     * the float64 reference, beside the inputs in ``dtype`` and in float64: its forward, with
       ``states`` its chunk states ``h`` and ``dh`` (``[B, K, H, N, N]``, ``K = ceil(S /
-      states)``), its backward; each with the state it copies, its results, the plan's
+      states)``), its backward; each with the copies its entry makes, its results, the plan's
       pair decays, the state it keeps per stack of steps, one stack's working set and each
       stack's Python objects;
-    * the precision floors' runs (:func:`correct_forms_floors`), in float32 on one copy of
-      the inputs, one after another (side by side with ``workers`` above 1) beside the float64
-      results: each run's results and states (the step-by-step form's checkpoints,
+    * the precision floors' runs (:func:`correct_forms_floors`), in float32 on the stored
+      inputs, one after another (side by side with ``workers`` above 1) beside the float64
+      results: each run's copies, results and states (the step-by-step form's checkpoints,
       the fused form's state at every chunk and the chunks it keeps) and what the runs before
       it keep; then the comparison's buffers;
     * the results cast to ``dtype`` beside their float64 originals.
@@ -466,7 +465,7 @@ def fixture_memory(
         held + results * (8 + stored.itemsize),  # the results cast beside the float64 ones
     ]
     if b * h * n:  # else every result is zero and nothing runs
-        truth_peak = held + _reference_peak(layout, truth, states)
+        truth_peak = held + _reference_peak(layout, inputs, truth, states)
         runs, comparison = _floors_peak(layout, inputs, states, classes, threads)
         if threads > 1:  # the runs' threads do not reuse what the reference left in its heap
             phases.append(max(truth_peak, held + results * 8 + comparison) + runs)
@@ -501,12 +500,10 @@ def _stack_work(layout: GdnBackwardLayout, steps: int, length: int) -> int:
     return 8 * bh * (13 * steps * n + 10 * steps * min(steps, length) + (5 + 3 * chunks) * n * n)
 
 
-def _reference_peak(layout: GdnBackwardLayout, truth: int, states: int | None) -> int:
+def _reference_peak(layout: GdnBackwardLayout, inputs: int, truth: int, states: int | None) -> int:
     """The bytes of the float64 reference's peak beyond the inputs: its forward, with
     ``states`` :func:`~gdn_layout.reference.chunk_states` beside ``y``, its backward beside
-    their results. Each reads the inputs in place (laid out for it by
-    :func:`~gdn_layout.reference._inputs.in_reference_order`), copies the state it steps and
-    ends with a mask of its largest result."""
+    their results. Each copies its inputs and ends with a mask of its largest result."""
     b, h, n = layout.batch, layout.heads, layout.state_size
     s = max(layout.seq, 1)  # S = 0 takes one step's bookkeeping
     bh, state, qkv, packed = b * h, b * h * n * n, layout.qkv_elems, layout.total_elems
@@ -516,16 +513,16 @@ def _reference_peak(layout: GdnBackwardLayout, truth: int, states: int | None) -
         every = min(s, length)
         pairs = per_head * bh * _padded(s, every, length)
         work = _stack_work(layout, every, length) + _ceil(s, every) * _STACK_OBJECTS + qkv
-        forward = (qkv + state + pairs) * 8 + work  # y and the final state
-        backward = (state + packed + pairs + _ceil(s, every) * state) * 8 + work
+        forward = (inputs + state + pairs) * 8 + work  # inputs: the copies, y for dy
+        backward = (inputs + packed + pairs + _ceil(s, every) * state) * 8 + work
     else:  # the step-by-step form: checkpoints every C steps, C steps recomputed
         c = default_checkpoint_every(s)
-        forward = (qkv + state + 4 * bh * 256 * n) * 8 + qkv
-        backward = (packed + (_ceil(s, c) + c + 7) * state + 12 * c * bh * n) * 8 + qkv
+        forward = (inputs + state + 4 * bh * 256 * n) * 8 + qkv
+        backward = (inputs + packed + (_ceil(s, c) + c + 6) * state + 12 * c * bh * n) * 8 + qkv
     peak = max(forward, truth * 8 + backward)
     if states:
         chunk, count = min(states, s), _ceil(layout.seq, states)
-        at = (2 * count + 2) * state * 8 + count * state  # h, dh, final, its copy, mask
+        at = (inputs + (2 * count + 1) * state) * 8 + count * state  # h, dh, final, mask
         if n > 1:
             pairs = per_head * bh * _padded(s, chunk, min(chunk, length))
             at += pairs * 8 + _stack_work(layout, chunk, min(chunk, length))
@@ -544,12 +541,12 @@ def _floors_peak(
     workers: int,
 ) -> tuple[int, int]:
     """The bytes of the precision floors' runs, beyond the inputs and the float64 results, and
-    of the comparison after them. The runs, in float32 on one copy of the inputs laid out
-    for the reference, of each class's forms: one after another, each beside what the runs
-    before it returned, or side by side on ``workers`` threads. The chunks a fused run keeps
-    are small arrays whose heap stays for the runs after it (to hold their chunks, or the
-    states they copy last). The comparison holds a float64 buffer of the longest tensor and
-    float32 copies of the fused form's strided y, h and dh, two at a time."""
+    of the comparison after them. The runs, in float32, of each class's forms: one after
+    another, each beside what the runs before it returned, or side by side on ``workers``
+    threads. The chunks a fused run keeps are small arrays whose heap stays for the runs
+    after it (to hold their chunks, or the states they copy last). The comparison holds a
+    float64 buffer of the longest tensor and float32 copies of the fused form's strided y, h
+    and dh, two at a time."""
     b, h, n = layout.batch, layout.heads, layout.state_size
     s = max(layout.seq, 1)  # S = 0 takes one step's bookkeeping
     bh, state, qkv, packed = b * h, b * h * n * n, layout.qkv_elems, layout.total_elems
@@ -565,7 +562,7 @@ def _floors_peak(
     def step_by_step() -> int:
         every = min(states, s) if states else default_checkpoint_every(s)
         held = _ceil(s, every) + count + every + 7  # checkpoints, dh, an interval's states
-        return (packed + qkv + held * state + 16 * every * bh * n) * 4 + longest
+        return (inputs + packed + qkv + held * state + 16 * every * bh * n) * 4 + longest
 
     def fused(chunk: int | None, sized: bool, heap: int) -> tuple[int, int]:
         """The peak of a fused run cut every ``chunk`` steps too, with the chunks it keeps in
@@ -586,7 +583,7 @@ def _floors_peak(
         # five [B, H, C, C, N] with a per-channel gate, four states.
         work = ((18 + 5 * per_channel * n) * c * c + 12 * c * n) * bh * 4 + 4 * state * 4
         copies = 2 * count * state * 4 if chunk else 0  # the states at the chunk boundaries
-        peak = (2 * (starts + 1) * state + packed + qkv) * 4
+        peak = (inputs + 2 * (starts + 1) * state + packed + qkv) * 4
         peak += max(heap, keeps) + max(work, copies + longest)
         if sized:  # the sums of absolute terms of every result, in float64
             peak += (packed + qkv + 2 * (starts + 1) * state) * 8
@@ -611,7 +608,7 @@ def _floors_peak(
         peak = peak + full if workers > 1 else max(peak, done + full)
         done += returned
     strided = count * state + max(qkv, count * state) if states else qkv
-    return inputs * 4 + peak, longest * 8 + strided * 4  # one float32 copy of the inputs
+    return peak, longest * 8 + strided * 4
 
 
 class _Case(NamedTuple):

@@ -45,11 +45,10 @@ largest element of each; in float32 the error is within ten times that of the fl
 step-by-step recurrence on the same inputs. Where the recurrence itself overflows (keys far
 from unit norm over many steps) the result is not finite and a FloatingPointError says so.
 
-Memory of the backward, beyond the inputs' converted copies (none for inputs already in the
-computation dtype with time on axis 2 in memory) and the packed output (both ``O(B*S*H*N)``):
-the recurrent method checkpoints the state every ``C = checkpoint_every`` steps (default
-:func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward sweep and recomputes each
-interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
+Memory of the backward, beyond the inputs' converted copies and the packed output (both
+``O(B*S*H*N)``): the recurrent method checkpoints the state every ``C = checkpoint_every``
+steps (default :func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward sweep and
+recomputes each interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
 elements. The chunked method stacks ``C = checkpoint_every`` steps into one batch of matrix
 products (default: one chunk's worth; it also bounds the chunk length) and keeps, from its
 forward sweep for the backward sweep, the state entering every batch and, with a per-head
@@ -70,7 +69,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from .._checks import integer
 from ..packing import check_out, unpack
 from . import _chunked, _recurrent
-from ._inputs import Inputs, apart_from, check_result, part_grads, part_inputs, validate
+from ._inputs import Inputs, check_result, part_grads, part_inputs, validate
 from ._recurrent import default_checkpoint_every
 from ._states import chunk_states
 from ._threads import groups, resolve_workers, spread
@@ -334,7 +333,6 @@ def backward(
                 f"got {out.dtype}"
             )
         flat = out
-        inputs = apart_from(inputs, out)
     if layout.batch * layout.heads * layout.state_size == 0:
         flat[...] = 0  # no state element: every gradient is zeros, whatever S
         _ticker(progress, 1)()  # all of it done

@@ -4,7 +4,7 @@ that workers take of them and of the gradients; and the check of what comes back
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
@@ -15,7 +15,6 @@ from ..packing import GdnGrads
 from ._threads import mapped
 
 _Array = NDArray[Any]
-_MaybeArray = TypeVar("_MaybeArray", _Array, None, _Array | None)
 
 
 class Inputs(NamedTuple):
@@ -66,35 +65,10 @@ def _expect_shape(name: str, array: _Array, expected: tuple[int, ...], what: str
         raise ValueError(f"{name} must have shape {what} = {expected}, got {array.shape}")
 
 
-def _axes(name: str, ndim: int) -> tuple[int, ...]:
-    """The permutation that puts time on axis 2 (its own inverse); the state's is none."""
-    if name == "state":
-        return (0, 1, 2, 3)
-    return (0, 2, 1, 3) if ndim == 4 else (0, 2, 1)
-
-
-def in_reference_order(arrays: tuple[_Array | None, ...], dtype: DTypeLike) -> tuple[Any, ...]:
-    """``q, k, v, g, beta, dy, state`` (None stays None) in ``dtype``, laid out in memory as
-    the reference computes on them, time on axis 2, and seen in the op's shapes: each call of
-    the reference then reads them in place, with no copy of its own (a fixture's truth and
-    its precision floors make several calls on the same inputs)."""
-    names = ("q", "k", "v", "g", "beta", "dy", "state")
-    out: list[_Array | None] = []
-    for name, array in zip(names, arrays, strict=True):
-        if array is None:
-            out.append(None)
-            continue
-        axes = _axes(name, array.ndim)
-        out.append(np.ascontiguousarray(array.transpose(axes), dtype).transpose(axes))
-    return tuple(out)
-
-
 def _converted(name: str, array: _Array, dtype: np.dtype[Any], axes: tuple[int, ...]) -> _Array:
-    """``array`` in ``dtype`` with its axes permuted, C-ordered and checked finite: a copy,
-    unless it is already laid out so (:func:`in_reference_order`); the reference never writes
-    its inputs."""
+    """A C-ordered copy of ``array`` in ``dtype`` with its axes permuted, checked finite."""
     with np.errstate(over="ignore"):  # an overflow is reported below as a non-finite value
-        converted = np.asarray(array.transpose(axes), dtype=dtype, order="C")
+        converted = np.array(array.transpose(axes), dtype=dtype, order="C", copy=True)
     finite = np.isfinite(converted)
     if not finite.all():
         bad = np.argwhere(~finite.transpose(np.argsort(axes)))[0]
@@ -131,9 +105,18 @@ def validate(
             _expect_shape(name, arrays[name], layout.input_shape(name), what)
     n = layout.state_size
 
+    seq_axes = (0, 2, 1, 3)
+    axes = {
+        "g": seq_axes if ga.ndim == 4 else (0, 2, 1),
+        "q": seq_axes,
+        "k": seq_axes,
+        "v": seq_axes,
+        "beta": (0, 2, 1),
+        "state": (0, 1, 2, 3),
+        "dy": seq_axes,
+    }
     # In this order the plain loop converts them, and so names the first bad one.
-    order = [name for name in ("g", "q", "k", "v", "beta", "state", "dy") if name in arrays]
-    axes = {name: _axes(name, arrays[name].ndim) for name in order}
+    order = [name for name in axes if name in arrays]
     done = dict(
         zip(
             order,
@@ -154,24 +137,6 @@ def validate(
         dy=done.get("dy"),
         layout=layout,
         scale=1.0 / math.sqrt(n) if n else 1.0,
-    )
-
-
-def apart_from(x: Inputs, out: _Array) -> Inputs:
-    """``x`` with a copy of each input that may share memory with ``out``: inputs are read in
-    place (:func:`validate`), and a backward writes ``out`` while it still reads them."""
-
-    def apart(a: _MaybeArray) -> _MaybeArray:
-        return a.copy() if a is not None and np.may_share_memory(a, out) else a
-
-    return x._replace(
-        q=apart(x.q),
-        k=apart(x.k),
-        v=apart(x.v),
-        g=apart(x.g),
-        beta=apart(x.beta),
-        state=apart(x.state),
-        dy=apart(x.dy),
     )
 
 
