@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 import pytest
 from numpy.typing import NDArray
@@ -15,6 +16,8 @@ from gdn_layout.check import _misreadings
 from gdn_layout.check._findings import KINDS, Finding
 from gdn_layout.files import Fixture
 from gdn_layout.reference import backward
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 READINGS = tuple(r.name for r in _misreadings.READINGS)
 
@@ -138,6 +141,21 @@ def test_a_kernel_failing_off_the_slice_is_not_re_run(monkeypatch: pytest.Monkey
     assert not ran
 
 
+def test_one_gradient_its_own_finding_explains_is_not_re_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = GdnBackwardLayout(2, 40, 2, 8)
+    fx = make_fixture(layout, regime="mild")
+    out = backward(*fx.inputs, dtype=np.float32)
+    unpack(out, layout).dq[...] *= 2  # a scale of dq alone: named by its own values
+    ran = []
+    monkeypatch.setattr(_misreadings, "_run", lambda *a: ran.append(a))
+    result = compare(out, fx)
+    assert result.failed == ("dq",)
+    assert [f.kind for f in result["dq"].findings] == ["scale"]
+    assert not ran
+
+
 def test_bare_arrays_have_no_inputs_to_re_run() -> None:
     fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")
     assert fx.state is not None
@@ -211,3 +229,21 @@ def test_a_gate_read_a_step_off_under_equal_gates_is_named_by_its_dg_shift(varia
     assert finding.kind == "shift"
     when = "early" if variant else "late"
     assert f"or the gate read one step {when}" in finding.text, finding.text
+
+
+@pytest.mark.parametrize(("shape", "seed"), [((1, 255, 2, 16), 1), ((2, 130, 2, 8), 0)])
+def test_a_reading_that_shows_in_one_gradient_alone_is_named(
+    shape: tuple[int, int, int, int], seed: int
+) -> None:
+    # Under strong decay, a bfloat16 kernel that reads the state transposed fails in dg alone:
+    # the other gradients move less than bfloat16's floors. Every reading is tried on it, its
+    # floors no lower than the reading's own values rounded to bfloat16.
+    fixture = make_fixture(
+        GdnBackwardLayout(*shape, carry_state=True), regime="strong", seed=seed, dtype=BF16
+    )
+    q, k, v, g, beta, dy, state = fixture.inputs
+    assert state is not None
+    kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    result = compare(kernel.astype(BF16), fixture)
+    assert result.failed == ("dg",)
+    assert [dict(f.details)["reading"] for f in result.findings] == ["state_transposed"]

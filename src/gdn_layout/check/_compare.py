@@ -4,7 +4,7 @@ inputs are checked, a criterion chosen per gradient, and each gradient scanned o
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Final, TypedDict, Unpack
 
 import numpy as np
 from numpy.typing import NDArray
@@ -251,7 +251,9 @@ def _compare(
         grads.append(grad)
     whole: tuple[Finding, ...] = ()
     if not all(g.passed for g in grads) and inputs is not None:
-        whole = _misreadings(actual, expected, layout, inputs, criteria, floors, judged)
+        failed = [g for g in grads if not g.passed]
+        if len(failed) > 1 or not {f.kind for f in failed[0].findings} & _EXPLAINED:
+            whole = _misreadings(actual, expected, layout, inputs, criteria, floors, judged)
         if whole:  # it explains every gradient: the per-gradient guesses go
             grads = [dataclasses.replace(g, findings=()) for g in grads]
         mine = unpack(actual, layout)
@@ -265,6 +267,13 @@ def _compare(
     if not whole and not all(g.passed for g in grads):
         whole = buffer_findings(actual, expected, layout, score)
     return Comparison(layout, tuple(grads), whole)
+
+
+#: The kinds that explain a gradient failing alone by its own values (rearranged, scaled, not
+#: written, not finite): no reading is re-run for it.
+_EXPLAINED: Final = frozenset(
+    {"unwritten", "nonfinite", "axes", "transpose", "heads", "batch", "shift", "scale"}
+)
 
 
 def _misreadings(
