@@ -147,13 +147,55 @@ def test_one_gradient_its_own_finding_explains_is_not_re_run(
     layout = GdnBackwardLayout(2, 40, 2, 8)
     fx = make_fixture(layout, regime="mild")
     out = backward(*fx.inputs, dtype=np.float32)
-    unpack(out, layout).dq[...] *= 2  # a scale of dq alone: named by its own values
+    dv = unpack(out, layout).dv
+    dv[...] = dv[:, :, ::-1].copy()  # dv's heads exchanged: named by its own values
     ran = []
-    monkeypatch.setattr(_misreadings, "_run", lambda *a: ran.append(a))
+    run = _misreadings._run
+    monkeypatch.setattr(_misreadings, "_run", lambda *a: ran.append(a) or run(*a))
+    result = compare(out, fx)
+    assert result.failed == ("dv",)
+    assert [f.kind for f in result["dv"].findings] == ["heads"]
+    assert not ran
+    unpack(out, layout).dv[...] = unpack(backward(*fx.inputs, dtype=np.float32), layout).dv
+    unpack(out, layout).dq[...] *= 2  # a factor: a reading may scale one gradient alone
     result = compare(out, fx)
     assert result.failed == ("dq",)
     assert [f.kind for f in result["dq"].findings] == ["scale"]
-    assert not ran
+    assert ran
+    assert not _named(result.findings)
+
+
+def test_dv_without_beta_is_named_where_a_scaled_shift_also_fits() -> None:
+    # S=3, N=128, bfloat16, beta_missing's dv variant: dv alone fails, and its own finding is
+    # a shift by -2 steps with a fitted factor (on the one step left); the re-run names the
+    # reading.
+    fx = make_fixture(
+        GdnBackwardLayout(1, 3, 1, 128, carry_state=True), regime="mild", seed=101, dtype=BF16
+    )
+    q, k, v, g, beta, dy, state = fx.inputs
+    kernel = backward(q, k, v, g, beta, dy, state, dtype=np.float32)
+    grads = unpack(kernel, fx.layout)
+    grads.dv[...] /= np.asarray(beta, np.float32)[..., None]
+    result = compare(kernel.astype(BF16), fx)
+    assert result.failed == ("dv",)
+    assert _named(result.findings) == ["beta_missing"]
+
+
+@pytest.mark.slow
+def test_a_near_miss_of_a_reading_is_judged_on_its_float32_rounding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Extreme decay, S=300, N=128: a float32 kernel adding a cotangent of ones to the final
+    # state misses that reading's float64 values by its own float32 rounding, which is above
+    # the op's floors on dk; the kernel is nearer the reading than the op, so it runs again
+    # in float32.
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    fx = make_fixture(GdnBackwardLayout(1, 300, 1, 128), regime="extreme", seed=197)
+    kernel = panel.misread(fx, "final_state_cotangent", "")
+    assert _named(compare(kernel, fx).findings) == ["final_state_cotangent"]
+    monkeypatch.setattr(_misreadings, "_nearer", lambda *a: False)
+    assert _named(compare(kernel, fx).findings) == []
 
 
 def test_bare_arrays_have_no_inputs_to_re_run() -> None:

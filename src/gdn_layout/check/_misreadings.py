@@ -22,11 +22,12 @@ checked to agree with it.
 **Cost.** A re-run is the step-by-step form on a slice of the case: the first two batch rows
 (one when ``B = 1``) and as many heads as keep it within :data:`BUDGET` state elements
 stepped (``rows * heads * S * N**2``; at least one head), from the head where most gradients
-come nearest their largest error, its states kept at every 64th step
-and recomputed in between. It runs only when the kernel fails on that slice, once per
-reading and variant (a scale is the truth times a factor); where a reading's op grows (its
-gradients a thousand times the op's, or not finite) it runs again in float32, whose own
-rounding then raises the floors and whose overflow frees the kernel's values there.
+come nearest their largest error, its states kept at every 64th step and recomputed in
+between. It runs only when the kernel fails on that slice, once per reading and variant (a
+scale is the truth times a factor). Where a reading's op grows (its gradients a thousand
+times the op's, or not finite), or the kernel misses it by less than it misses the op, it
+runs again in float32, whose own rounding then raises the floors and whose overflow frees
+the kernel's values there.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, make_fixture, compare
@@ -502,7 +503,9 @@ def misreading_findings(
             for index, (words, grads) in enumerate(variants):
                 named = holds(grads, None)
                 rerun = reading.name != "scale"  # a scale is the truth times a factor
-                if not named and rerun and low is not None and _grows(grads, theirs, actual_of):
+                if (not named and rerun and low is not None) and (
+                    _grows(grads, theirs, actual_of) or _nearer(grads, theirs, actual_of, failing)
+                ):
                     # its op's own float32 rounding may be what the kernel misses by
                     rounded = list(reading.truths(low)) if rounded is None else rounded
                     named = holds(grads, rounded[index][1])
@@ -525,6 +528,17 @@ def _grows(grads: _Grads, truth: _Grads, kernel: Mapping[str, Any]) -> bool:
             if _rms(values) > 1e3 * _rms(op):
                 return True
     return False
+
+
+def _nearer(grads: _Grads, truth: _Grads, kernel: Mapping[str, Any], failing: set[str]) -> bool:
+    """Whether the kernel is nearer a reading than the op in every gradient it fails that the
+    reading judges: a near miss, which the reading's own float32 rounding may account for."""
+    pairs = [(kernel[n], grads.get(n), truth.get(n)) for n in sorted(failing)]
+    judged = [(np.asarray(a, np.float64), r, op) for a, r, op in pairs if r is not None]
+    with np.errstate(all="ignore"):
+        return bool(judged) and all(
+            op is not None and _rms(a - r) < _rms(a - op) for a, r, op in judged
+        )
 
 
 def _rms(t: NDArray[Any]) -> float:
