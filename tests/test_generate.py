@@ -106,6 +106,21 @@ def test_a_failed_suite_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     assert _siblings(root) == []
 
 
+@pytest.mark.slow
+def test_a_case_failing_in_a_worker_process_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The workers are other processes: the failure comes back from one of them, the
+    # parent's monkeypatches not reaching it.
+    good = list(generate._suite_cases())[:5]
+    bad = good[-1]._replace(regime="no-such-regime")
+    monkeypatch.setattr(generate, "_suite_cases", lambda: iter([*good, bad]))
+    root = tmp_path / "suite"
+    with pytest.raises(ValueError, match="no-such-regime"):
+        write_suite(root, workers=2)
+    assert _siblings(root) == []
+
+
 @pytest.mark.usefixtures("small_suite")
 @pytest.mark.slow
 def test_overwrite_replaces_the_whole_suite(

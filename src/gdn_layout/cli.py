@@ -230,8 +230,8 @@ def _fixture_command(commands: _Commands) -> None:
         type=positive_arg,
         default=None,
         metavar="N",
-        help="threads to compute with (default: every core this process may use); the files "
-        "are the same for every N",
+        help="threads to compute a fixture with, processes to make a suite's files with "
+        "(default: every core this process may use); the files are the same for every N",
     )
     fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
     fixture.set_defaults(run=_fixture)

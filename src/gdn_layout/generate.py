@@ -9,10 +9,11 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple, SupportsIndex
 
@@ -771,9 +772,11 @@ def write_suite(
     progress : callable, optional
         Called with the fraction of the files written.
     workers : int or None
-        Threads that make the fixtures, each one case at a time: 1, the default, makes them in
-        the calling thread, None on every core this process may use. The files and the
-        manifest are the same, byte for byte, for every value.
+        Processes that make the fixtures, each one file at a time: 1, the default, makes them
+        in the calling thread, None one process per core this process may use. The files and
+        the manifest are the same, byte for byte, for every value. Above 1 the processes are
+        spawned: a script that calls ``write_suite`` at its top level guards the call with
+        ``if __name__ == "__main__":``, as :mod:`multiprocessing` asks.
 
     Returns
     -------
@@ -831,17 +834,24 @@ def write_suite(
     return [given / name for name in names]
 
 
-def _in_order(make: Callable[[int], Fixture], count: int, workers: int) -> Iterator[Fixture]:
-    """``make(0), make(1), ...`` in order, made on ``workers`` threads at most ``2 * workers``
-    ahead of the one handed out, so that few fixtures wait in memory."""
+def _in_order(
+    cases: list[_SuiteCase], target: np.dtype[Any], seed: int, workers: int
+) -> Iterator[Fixture]:
+    """The fixture of each case, in order, made in ``workers`` processes at most
+    ``2 * workers`` ahead of the one handed out, so that few fixtures wait in memory.
+
+    Processes, not threads: a suite's cases are small, and threads making them would queue on
+    the GIL between NumPy's short calls. They are started by spawning, the one start method
+    every system has, and one that copies no lock held by another thread."""
     if workers == 1:
-        yield from (make(index) for index in range(count))
+        yield from (_suite_fixture(case, target, seed + i) for i, case in enumerate(cases))
         return
-    with ThreadPoolExecutor(max_workers=workers) as pool:
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
         pending: deque[Future[Fixture]] = deque()
         try:
-            for index in range(count):
-                pending.append(pool.submit(make, index))
+            for index, case in enumerate(cases):
+                pending.append(pool.submit(_suite_fixture, case, target, seed + index))
                 if len(pending) >= 2 * workers:
                     yield pending.popleft().result()
             while pending:
@@ -849,6 +859,13 @@ def _in_order(make: Callable[[int], Fixture], count: int, workers: int) -> Itera
         finally:
             for future in pending:
                 future.cancel()
+
+
+def _suite_fixture(case: _SuiteCase, target: np.dtype[Any], seed: int) -> Fixture:
+    """The fixture of one file of the standard suite."""
+    if case.identical_rows:
+        return _identical_rows_fixture(case.layout, target, case.regime, seed)
+    return make_fixture(case.layout, dtype=target, regime=case.regime, seed=seed, precisions="all")
 
 
 def _non_empty_folder(path: Path) -> bool:
@@ -906,16 +923,7 @@ def _write_suite_files(
     """Write every fixture and the manifest into the empty folder ``root``; their names."""
     entries: list[dict[str, Any]] = []
     cases = list(_suite_cases())
-
-    def make(index: int) -> Fixture:
-        _name, layout, regime, identical_rows, _since = cases[index]
-        if identical_rows:
-            return _identical_rows_fixture(layout, target, regime, seed + index)
-        return make_fixture(
-            layout, dtype=target, regime=regime, seed=seed + index, precisions="all"
-        )
-
-    for index, fixture in enumerate(_in_order(make, len(cases), workers)):
+    for index, fixture in enumerate(_in_order(cases, target, seed, workers)):
         name, layout, regime, identical_rows, _since = cases[index]
         path = save_fixture(root / name, fixture)
         if progress is not None:
