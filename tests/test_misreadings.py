@@ -149,9 +149,14 @@ def test_one_gradient_its_own_finding_explains_is_not_re_run(
     out = backward(*fx.inputs, dtype=np.float32)
     dv = unpack(out, layout).dv
     dv[...] = dv[:, :, ::-1].copy()  # dv's heads exchanged: named by its own values
-    ran = []
+    ran: list[tuple[Any, ...]] = []
     run = _misreadings._run
-    monkeypatch.setattr(_misreadings, "_run", lambda *a: ran.append(a) or run(*a))
+
+    def counted(*args: Any) -> Any:
+        ran.append(args)
+        return run(*args)
+
+    monkeypatch.setattr(_misreadings, "_run", counted)
     result = compare(out, fx)
     assert result.failed == ("dv",)
     assert [f.kind for f in result["dv"].findings] == ["heads"]
