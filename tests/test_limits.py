@@ -50,7 +50,7 @@ _MEASURE = textwrap.dedent(
 )
 
 #: Layouts of each kind (per-head and per-channel gates, with and without a carried state,
-#: N small and large, states every step and every 16 and 64 steps, one and two threads).
+#: N zero, small and large, states every step and every 16 and 64 steps, one and two threads).
 _SHAPES: list[dict[str, Any]] = [
     {"dims": (1, 4096, 4, 64), "workers": 1},
     {"dims": (1, 4096, 4, 64), "workers": 2},
@@ -59,6 +59,7 @@ _SHAPES: list[dict[str, Any]] = [
     {"dims": (2, 8192, 3, 16), "states": 16},
     {"dims": (2, 16384, 4, 4)},
     {"dims": (2, 1024, 4, 128), "carry_state": True},
+    {"dims": (2, 400000, 3, 0)},  # no state element: only the gates and betas are large
 ]
 
 

@@ -438,8 +438,9 @@ def fixture_memory(
 
     Besides, what a first run imports. A per-channel gate's chunks are counted one step long,
     as the extreme gate regime cuts them. With no state element (B, H or N zero) nothing runs
-    but the draw and the zero results. Measured within 25% above the peak RSS over shapes whose
-    estimate is 100 to 600 MiB (tests/test_limits.py).
+    but the draw, the reference's copies of its inputs and its zero results. Measured within
+    25% above the peak RSS over shapes whose estimate is 100 to 600 MiB, N = 0 among them
+    (tests/test_limits.py).
 
     >>> layout = GdnBackwardLayout(1, 4096, 4, 64)
     >>> fixture_memory(layout, states=1) > fixture_memory(layout) > layout.nbytes(np.float64)
@@ -465,13 +466,15 @@ def fixture_memory(
         max(draw, inputs * 8) + inputs * stored.itemsize,
         held + results * (8 + stored.itemsize),  # the results cast beside the float64 ones
     ]
-    if b * h * n:  # else every result is zero and nothing runs
+    if b * h * n:
         truth_peak = held + _reference_peak(layout, inputs, truth, states)
         runs, comparison = _floors_peak(layout, inputs, states, classes, threads)
         if threads > 1:  # the runs' threads do not reuse what the reference left in its heap
             phases.append(max(truth_peak, held + results * 8 + comparison) + runs)
         else:
             phases += [truth_peak, held + results * 8 + runs + comparison]
+    else:  # every result is zero: the reference copies its inputs, fills and checks its output
+        phases.append(held + (inputs + layout.total_elems) * 8 + layout.total_elems)
     return _FIRST_RUN + max(phases)
 
 
