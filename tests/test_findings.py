@@ -360,6 +360,22 @@ def test_unwritten_zeros_and_constants(layout: GdnBackwardLayout, name: str) -> 
         assert kinds(poisoned) == ["nonfinite"]
 
 
+@pytest.mark.parametrize(("layout", "name"), cases())
+def test_unwritten_batch_rows(layout: GdnBackwardLayout, name: str) -> None:
+    e = grads(layout)[name]
+    a = e.copy()
+    a[1] = 0  # row 1 never written, or dstate of rows run as one sequence
+    found = [f for f in grad_findings(name, a, e, layout, SCORE) if f.details.get("how") == "rows"]
+    if np.count_nonzero(e[1]) < findings._IDENTIFIED:
+        assert not found  # a handful of zeros is as likely a rounding
+        return
+    assert kinds(tuple(found)) == ["unwritten"]
+    assert found[0].details["rows"] == (1,)
+    assert found[0].text.startswith(f"{name}'s batch row 1 is all zeros where the op's are not")
+    assert ("one initial state" in found[0].text) == (name == "dstate")
+    assert not grad_findings(name, e.copy(), e, layout, SCORE)  # nothing where nothing fails
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
 def test_unwritten_stale_memory(dtype: Any) -> None:
     layout = LAYOUTS["head-state"]

@@ -34,7 +34,9 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     of the values below ``1e-30`` where the expected ones are not, and the magnitudes spread
     over more than 16 binades (a standard deviation of ``log2|x|``), as stale pointers (their
     high halves read as subnormals) and freed data of another type read by ``np.empty`` are.
-    Not detected for float16, whose range has no such values.
+    Not detected for float16, whose range has no such values. Or some batch rows are all
+    zeros where the op's are not, and others are not (for ``dstate``: a kernel running the
+    rows as one sequence has one initial state).
 ``nonfinite``
     NaN or Inf where the expected value is finite: the count, the first coordinates (in step
     order) and whether every step from one on, or up to one, has some (the backward sweep
@@ -1480,6 +1482,24 @@ def _rows(ctx: _Context) -> Finding | None:
     return Finding("batch", ctx.name, text, {"rows": tuple(failing), "count": count})
 
 
+def _zero_rows(ctx: _Context) -> Finding | None:
+    """The batch rows that are all zeros where the op's are not, when others are not."""
+    a, e = ctx.a, ctx.e
+    rows = range(a.shape[0])
+    zero = [r for r in rows if not a[r].any() and np.count_nonzero(e[r]) >= _IDENTIFIED]
+    if not zero or all(not a[r].any() for r in rows):
+        return None  # the whole region zero is the scan's to name
+    shown = ", ".join(map(str, zero[:_SHOWN])) + (", ..." if len(zero) > _SHOWN else "")
+    many = len(zero) > 1
+    text = (
+        f"{ctx.name}'s batch row{'s' if many else ''} {shown} {'are' if many else 'is'} all "
+        "zeros where the op's are not: never written?"
+    )
+    if ctx.name == "dstate":
+        text += " (or the batch rows run as one sequence, which has one initial state)"
+    return Finding("unwritten", ctx.name, text, {"value": 0.0, "how": "rows", "rows": tuple(zero)})
+
+
 class Hypothesis(NamedTuple):
     """One kind of bug a failing tensor is tried for: ``test`` undoes it on the float64
     region and words what holds, or returns None; ``reads`` says which tensors it is tried
@@ -1495,6 +1515,7 @@ class Hypothesis(NamedTuple):
 #: (the scanned kinds, ``unwritten`` and ``nonfinite``, come first; the buffer's ``layout``
 #: and the case's ``misreading`` and ``overflow`` are tried on the whole).
 HYPOTHESES: Final = (
+    Hypothesis("unwritten", _zero_rows),
     Hypothesis("transpose", _transpose),
     Hypothesis("heads", _heads),
     Hypothesis("batch", _batch),
