@@ -39,7 +39,8 @@ zeros and its gradient is dropped. JAX compiles on the first call for the benchm
 that compile (``jit(...).lower(...).compile()``) is timed apart and printed, never in the
 times. XLA runs on one thread (``--xla_cpu_multi_thread_eigen=false
 intra_op_parallelism_threads=1``); the timing process's CPU time over wall time is printed to
-show that every side used one core. Without JAX installed the JAX columns print ``n/a``.
+show that no side used more than one core (below 1 it waited for one). Without JAX installed
+the JAX columns print ``n/a``.
 
 Every side computes the gradients of ``sum(y * dy)`` (no cotangent on the final state, which
 our op does not expose): PyTorch runs the forward (building the graph) and ``loss.backward()``,
@@ -56,7 +57,8 @@ tiny problem for NumPy and PyTorch, by compiling and running once for JAX. Per c
   the next side's): the growth of the process's peak resident set size (``VmHWM``, the
   kernel's RSS high-water mark, reset through ``/proc/self/clear_refs`` just before) during
   the first full backward over the resident size just before it (inputs and warm-up already
-  resident), i.e. the extra memory that backward needed at its peak, its outputs included.
+  resident; for JAX, the first run after compiling), i.e. the extra memory that backward
+  needed at its peak, its outputs included.
   The same measure on every side; it counts pages actually touched, so memory that the
   allocator kept from the warm-up and reused is not counted. For NumPy,
   ``tracemalloc``'s peak of traced allocations during a separate call is printed alongside;
@@ -780,13 +782,13 @@ def scaling_worker(config: Config) -> dict[str, Any]:
 
 
 def _prepare(side: str, config: Config) -> tuple[Callable[[], object], float | None]:
-    """``side``'s full backward on the benchmark inputs as a call, warmed up (a tiny problem
-    for NumPy and PyTorch; JAX compiles for these shapes), and JAX's compile time."""
+    """``side``'s full backward on the benchmark inputs as a call, warmed up on a tiny problem
+    (NumPy, PyTorch) or compiled for these shapes but not yet run (JAX: XLA's allocator keeps
+    the first run's buffers, whose pages a second run would not show), and JAX's compile
+    time."""
     inputs = make_inputs(config)
     if side in _JAX_SIDES:
-        run, seconds = jax_side(side, inputs)
-        run()  # the first execution
-        return run, seconds
+        return jax_side(side, inputs)
     tiny = make_inputs(config._replace(seq=4))
     if side == "numpy":
         numpy_side(tiny)
@@ -832,6 +834,7 @@ def timing_worker(config: Config, repeats: dict[str, int]) -> dict[str, Any]:
         runs[side], seconds = _prepare(side, config)
         if seconds is not None:
             compile_seconds[side] = seconds
+            runs[side]()  # the first run: its buffers allocated, as the others' warm-up
     best: dict[str, float] = dict.fromkeys(repeats, math.inf)
     cores: dict[str, float] = {}
     for round_ in range(max(repeats.values())):
@@ -1080,7 +1083,8 @@ def print_tables(
         "floor shares: ag, js: 22*N^2 flops a step and head; ref, ch, jc: "
         "22*N^2 + 26*L*N + 16/3*L^2 (L: the chunk length, 64 for ch and jc); compile: "
         "jax.jit(...).lower(...).compile(), apart from the times; cpu/wall: the timing process's "
-        "CPU time over wall time in the best run, the largest over the sides (1: one core).\n"
+        "CPU time over wall time in the best run, the largest over the sides (at most 1 on one "
+        "core; below 1, the process waited for a core).\n"
         "chunked: transformers' torch_chunk_gated_delta_rule (chunk 64, pads S itself); in "
         "float64 a copy of its source with its float32 cast retargeted to float64."
     )
