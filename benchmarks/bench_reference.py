@@ -126,8 +126,8 @@ Two more sections follow the table, each run in its own subprocess with one BLAS
 
 The last row is at a real model's scale (Qwen3-Next's linear attention: B=1, S=8192, H=16,
 N=128, float32): autograd of the recurrence and jax scan are not run there (their extrapolated
-time and memory are printed instead; the scan would keep some 8 GiB of states for its
-backward); the other sides are run with a time limit.
+time and memory are printed instead: both keep every step's states for their backward,
+some 25 GiB); the other sides are run with a time limit.
 
 Run: ``python benchmarks/bench_reference.py`` (needs the ``bench`` extra, i.e. PyTorch,
 transformers and JAX; without PyTorch the benchmark prints why it is skipped and exits
@@ -1130,7 +1130,7 @@ def main() -> int:
             Row(Config(1, 4096, 8, 64, dtype, False, True, 3), {}, autograd_repeats=1)
             for dtype in ("float32", "float64")
         ]
-        # The scan keeps every step's state for its backward: ~8 GiB here.
+        # Both keep every step's states for their backward: some 25 GiB here.
         rows.append(
             Row(
                 Config(1, 8192, 16, 128, "float32", False, True, 2),
