@@ -1,6 +1,6 @@
-"""Benchmark the reference backward against autograd of the recurrence and of a chunked peer.
+"""Benchmark the reference backward against autograd of the recurrence and of chunked peers.
 
-Two baselines, both differentiated by PyTorch autograd:
+Two baselines differentiated by PyTorch autograd, and two by JAX:
 
 * **autograd**: what people use as an oracle: the gated delta-net recurrence written step by
   step in PyTorch (as flash-linear-attention's ``naive_recurrent_gated_delta_rule``, with
@@ -23,30 +23,53 @@ Two baselines, both differentiated by PyTorch autograd:
   fills and accumulates a gradient of the full sequence, so at S=4096 most of its backward is
   ``fill_``, ``add_`` and ``copy_`` of whole tensors rather than matrix products. That is the
   peer as people run it on a CPU.
+* **jax scan**: the same recurrence as **autograd**, one ``lax.scan`` step per time step, in
+  JAX: what a compiler makes of the oracle.
+* **jax chunk**: the WY/UT chunked form as flash-linear-attention computes it, chunk 64, in
+  JAX (:func:`jax_chunked`): per chunk the cumulative log-gate, the strictly lower
+  ``A = -(beta K K^T * decay)``, ``(I - A)^-1`` by ``jax.lax.linalg.triangular_solve``, ``w``
+  and ``u``, then the state carried over the chunks by ``lax.scan``. The same algorithm as
+  transformers' peer without its per-chunk slicing under autograd: what the chunked form costs
+  when a compiler plans its backward. Per-head gate only (``n/a`` on the per-channel rows).
+
+Both JAX sides are ``jax.vjp`` of the forward with cotangent ``dy`` (the gradients of
+``sum(y * dy)`` with respect to q, k, v, g, beta and the initial state) under ``jax.jit``, in
+float64 where the row is (``jax_enable_x64``); without a carried state the initial state is
+zeros and its gradient is dropped. JAX compiles on the first call for the benchmark's shapes:
+that compile (``jit(...).lower(...).compile()``) is timed apart and printed, never in the
+times. XLA runs on one thread (``--xla_cpu_multi_thread_eigen=false
+intra_op_parallelism_threads=1``); the timing process's CPU time over wall time is printed to
+show that no side used more than one core (below 1 it waited for one). Without JAX installed
+the JAX columns print ``n/a``.
 
 Every side computes the gradients of ``sum(y * dy)`` (no cotangent on the final state, which
-our op does not expose): PyTorch runs the forward (building the graph) and ``loss.backward()``;
-the reference runs :func:`gdn_layout.reference.backward`, which itself runs the forward sweep
-it needs. So every timing covers a full backward from the inputs.
+our op does not expose): PyTorch runs the forward (building the graph) and ``loss.backward()``,
+JAX its compiled ``vjp``; the reference runs :func:`gdn_layout.reference.backward`, which
+itself runs the forward sweep it needs. So every timing covers a full backward from the inputs.
 
-Every configuration runs each side in a fresh subprocess with ``OPENBLAS_NUM_THREADS``,
-``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS`` set to 1 (and ``torch.set_num_threads(1)``). A
-subprocess builds its inputs with the same NumPy generator and seed (already converted to the
-benchmark dtype; PyTorch gets them through ``torch.from_numpy``), warms up on a tiny problem,
-then records:
+Every process runs with ``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS``
+set to 1 (and ``torch.set_num_threads(1)``, and XLA's flags above). It builds its inputs with
+the same NumPy generator and seed (already converted to the benchmark dtype; PyTorch gets them
+through ``torch.from_numpy``, JAX through ``jax.device_put``) and warms up each side, on a
+tiny problem for NumPy and PyTorch, by compiling and running once for JAX. Per configuration:
 
-* peak memory: the growth of the process's peak resident set size (``VmHWM``, the kernel's
-  RSS high-water mark, reset through ``/proc/self/clear_refs`` just before) during
+* peak memory, each side in a fresh subprocess of its own (a peak in one process would hide
+  the next side's): the growth of the process's peak resident set size (``VmHWM``, the
+  kernel's RSS high-water mark, reset through ``/proc/self/clear_refs`` just before) during
   the first full backward over the resident size just before it (inputs and warm-up already
-  resident), i.e. the extra memory that backward needed at its peak, its outputs included.
+  resident; for JAX, the first run after compiling), i.e. the extra memory that backward
+  needed at its peak, its outputs included.
   The same measure on every side; it counts pages actually touched, so memory that the
   allocator kept from the warm-up and reused is not counted. For NumPy,
   ``tracemalloc``'s peak of traced allocations during a separate call is printed alongside;
   PyTorch's CPU allocator keeps no peak statistics, so it has no such second figure.
-* time: the best of several full backwards (wall clock; a single one for autograd at S=4096).
+* time: every side in one more subprocess, interleaved: round after round each side runs one
+  full backward, and each keeps its best (wall clock; a single run for autograd at S=4096).
+  A load from elsewhere on the shared machine then falls on every side alike rather than on
+  whichever subprocess ran during it.
 
 Ratios are taken between sides measured in the same run (the machine may be shared and noisy):
-time ratios are baseline time / reference time, memory ratios are a side's peak / autograd's.
+time ratios are a side's time / the reference's, memory ratios a side's peak / autograd's.
 
 The achieved rate is in recurrence-equivalent GFLOP/s: the flops of the spec's step-by-step
 forward and backward, divided by the reference's time. Counting a multiply-add as 2 flops and
@@ -60,14 +83,22 @@ keeping the ``N^2`` terms (the ``O(N)`` ones are left out), per step and per (ba
 
 so ``22 * B * S * H * N^2`` flops in all (the same count for both gate modes). Beside it is
 the machine's limit: a single-thread ``np.matmul`` of two 512 x 512 matrices in the row's dtype,
-best of several, measured in the reference's subprocess of the same row.
+best of several, measured in the timing process of the same row.
+
+Each side's **share of the flop floor** is the time its own algorithm's matrix-product flops
+would take at that matmul rate, over its time: ``22 N^2`` a step and head for the step-by-step
+sides (autograd, jax scan), :func:`chunked_flops` for the chunked ones (the reference at its
+chunk length, transformers' peer and jax chunk at 64). 1 would be a side that did nothing but
+large matrix products; it says how far each is from what its algorithm needs, not which
+algorithm is better (the chunked count is the larger).
 
 Before measuring, a pre-flight check asserts that each baseline gives the same gradients as the
-reference and prints the largest difference (max |a - b| / max |b| per gradient): autograd in
-all four gate/state modes on a small problem and on the first benchmark configuration, in
-float64; the chunked peer (float64 copy) per head with and without a carried state on a
-problem whose length is not a multiple of its chunk, and on the first benchmark configuration,
-in float64; and the package's float32 function against the float64 reference, loosely.
+reference and prints the largest difference (max |a - b| / max |b| per gradient): autograd and
+jax scan in all four gate/state modes on a small problem and on the first benchmark
+configuration, in float64; the chunked peer (float64 copy) and jax chunk per head with and
+without a carried state on a problem whose length is not a multiple of their chunk, and on the
+first benchmark configuration, in float64; and the float32 peer and JAX sides against the
+float64 reference, loosely.
 
 Beside it, ``chunk GF/s`` is the rate in the chunked algorithm's own matrix-product flops
 (:func:`chunked_flops`: what its forward and backward sweeps multiply, per chunk of ``L`` steps,
@@ -94,13 +125,14 @@ Two more sections follow the table, each run in its own subprocess with one BLAS
   lose.
 
 The last row is at a real model's scale (Qwen3-Next's linear attention: B=1, S=8192, H=16,
-N=128, float32): autograd of the recurrence is not run there (its extrapolated time and memory
-are printed instead); the chunked peer is run with a time limit.
+N=128, float32): autograd of the recurrence and jax scan are not run there (their extrapolated
+time and memory are printed instead: both keep every step's states for their backward,
+some 25 GiB); the other sides are run with a time limit.
 
-Run: ``python benchmarks/bench_reference.py`` (needs the ``bench`` extra, i.e. PyTorch and
-transformers; without PyTorch the benchmark prints why it is skipped and exits successfully,
-without transformers the chunked column prints ``n/a``). ``--quick`` runs a small
-configuration only.
+Run: ``python benchmarks/bench_reference.py`` (needs the ``bench`` extra, i.e. PyTorch,
+transformers and JAX; without PyTorch the benchmark prints why it is skipped and exits
+successfully, without transformers the chunked columns print ``n/a``, without JAX the JAX
+ones). ``--quick`` runs a small configuration only.
 """
 
 from __future__ import annotations
@@ -132,8 +164,17 @@ _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _PEER_MODULE = "transformers.models.qwen3_next.modeling_qwen3_next"
 _PEER_NAME = "torch_chunk_gated_delta_rule"
 _PEER_CHUNK = 64
-_SIDES = ("numpy", "torch", "peer")
-_SIDE_NAMES = {"numpy": "reference", "torch": "autograd", "peer": "chunked"}
+_SIDES = ("numpy", "torch", "peer", "jax scan", "jax chunk")
+_SIDE_NAMES = {
+    "numpy": "reference",
+    "torch": "autograd",
+    "peer": "chunked",
+    "jax scan": "jax scan",
+    "jax chunk": "jax chunk",
+}
+_JAX_SIDES = ("jax scan", "jax chunk")
+# One core for XLA: no Eigen thread pool, one intra-op thread.
+_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 class Config(NamedTuple):
@@ -162,16 +203,18 @@ class Config(NamedTuple):
         return chunked_flops(self.batch, self.seq, self.heads, self.size)
 
 
-def chunked_flops(batch: int, seq: int, heads: int, size: int) -> float:
+def chunked_flops(batch: int, seq: int, heads: int, size: int, length: int | None = None) -> float:
     """Matrix-product flops of the chunked backward, forward sweep included.
 
-    Per chunk of ``L = min(64, 4N)`` steps and per (batch, head), a multiply-add counted as 2:
+    Per chunk of ``L`` steps (the reference's ``min(64, 4N)`` unless ``length`` is given) and
+    per (batch, head), a multiply-add counted as 2:
     the products with the ``N x N`` state (``r``, the state's update, their backward, ``d_xe``:
     ``22 L N^2``), the chunk's ``L x L`` couplings with ``N``-vectors (``lx`` twice, ``inv @``,
     their backward: ``26 L^2 N``), and the triangular inverses, pair decays and straddling
     sums (``16/3 L^3``).
     """
-    length = max(1, min(64, 4 * size))
+    if length is None:
+        length = max(1, min(64, 4 * size))
     per_step = 22 * size**2 + 26 * length * size + 16 / 3 * length**2
     return float(batch * seq * heads * per_step)
 
@@ -326,13 +369,148 @@ def _torch_tensors(inputs: dict[str, Array]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
+# JAX: the recurrence under lax.scan, and the chunked form as flash-linear-attention has it
+# --------------------------------------------------------------------------------------------
+
+
+def _one_core_xla(flags: str) -> str:
+    return flags if _XLA_FLAGS in flags else f"{flags} {_XLA_FLAGS}".strip()
+
+
+def load_jax() -> Any:
+    """JAX with float64 enabled, its CPU backend held to one thread (the flags must be set
+    before its first import)."""
+    if "jax" not in sys.modules:
+        os.environ["XLA_FLAGS"] = _one_core_xla(os.environ.get("XLA_FLAGS", ""))
+    jax: Any = importlib.import_module("jax")  # optional: typed as Any, as if absent
+    jax.config.update("jax_enable_x64", True)
+    return jax
+
+
+def jax_available() -> str | None:
+    """None when JAX can be imported, else why not."""
+    try:
+        load_jax()
+    except Exception as error:  # ImportError, or a jaxlib that does not load here
+        return f"JAX cannot be loaded ({type(error).__name__}: {error})"
+    return None
+
+
+def jax_recurrence(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> Any:
+    """``y`` of the recurrence, one ``lax.scan`` step per time step (the ``autograd`` side's
+    operations)."""
+    jax = load_jax()
+    lax, jnp = jax.lax, jax.numpy
+
+    scale = q.shape[-1] ** -0.5
+    per_channel = g.ndim == 4
+
+    def step(s: Any, x: tuple[Any, ...]) -> tuple[Any, Any]:
+        qt, kt, vt, gt, bt = x
+        decay = jnp.exp(gt)
+        p = s * (decay[..., :, None] if per_channel else decay[..., None, None])
+        m = (kt[..., None, :] @ p)[..., 0, :]
+        u = (vt - m) * bt[..., None]
+        s = p + kt[..., :, None] * u[..., None, :]
+        return s, scale * (qt[..., None, :] @ s)[..., 0, :]
+
+    _, y = lax.scan(step, state, tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta)))
+    return jnp.moveaxis(y, 0, 1)
+
+
+def jax_chunked(q: Any, k: Any, v: Any, g: Any, beta: Any, state: Any) -> Any:
+    """``y`` of the WY/UT chunked form, chunks of 64 steps, per-head gate.
+
+    As flash-linear-attention's ``chunk_gated_delta_rule`` computes it: per chunk the
+    cumulative log-gate ``G``, ``A = -(beta_i k_i . k_j exp(G_i - G_j))`` strictly below the
+    diagonal, ``T = (I - A)^-1`` by a triangular solve, ``w = T (beta k exp(G))`` and
+    ``u = T (beta v)``; then one ``lax.scan`` over the chunks carries the state. S is padded
+    to a multiple of 64 as transformers' peer pads it (zero keys and values, ``beta = 0``,
+    ``g = 0``: the state passes the padded steps unchanged).
+    """
+    jax = load_jax()
+    lax, jnp = jax.lax, jax.numpy
+
+    batch, seq, heads, size = q.shape
+    length = _PEER_CHUNK
+    pad = -seq % length
+    chunks = (seq + pad) // length
+
+    def chunked(a: Any) -> Any:  # [B, S, H, ...] -> [C, B, H, L, ...]
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        a = a.reshape(batch, chunks, length, heads, *a.shape[3:])
+        return jnp.moveaxis(a, (1, 3), (0, 2))
+
+    q, k, v, g, beta = (chunked(a) for a in (q * size**-0.5, k, v, g, beta))
+    gc = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((length, length), dtype=bool))
+    decay = jnp.where(lower, jnp.exp(gc[..., :, None] - gc[..., None, :]), 0.0)
+    kt = jnp.swapaxes(k, -1, -2)
+    a = jnp.where(jnp.tril(lower, -1), -(beta[..., None] * (k @ kt) * decay), 0.0)
+    eye = jnp.eye(length, dtype=q.dtype)
+    t = lax.linalg.triangular_solve(
+        eye - a, jnp.broadcast_to(eye, a.shape), left_side=True, lower=True
+    )
+    w = t @ (k * (beta * jnp.exp(gc))[..., None])
+    u = t @ (v * beta[..., None])
+    qk = (q @ kt) * decay  # within a chunk, lower triangle with the diagonal
+
+    def step(s: Any, x: tuple[Any, ...]) -> tuple[Any, Any]:
+        qi, ki, ui, wi, gi, qki = x
+        fresh = ui - wi @ s
+        y = (qi * jnp.exp(gi)[..., None]) @ s + qki @ fresh
+        last = gi[..., -1:]
+        carried = jnp.swapaxes(ki * jnp.exp(last - gi)[..., None], -1, -2) @ fresh
+        return s * jnp.exp(last)[..., None] + carried, y
+
+    _, y = lax.scan(step, state, (q, k, u, w, gc, qk))
+    y = jnp.moveaxis(y, (0, 2), (1, 3)).reshape(batch, chunks * length, heads, size)
+    return y[:, :seq]
+
+
+def jax_side(side: str, inputs: dict[str, Array]) -> tuple[Callable[[], Any], float]:
+    """A compiled ``jax.vjp`` of ``side``'s forward with cotangent ``dy`` (the gradients of
+    ``sum(y * dy)``), as a call that waits for its results, and its compile time in seconds.
+
+    Without a carried state the forward starts from zeros and ``dstate`` is dropped.
+    """
+    jax = load_jax()
+    forward = jax_recurrence if side == "jax scan" else jax_chunked
+    q = inputs["q"]
+    batch, _, heads, size = q.shape
+    state = inputs.get("state", np.zeros((batch, heads, size, size), q.dtype))
+    args = [*(inputs[name] for name in _NAMES), state]
+    arrays = [jax.device_put(a) for a in (*args, inputs["dy"])]
+
+    def gradients(*arrays: Any) -> Any:
+        _, pull = jax.vjp(forward, *arrays[:6])
+        return pull(arrays[6])
+
+    start = time.perf_counter()
+    compiled = jax.jit(gradients).lower(*arrays).compile()
+    seconds = time.perf_counter() - start
+
+    def run() -> Any:
+        return jax.block_until_ready(compiled(*arrays))
+
+    return run, seconds
+
+
+def jax_gradients(side: str, inputs: dict[str, Array]) -> dict[str, Array]:
+    """``side``'s gradients by name, as the pre-flight compares them."""
+    grads = jax_side(side, inputs)[0]()
+    names = [*_NAMES, "state"] if "state" in inputs else list(_NAMES)
+    return {name: np.asarray(grad) for name, grad in zip(names, grads, strict=False)}
+
+
+# --------------------------------------------------------------------------------------------
 # Pre-flight: the baselines compute the same gradients
 # --------------------------------------------------------------------------------------------
 
 
 def _compare(
     config: Config,
-    side: Callable[[dict[str, Any]], dict[str, Any]],
+    side: Callable[[dict[str, Array]], dict[str, Any]],
     what: str,
     tolerance: float,
     reference_dtype: str | None = None,
@@ -347,11 +525,11 @@ def _compare(
         mine_inputs["q"], mine_inputs["g"], mine_inputs.get("state")
     )
     ours = unpack(flat, layout)
-    theirs = side(_torch_tensors(inputs))
+    theirs = side(inputs)
     worst = []
     for name, grad in theirs.items():
         mine = getattr(ours, "d" + name)
-        expected = grad.numpy().astype(mine.dtype)
+        expected = np.asarray(grad).astype(mine.dtype)
         scale = float(np.max(np.abs(expected)))
         error = float(np.max(np.abs(mine - expected))) / scale
         assert error <= tolerance, (
@@ -362,27 +540,47 @@ def _compare(
     print(f"pre-flight ok: {what}, {config.label()}: {', '.join(worst)}")
 
 
-def preflight(first: Config, with_peer: bool) -> None:
+def preflight(first: Config, with_peer: bool, with_jax: bool) -> None:
     small = [
         Config(2, 37, 3, 8, "float64", per_channel, carry, 1)
         for per_channel in (False, True)
         for carry in (False, True)
     ]
-    for config in [*small, first._replace(dtype="float64")]:
-        _compare(config, torch_side, "autograd == reference", 1e-9)
-    if not with_peer:
-        return
-    peer64, peer32 = load_peer("float64"), load_peer("float32")
+    first64 = first._replace(dtype="float64")
+    for config in [*small, first64]:
+        _compare(config, lambda x: torch_side(_torch_tensors(x)), "autograd == reference", 1e-9)
     padded = [Config(2, 150, 3, 8, "float64", False, carry, 1) for carry in (False, True)]
-    for config in [*padded, first._replace(dtype="float64", per_channel=False)]:
+    if with_peer:
+        peer64, peer32 = load_peer("float64"), load_peer("float32")
+        for config in [*padded, first64._replace(per_channel=False)]:
+            _compare(
+                config,
+                lambda x: peer_side(_torch_tensors(x), peer64),
+                "chunked (float64 copy) == reference",
+                1e-9,
+            )
+        for config in padded:
+            _compare(
+                config._replace(dtype="float32"),
+                lambda x: peer_side(_torch_tensors(x), peer32),
+                "chunked (float32, as packaged) ~ float64 reference",
+                1e-4,
+                reference_dtype="float64",
+            )
+    if not with_jax:
+        return
+    # float64: every gate/state mode for the scan, padded lengths for the chunked form
+    forms = {
+        "jax scan": [*small, first64],
+        "jax chunk": [*padded, first64._replace(per_channel=False)],
+    }
+    for side, configs in forms.items():
+        for config in configs:
+            _compare(config, lambda x: jax_gradients(side, x), f"{side} == reference", 1e-9)  # noqa: B023
         _compare(
-            config, lambda t: peer_side(t, peer64), "chunked (float64 copy) == reference", 1e-9
-        )
-    for config in padded:
-        _compare(
-            config._replace(dtype="float32"),
-            lambda t: peer_side(t, peer32),
-            "chunked (float32, as packaged) ~ float64 reference",
+            padded[1]._replace(dtype="float32"),
+            lambda x: jax_gradients(side, x),  # noqa: B023
+            f"{side} (float32) ~ float64 reference",
             1e-4,
             reference_dtype="float64",
         )
@@ -583,43 +781,39 @@ def scaling_worker(config: Config) -> dict[str, Any]:
     }
 
 
-def worker(side: str, config: Config) -> dict[str, Any]:
-    if side == "fixture":
-        return fixture_worker(config)
-    if side == "scaling":
-        return scaling_worker(config)
+def _prepare(side: str, config: Config) -> tuple[Callable[[], object], float | None]:
+    """``side``'s full backward on the benchmark inputs as a call, warmed up on a tiny problem
+    (NumPy, PyTorch) or compiled for these shapes but not yet run (JAX: XLA's allocator keeps
+    the first run's buffers, whose pages a second run would not show), and JAX's compile
+    time."""
     inputs = make_inputs(config)
+    if side in _JAX_SIDES:
+        return jax_side(side, inputs)
     tiny = make_inputs(config._replace(seq=4))
-    run: Callable[[], object]
-    if side in ("torch", "peer"):
-        import torch
-
-        torch.set_num_threads(1)
-        tensors, tiny_tensors = _torch_tensors(inputs), _torch_tensors(tiny)
-        del inputs
-        if side == "torch":
-            compute: Callable[[dict[str, Any]], object] = torch_side
-        else:
-            peer = load_peer(config.dtype)
-
-            def compute(tensors: dict[str, Any]) -> object:
-                return peer_side(tensors, peer)
-
-        def run() -> object:
-            return compute(tensors)
-
-        compute(tiny_tensors)
-    else:
-
-        def run() -> object:
-            return numpy_side(inputs)
-
+    if side == "numpy":
         numpy_side(tiny)
+        return lambda: numpy_side(inputs), None
+    import torch
 
+    torch.set_num_threads(1)
+    tensors = _torch_tensors(inputs)
+    compute: Callable[[dict[str, Any]], object] = torch_side
+    if side == "peer":
+        peer = load_peer(config.dtype)
+
+        def compute(tensors: dict[str, Any]) -> object:
+            return peer_side(tensors, peer)
+
+    compute(_torch_tensors(tiny))
+    return lambda: compute(tensors), None
+
+
+def memory_worker(side: str, config: Config) -> dict[str, Any]:
+    """The growth of peak RSS during ``side``'s first full backward (after JAX's compile), and
+    for the reference, tracemalloc's peak during another."""
+    run, _ = _prepare(side, config)
     before = _reset_peak_rss()
-    start = time.perf_counter()
     result = run()
-    times = [time.perf_counter() - start]
     rss_delta = _peak_rss_bytes() - before
     del result
     traced = None
@@ -628,24 +822,66 @@ def worker(side: str, config: Config) -> dict[str, Any]:
         run()
         traced = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-    for _ in range(config.repeats - 1):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    matmul = matmul_gflops(config.dtype) if side == "numpy" else None
+    return {"rss_delta": rss_delta, "traced_peak": traced}
+
+
+def timing_worker(config: Config, repeats: dict[str, int]) -> dict[str, Any]:
+    """Every side of ``repeats`` in this one process, interleaved: round after round, each side
+    runs once while its repeats last; the best wall time of each, the process's CPU time over
+    wall time in that run (1 for one core), JAX's compile times, and the matmul peak."""
+    runs, compile_seconds = {}, {}
+    for side in repeats:
+        runs[side], seconds = _prepare(side, config)
+        if seconds is not None:
+            compile_seconds[side] = seconds
+            runs[side]()  # the first run: its buffers allocated, as the others' warm-up
+    best: dict[str, float] = dict.fromkeys(repeats, math.inf)
+    cores: dict[str, float] = {}
+    for round_ in range(max(repeats.values())):
+        for side, run in runs.items():
+            if round_ >= repeats[side]:
+                continue
+            cpu, start = time.process_time(), time.perf_counter()
+            run()
+            wall = time.perf_counter() - start
+            if wall < best[side]:
+                best[side], cores[side] = wall, (time.process_time() - cpu) / wall
     return {
-        "time": min(times),
-        "rss_delta": rss_delta,
-        "traced_peak": traced,
-        "matmul_gflops": matmul,
+        "time": best,
+        "cores": cores,
+        "compile": compile_seconds,
+        "matmul_gflops": matmul_gflops(config.dtype),
     }
 
 
-def measure(side: str, config: Config, timeout: float | None = None) -> dict[str, Any]:
-    """Run one side in a fresh one-thread subprocess; raise TimeoutError past ``timeout`` s."""
+def worker(side: str, payload: dict[str, Any]) -> dict[str, Any]:
+    if side == "timing":
+        return timing_worker(Config(**payload["config"]), payload["repeats"])
+    config = Config(**payload)
+    if side == "fixture":
+        return fixture_worker(config)
+    if side == "scaling":
+        return scaling_worker(config)
+    return memory_worker(side, config)
+
+
+def measure(
+    side: str,
+    config: Config,
+    timeout: float | None = None,
+    repeats: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """Run a worker in a fresh one-thread subprocess; raise TimeoutError past ``timeout`` s.
+
+    ``side="timing"`` times the sides of ``repeats`` (``{side: repeats}``) in one process.
+    """
     env = dict(os.environ)
     env.update(dict.fromkeys(_THREAD_VARS, "1"))
-    command = [sys.executable, __file__, "--worker", side, json.dumps(config._asdict())]
+    env["XLA_FLAGS"] = _one_core_xla(env.get("XLA_FLAGS", ""))
+    payload: dict[str, Any] = config._asdict()
+    if repeats is not None:
+        payload = {"config": payload, "repeats": repeats}
+    command = [sys.executable, __file__, "--worker", side, json.dumps(payload)]
     try:
         done = subprocess.run(
             command, env=env, capture_output=True, text=True, check=False, timeout=timeout
@@ -664,11 +900,12 @@ def measure(side: str, config: Config, timeout: float | None = None) -> dict[str
 
 
 class Row(NamedTuple):
-    """A configuration and, for each baseline not run, why (``{side: reason}``).
+    """A configuration and, for each side not run, why (``{side: reason}``; an empty reason
+    prints an extrapolation from a measured row).
 
     ``autograd_repeats``, when given, replaces ``config.repeats`` for autograd of the
-    recurrence alone (too slow to repeat at long lengths); ``timeout`` bounds each side's
-    subprocess, in seconds.
+    recurrence alone (too slow to repeat at long lengths); ``timeout`` bounds each memory
+    subprocess, and twice it the timing subprocess, in seconds.
     """
 
     config: Config
@@ -691,43 +928,168 @@ def _ratio(a: float | None, b: float | None, unit: str = "x") -> str:
     return f"{a / b:.{1 if unit == 'x' else 3}f}{unit}"
 
 
-_COLUMNS = (
-    ("configuration", 45),
-    ("reference", 9),
-    ("autograd", 9),
-    ("chunked", 9),
-    ("ag/ref", 7),
-    ("ch/ref", 7),
-    ("ref peak", 11),
-    ("ag peak", 11),
-    ("ch peak", 11),
-    ("ref/ag", 6),
-    ("ch/ag", 6),
-    ("ref traced", 11),
-    ("GFLOP/s", 7),
-    ("chunk GF/s", 10),
-    ("matmul", 7),
-)
+def side_flops(side: str, config: Config) -> float:
+    """The flops ``side``'s algorithm needs: the recurrence's ``22 N^2`` a step and head for
+    the step-by-step sides, the chunked count for the chunked ones (the reference's chunk
+    length, or the peers' 64)."""
+    if side in ("torch", "jax scan"):
+        return float(config.flops())
+    length = None if side == "numpy" else _PEER_CHUNK
+    return chunked_flops(config.batch, config.seq, config.heads, config.size, length)
 
 
-def _line(cells: list[str]) -> str:
-    first, *rest = zip(cells, _COLUMNS, strict=True)
+_SHORT = {"numpy": "ref", "torch": "ag", "peer": "ch", "jax scan": "js", "jax chunk": "jc"}
+_TABLES: dict[str, list[tuple[str, int]]] = {
+    "time": [
+        ("configuration", 45),
+        *((_SIDE_NAMES[side], 9) for side in _SIDES),
+        *((f"{_SHORT[side]}/ref", 7) for side in _SIDES[1:]),
+    ],
+    "memory": [
+        ("configuration", 45),
+        *((f"{_SHORT[side]} peak", 11) for side in _SIDES),
+        *((f"{_SHORT[side]}/ag", 6) for side in _SIDES if side != "torch"),
+        ("ref traced", 11),
+    ],
+    "floor": [
+        ("configuration", 45),
+        ("matmul", 7),
+        ("GFLOP/s", 7),
+        ("chunk GF/s", 10),
+        *((_SHORT[side], 5) for side in _SIDES),
+        ("js compile", 10),
+        ("jc compile", 10),
+        ("cpu/wall", 8),
+    ],
+}
+
+
+def _line(table: str, cells: list[str]) -> str:
+    first, *rest = zip(cells, _TABLES[table], strict=True)
     return f"{first[0]:<{first[1][1]}}" + "".join(f" {c:>{w}}" for c, (_, w) in rest)
 
 
-def extrapolate_autograd(row: Row, measured: dict[Config, dict[str, Any]]) -> str:
-    """Autograd's time and peak for ``row``, scaled by B*S*H*N^2 from the largest measured row."""
-    same = [c for c in measured if c.dtype == row.config.dtype and not c.per_channel]
+def _header(table: str) -> str:
+    header = _line(table, [name for name, _ in _TABLES[table]])
+    return f"{header}\n{'-' * len(header)}"
+
+
+def extrapolate(side: str, row: Row, measured: dict[Config, dict[str, dict[str, Any]]]) -> str:
+    """``side``'s time and peak for ``row``, scaled by B*S*H*N^2 from the largest measured row."""
+    same = [
+        c
+        for c, sides in measured.items()
+        if c.dtype == row.config.dtype and not c.per_channel and side in sides
+    ]
     if not same:
         return "not run"
     base = max(same, key=lambda c: c.flops())
     factor = row.config.flops() / base.flops()
-    seconds = measured[base]["time"] * factor
-    peak = measured[base]["rss_delta"] * factor
+    seconds = measured[base][side]["time"] * factor
+    peak = measured[base][side]["rss_delta"] * factor
     return (
         f"not run: scaled by B*S*H*N^2 from {base.label()}, it would take ~{seconds / 60:.0f} min "
         f"and ~{peak / 2**30:.0f} GiB"
     )
+
+
+def measure_row(row: Row, notes: list[str]) -> dict[str, dict[str, Any]]:
+    """Each side's peak in its own subprocess, then every side's time in one process."""
+    config = row.config
+    sides = [side for side in _SIDES if side not in row.skip]
+    results: dict[str, dict[str, Any]] = {}
+    for side in sides:
+        try:
+            results[side] = measure(side, config, timeout=row.timeout)
+        except TimeoutError as error:
+            notes.append(f"{config.label()}: {_SIDE_NAMES[side]} memory n/a: {error}")
+    repeats = {side: config.repeats for side in sides}
+    if "torch" in repeats and row.autograd_repeats:
+        repeats["torch"] = row.autograd_repeats
+    timeout = None if row.timeout is None else 2 * row.timeout
+    try:
+        timing = measure("timing", config, timeout=timeout, repeats=repeats)
+    except TimeoutError as error:
+        notes.append(f"{config.label()}: times n/a: {error}")
+        return results
+    for side in sides:
+        found = results.setdefault(side, {"rss_delta": None, "traced_peak": None})
+        found["time"] = timing["time"][side]
+        found["cores"] = timing["cores"][side]
+        found["compile"] = timing["compile"].get(side)
+        found["matmul_gflops"] = timing["matmul_gflops"]
+    return results
+
+
+def print_tables(
+    rows: list[Row], measured: dict[Config, dict[str, dict[str, Any]]], notes: list[str]
+) -> None:
+    def get(config: Config, side: str, key: str) -> float | None:
+        value: float | None = measured[config].get(side, {}).get(key)
+        return value
+
+    print(
+        "\ntime: best full backward, every side interleaved in one process "
+        "(x/ref: that side's time / the reference's)"
+    )
+    print(_header("time"))
+    for row in rows:
+        c = row.config
+        times = [get(c, side, "time") for side in _SIDES]
+        cells = [_time(t) for t in times] + [_ratio(t, times[0]) for t in times[1:]]
+        print(_line("time", [c.label(), *cells]))
+    print(
+        "\nmemory: growth of peak RSS during the first full backward, each side in its own "
+        "process (x/ag: that peak / autograd's)"
+    )
+    print(_header("memory"))
+    for row in rows:
+        c = row.config
+        peaks = {side: get(c, side, "rss_delta") for side in _SIDES}
+        cells = [_mib(peaks[side]) for side in _SIDES]
+        cells += [_ratio(peaks[side], peaks["torch"], "") for side in _SIDES if side != "torch"]
+        print(_line("memory", [c.label(), *cells, _mib(get(c, "numpy", "traced_peak"))]))
+    print("\nflop floor: each side's share of it, its flops / matmul peak / its time")
+    print(_header("floor"))
+    for row in rows:
+        c = row.config
+        ours, peak = get(c, "numpy", "time"), get(c, "numpy", "matmul_gflops")
+        if ours is None or peak is None:
+            continue
+        shares = []
+        for side in _SIDES:
+            seconds = get(c, side, "time")
+            floor = side_flops(side, c) / (peak * 1e9)
+            shares.append("n/a" if seconds is None else f"{floor / seconds:.2f}")
+        compiles = [get(c, side, "compile") for side in _JAX_SIDES]
+        cores = [x for side in _SIDES if (x := get(c, side, "cores")) is not None]
+        cells = [
+            f"{peak:.1f}",
+            f"{c.flops() / ours / 1e9:.2f}",
+            f"{c.chunked_flops() / ours / 1e9:.2f}",
+            *shares,
+            *(_time(seconds) for seconds in compiles),
+            f"{max(cores):.2f}",
+        ]
+        print(_line("floor", [c.label(), *cells]))
+    print()
+    print(
+        "autograd and chunked: forward + backward under torch autograd; jax scan and jax chunk: "
+        "jax.vjp of the forward under jax.jit; reference: backward().\n"
+        "ref traced: tracemalloc peak of the reference backward.\n"
+        "matmul: single-thread np.matmul of 512x512 in the row's dtype, best of 30, in the "
+        "timing process. GFLOP/s: recurrence-equivalent rate of the reference, "
+        "22*B*S*H*N^2 / time; chunk GF/s: in its chunked algorithm's own matrix-product flops.\n"
+        "floor shares: ag, js: 22*N^2 flops a step and head; ref, ch, jc: "
+        "22*N^2 + 26*L*N + 16/3*L^2 (L: the chunk length, 64 for ch and jc); compile: "
+        "jax.jit(...).lower(...).compile(), apart from the times; cpu/wall: the timing process's "
+        "CPU time over wall time in the best run, the largest over the sides (at most 1 on one "
+        "core; below 1, the process waited for a core).\n"
+        "chunked: transformers' torch_chunk_gated_delta_rule (chunk 64, pads S itself); in "
+        "float64 a copy of its source with its float32 cast retargeted to float64."
+    )
+    for note in notes:
+        print(note)
 
 
 def main() -> int:
@@ -737,7 +1099,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.worker:
         side, raw = args.worker
-        print(json.dumps(worker(side, Config(**json.loads(raw)))))
+        print(json.dumps(worker(side, json.loads(raw))))
         return 0
 
     try:
@@ -749,7 +1111,8 @@ def main() -> int:
         )
         return 0
 
-    per_channel_skip = {"peer": "per-head gate only"}
+    per_head_only = "per-head gate only"
+    per_channel_skip = {"peer": per_head_only, "jax chunk": per_head_only}
     if args.quick:
         rows = [
             Row(Config(1, 64, 2, 16, dtype, False, True, 3), {}) for dtype in ("float32", "float64")
@@ -760,20 +1123,29 @@ def main() -> int:
             for dtype in ("float32", "float64")
         ]
         rows += [
-            Row(Config(1, 512, 8, 64, dtype, True, True, 5), per_channel_skip)
+            Row(Config(1, 512, 8, 64, dtype, True, True, 5), dict(per_channel_skip))
             for dtype in ("float32", "float64")
         ]
         rows += [
             Row(Config(1, 4096, 8, 64, dtype, False, True, 3), {}, autograd_repeats=1)
             for dtype in ("float32", "float64")
         ]
+        # Both keep every step's states for their backward: some 25 GiB here.
         rows.append(
-            Row(Config(1, 8192, 16, 128, "float32", False, True, 2), {"torch": ""}, timeout=400)
+            Row(
+                Config(1, 8192, 16, 128, "float32", False, True, 2),
+                {"torch": "", "jax scan": ""},
+                timeout=400,
+            )
         )
     missing = peer_available()
-    if missing is not None:
-        for row in rows:
+    no_jax = jax_available()
+    for row in rows:
+        if missing is not None:
             row.skip.setdefault("peer", missing)
+        if no_jax is not None:
+            for side in _JAX_SIDES:
+                row.skip.setdefault(side, no_jax)
 
     versions = f"torch {torch.__version__}, numpy {np.__version__}"
     if missing is None:
@@ -781,80 +1153,21 @@ def main() -> int:
         versions += f", transformers {transformers.__version__}"
     else:
         versions += f"; chunked peer n/a: {missing}"
+    versions += f"; JAX n/a: {no_jax}" if no_jax else f", jax {load_jax().__version__}"
     print(f"{versions}; one thread per side")
-    preflight(rows[0].config, with_peer=missing is None)
-    print()
-    header = _line([name for name, _ in _COLUMNS])
-    print(header)
-    print("-" * len(header))
-    measured: dict[Config, dict[str, Any]] = {}
+    preflight(rows[0].config, with_peer=missing is None, with_jax=no_jax is None)
+    measured: dict[Config, dict[str, dict[str, Any]]] = {}
     notes: list[str] = []
     for row in rows:
-        config = row.config
-        results: dict[str, dict[str, Any] | None] = {}
-        for side in _SIDES:
-            if side in row.skip:
-                results[side] = None
-                reason = row.skip[side]
-                if side == "torch" and not reason:
-                    reason = extrapolate_autograd(row, measured)
-                if side != "peer" or row.skip is not per_channel_skip:
-                    notes.append(f"{config.label()}: {_SIDE_NAMES[side]} {reason}")
+        print(f"measuring {row.config.label()}", file=sys.stderr, flush=True)
+        measured[row.config] = measure_row(row, notes)
+        for side, reason in row.skip.items():
+            if not reason:
+                reason = extrapolate(side, row, measured)
+            elif reason == per_head_only:
                 continue
-            repeats = row.autograd_repeats if side == "torch" else None
-            try:
-                results[side] = measure(
-                    side, config._replace(repeats=repeats or config.repeats), timeout=row.timeout
-                )
-            except TimeoutError as error:
-                results[side] = None
-                notes.append(f"{config.label()}: {_SIDE_NAMES[side]} n/a: {error}")
-        ours, autograd, peer = (results[side] for side in _SIDES)
-        assert ours is not None
-        if autograd is not None:
-            measured[config] = autograd
-
-        def get(side: dict[str, Any] | None, key: str) -> float | None:
-            return None if side is None else side[key]
-
-        t_ours, t_ag, t_peer = (get(r, "time") for r in (ours, autograd, peer))
-        m_ours, m_ag, m_peer = (get(r, "rss_delta") for r in (ours, autograd, peer))
-        print(
-            _line(
-                [
-                    config.label(),
-                    _time(t_ours),
-                    _time(t_ag),
-                    _time(t_peer),
-                    _ratio(t_ag, t_ours),
-                    _ratio(t_peer, t_ours),
-                    _mib(m_ours),
-                    _mib(m_ag),
-                    _mib(m_peer),
-                    _ratio(m_ours, m_ag, ""),
-                    _ratio(m_peer, m_ag, ""),
-                    _mib(ours["traced_peak"]),
-                    f"{config.flops() / ours['time'] / 1e9:.2f}",
-                    f"{config.chunked_flops() / ours['time'] / 1e9:.2f}",
-                    f"{ours['matmul_gflops']:.1f}",
-                ]
-            ),
-            flush=True,
-        )
-    print()
-    print(
-        "time: best full backward (autograd and chunked: forward + backward under torch "
-        "autograd; reference: backward()). ag/ref, ch/ref: baseline time / reference time.\n"
-        "peak: growth of peak RSS during the first full backward; ref/ag, ch/ag: that peak / "
-        "autograd's. ref traced: tracemalloc peak of the reference backward.\n"
-        "GFLOP/s: recurrence-equivalent rate of the reference, 22*B*S*H*N^2 / time; chunk GF/s: "
-        "in the chunked algorithm's own matrix-product flops; matmul: single-thread np.matmul "
-        "of 512x512 in the row's dtype, best of 30.\n"
-        "chunked: transformers' torch_chunk_gated_delta_rule (chunk 64, pads S itself); in "
-        "float64 a copy of its source with its float32 cast retargeted to float64."
-    )
-    for note in notes:
-        print(note)
+            notes.append(f"{row.config.label()}: {_SIDE_NAMES[side]} {reason}")
+    print_tables(rows, measured, notes)
     fixture_and_workers(args.quick)
     return 0
 
