@@ -376,6 +376,19 @@ def test_unwritten_batch_rows(layout: GdnBackwardLayout, name: str) -> None:
     assert not grad_findings(name, e.copy(), e, layout, SCORE)  # nothing where nothing fails
 
 
+def test_a_row_that_rounds_to_zero_is_not_unwritten() -> None:
+    # Row 0's values underflow in float16, as a fast-decaying dstate's do: its zeros are
+    # right. Row 1 is wrong (transposed), and only row 1 is named, by its own finding.
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)["dstate"].copy()
+    e[0] *= 1e-12
+    a = e.astype(np.float16)
+    assert not a[0].any()
+    a[1] = a[1].swapaxes(-1, -2)
+    found = grad_findings("dstate", a, e, layout, SCORE)
+    assert all(f.details.get("how") != "rows" for f in found), [f.text for f in found]
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, ml_dtypes.bfloat16])
 def test_unwritten_stale_memory(dtype: Any) -> None:
     layout = LAYOUTS["head-state"]

@@ -23,7 +23,8 @@ import textwrap
 import threading
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,50 @@ def test_a_failed_suite_leaves_nothing(tmp_path: Path, monkeypatch: pytest.Monke
     _fail_after(monkeypatch, 5)
     with pytest.raises(RuntimeError, match="stopped on purpose"):
         write_suite(root)
+    assert _siblings(root) == []
+
+
+@pytest.mark.slow
+def test_a_suite_does_not_depend_on_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A few of the standard shapes, so that the test stays short; the suite's own order.
+    shapes = generate._SUITE_SHAPES
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", (*shapes[:3], shapes[-1]))
+    folders = {}
+    for workers in (1, 3):
+        seen: list[float] = []
+        root = tmp_path / f"w{workers}"
+        write_suite(root, seed=100, workers=workers, progress=seen.append)
+        assert seen == sorted(seen)
+        assert seen[-1] == 1.0
+        folders[workers] = {p.name: p.read_bytes() for p in sorted(root.iterdir())}
+    assert folders[1] == folders[3]
+    assert len(folders[1]) == 1 + 4 * 2 * 2 * len(generate.REGIMES)  # and manifest
+
+
+def test_a_worker_process_ending_abruptly_is_a_runtime_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Killed:  # a pool whose processes die, as the system's OOM killer leaves it
+        def __init__(self, **_: Any) -> None:
+            pass
+
+        def __enter__(self) -> Killed:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            pass
+
+        def submit(self, *_: object) -> Future[Any]:
+            future: Future[Any] = Future()
+            future.set_exception(BrokenProcessPool("A process in the pool was terminated"))
+            return future
+
+    monkeypatch.setattr(generate, "ProcessPoolExecutor", Killed)
+    root = tmp_path / "suite"
+    with pytest.raises(RuntimeError, match=r"^write_suite: a worker process ended abruptly"):
+        write_suite(root, workers=2)
     assert _siblings(root) == []
 
 

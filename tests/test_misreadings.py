@@ -141,7 +141,7 @@ def test_a_kernel_failing_off_the_slice_is_not_re_run(monkeypatch: pytest.Monkey
     assert not ran
 
 
-def test_one_gradient_its_own_finding_explains_is_not_re_run(
+def test_a_gradient_failing_alone_is_re_run_unless_its_own_values_explain_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     layout = GdnBackwardLayout(2, 40, 2, 8)
@@ -201,6 +201,31 @@ def test_a_near_miss_of_a_reading_is_judged_on_its_float32_rounding(
     assert _named(compare(kernel, fx).findings) == ["final_state_cotangent"]
     monkeypatch.setattr(_misreadings, "_nearer", lambda *a: False)
     assert _named(compare(kernel, fx).findings) == []
+
+
+def test_a_near_miss_is_nearer_the_reading_in_every_gradient_the_kernel_fails() -> None:
+    op: dict[str, Any] = {"dq": np.zeros(4), "dk": np.zeros(4), "dv": np.zeros(4)}
+    reading: dict[str, Any] = {"dq": np.full(4, 1.0), "dk": np.full(4, 1.0), "dv": None}
+    kernel = {"dq": np.full(4, 0.9), "dk": np.full(4, 0.4), "dv": np.full(4, 5.0)}
+    assert _misreadings._nearer(reading, op, kernel, {"dq"})
+    assert not _misreadings._nearer(reading, op, kernel, {"dq", "dk"})  # dk nearer the op
+    assert _misreadings._nearer(reading, op, kernel, {"dq", "dv"})  # dv: the reading's silent
+    assert not _misreadings._nearer(reading, op, kernel, {"dv"})  # nothing it judges fails
+
+
+@pytest.mark.slow
+def test_a_folded_kernel_failing_in_dstate_alone_gets_its_zero_rows_named() -> None:
+    # Extreme decay forgets row 0's last state before row 1's first steps: only dstate
+    # shows the fold, its row 1 zero (a folded run has one initial state).
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    fx = make_fixture(GdnBackwardLayout(2, 65, 2, 16, carry_state=True), regime="extreme")
+    result = compare(panel.misread(fx, "batch_folded", ""), fx)
+    assert result.failed == ("dstate",)
+    assert not _named(result.findings)
+    (found,) = result["dstate"].findings
+    assert (found.kind, found.details["rows"]) == ("unwritten", (1,))
+    assert "the batch rows run as one sequence" in found.text
 
 
 def test_bare_arrays_have_no_inputs_to_re_run() -> None:

@@ -1,5 +1,5 @@
-"""``reference._threads``, behind ``workers=``: the reference, fixtures and suites spread over
-threads, with the same bits."""
+"""``reference._threads``, behind ``workers=``: the reference and fixtures spread over threads,
+with the same bits (a suite's processes: test_generate)."""
 
 from __future__ import annotations
 
@@ -193,25 +193,6 @@ def test_fixture_files_do_not_depend_on_workers(tmp_path: Path) -> None:
         path = save_fixture(tmp_path / f"w{workers}.safetensors", fixture)
         digests.add(hashlib.sha256(path.read_bytes()).hexdigest())
     assert len(digests) == 1
-
-
-@pytest.mark.slow
-def test_a_suite_does_not_depend_on_workers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A few of the standard shapes, so that the test stays short; the suite's own order.
-    shapes = gdn_layout.generate._SUITE_SHAPES
-    monkeypatch.setattr(gdn_layout.generate, "_SUITE_SHAPES", (*shapes[:3], shapes[-1]))
-    folders = {}
-    for workers in (1, 3):
-        seen: list[float] = []
-        root = tmp_path / f"w{workers}"
-        write_suite(root, seed=100, workers=workers, progress=seen.append)
-        assert seen == sorted(seen)
-        assert seen[-1] == 1.0
-        folders[workers] = {p.name: p.read_bytes() for p in sorted(root.iterdir())}
-    assert folders[1] == folders[3]
-    assert len(folders[1]) == 1 + 4 * 2 * 2 * len(gdn_layout.generate.REGIMES)  # and manifest
 
 
 def test_the_command_line_takes_workers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

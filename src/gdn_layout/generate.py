@@ -14,6 +14,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple, SupportsIndex
 
@@ -797,6 +798,8 @@ def write_suite(
         folder or holds it (the suite would take its place).
     OSError
         A file cannot be written; nothing is left in ``directory`` then.
+    RuntimeError
+        A worker process ended abruptly; nothing is left in ``directory`` then.
 
     See Also
     --------
@@ -807,7 +810,7 @@ def write_suite(
     given = Path(directory)
     target = resolve_dtype(dtype, "write_suite")
     seed = check_seed(seed, "write_suite")
-    threads = reference.resolve_workers(workers, "write_suite")
+    processes = reference.resolve_workers(workers, "write_suite")
     root = Path(os.path.realpath(given))  # a named folder with a parent, even for "."
     try:
         here = os.path.realpath(os.getcwd())
@@ -829,7 +832,7 @@ def write_suite(
     root.parent.mkdir(parents=True, exist_ok=True)
     names = write_folder(
         root,
-        lambda built: _write_suite_files(built, target, seed, progress, threads),
+        lambda built: _write_suite_files(built, target, seed, progress, processes),
         overwrite=overwrite,
         replaceable=_not_a_suite,
         own=_of_a_suite,
@@ -846,7 +849,8 @@ def _in_order(
     Processes, not threads: a suite's cases are small, and threads making them would queue on
     the GIL between NumPy's short calls. They are started by spawning, the one start method
     every system has, and one that copies no lock held by another thread."""
-    if workers == 1:
+    workers = min(workers, len(cases), _MOST_PROCESSES if os.name == "nt" else workers)
+    if workers <= 1:
         yield from (_suite_fixture(case, target, seed + i) for i, case in enumerate(cases))
         return
     context = multiprocessing.get_context("spawn")
@@ -859,9 +863,19 @@ def _in_order(
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
+        except BrokenProcessPool as err:
+            raise RuntimeError(
+                "write_suite: a worker process ended abruptly (killed, out of memory, or "
+                "started from a script that calls write_suite at its top level: guard the call "
+                'with if __name__ == "__main__":); its own error, if any, is on stderr'
+            ) from err
         finally:
             for future in pending:
                 future.cancel()
+
+
+#: The most processes a pool may have on Windows (``ProcessPoolExecutor`` refuses more).
+_MOST_PROCESSES: Final = 61
 
 
 def _suite_fixture(case: _SuiteCase, target: np.dtype[Any], seed: int) -> Fixture:

@@ -1483,12 +1483,23 @@ def _rows(ctx: _Context) -> Finding | None:
 
 
 def _zero_rows(ctx: _Context) -> Finding | None:
-    """The batch rows that are all zeros where the op's are not, when others are not."""
+    """The failing batch rows that are all zeros where the op's are not (at least
+    :data:`_IDENTIFIED` values that do not round to zero in the actual's dtype), when other
+    rows are not zeros."""
     a, e = ctx.a, ctx.e
     rows = range(a.shape[0])
-    zero = [r for r in rows if not a[r].any() and np.count_nonzero(e[r]) >= _IDENTIFIED]
-    if not zero or all(not a[r].any() for r in rows):
-        return None  # the whole region zero is the scan's to name
+    if all(not a[r].any() for r in rows):
+        return None  # no row to set them apart from: a tensor of zeros is the scan's to name
+    with np.errstate(all="ignore"):
+        zero = [
+            r
+            for r in rows
+            if not a[r].any()
+            and np.count_nonzero(e[r].astype(ctx._dtype).astype(np.float64)) >= _IDENTIFIED
+            and ctx.score(a[r], e[r]) > 1.0
+        ]
+    if not zero:
+        return None
     shown = ", ".join(map(str, zero[:_SHOWN])) + (", ..." if len(zero) > _SHOWN else "")
     many = len(zero) > 1
     text = (
@@ -1511,9 +1522,9 @@ class Hypothesis(NamedTuple):
     reads: str = "both"
 
 
-#: Every hypothesis a failing gradient or state is tried for, in the order they are tried
-#: (the scanned kinds, ``unwritten`` and ``nonfinite``, come first; the buffer's ``layout``
-#: and the case's ``misreading`` and ``overflow`` are tried on the whole).
+#: Every hypothesis a failing gradient or state is tried for, in the order they are tried,
+#: after the blockwise scan's ``unwritten`` and ``nonfinite`` of the whole tensor (the
+#: buffer's ``layout`` and the case's ``misreading`` and ``overflow`` are tried on the whole).
 HYPOTHESES: Final = (
     Hypothesis("unwritten", _zero_rows),
     Hypothesis("transpose", _transpose),
