@@ -361,16 +361,16 @@ class _Context:
             whole,
         )
         self._score = score
-        self._dtype = dtype
+        self.dtype = dtype
 
     @functools.cached_property
     def floor(self) -> float:
         """The least ``|c - 1|`` a fitted factor must have: more than a dominant element's
         rounding, and than the expected values' own rounding in the actual's dtype (large for
         subnormals)."""
-        least = max(_LEAST_FACTOR, 4 * UNIT_ROUNDOFF.get(self._dtype.name, 0.0))
+        least = max(_LEAST_FACTOR, 4 * UNIT_ROUNDOFF.get(self.dtype.name, 0.0))
         with np.errstate(all="ignore"):
-            rounded = self.e.astype(self._dtype).astype(np.float64)
+            rounded = self.e.astype(self.dtype).astype(np.float64)
             relative = math.sqrt(float(np.vdot(rounded - self.e, rounded - self.e))) / max(
                 math.sqrt(float(np.vdot(self.e, self.e))), 1e-300
             )
@@ -1495,7 +1495,7 @@ def _zero_rows(ctx: _Context) -> Finding | None:
             r
             for r in rows
             if not a[r].any()
-            and np.count_nonzero(e[r].astype(ctx._dtype).astype(np.float64)) >= _IDENTIFIED
+            and np.count_nonzero(e[r].astype(ctx.dtype).astype(np.float64)) >= _IDENTIFIED
             and ctx.score(a[r], e[r]) > 1.0
         ]
     if not zero:
