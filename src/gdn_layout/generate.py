@@ -474,8 +474,9 @@ def fixture_memory(
             phases.append(max(truth_peak, held + results * 8 + comparison) + runs)
         else:
             phases += [truth_peak, held + results * 8 + runs + comparison]
-    else:  # every result is zero: the reference copies its inputs, fills and checks its output
-        phases.append(held + (inputs + layout.total_elems) * 8 + layout.total_elems)
+    else:  # every result is zero: the reference copies and checks its inputs (a mask each,
+        # whose freed pages the heap keeps), then fills and checks its output
+        phases.append(held + (inputs + layout.total_elems) * 9)
     return _FIRST_RUN + max(phases)
 
 
