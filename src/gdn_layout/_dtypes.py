@@ -180,6 +180,20 @@ def bfloat16() -> np.dtype[Any]:
     return bf16
 
 
+def finfo(dtype: np.dtype[Any]) -> Any:
+    """``numpy.finfo`` of a floating dtype; ml_dtypes' for bfloat16, which NumPy before 2
+    does not take.
+
+    >>> float(finfo(np.dtype(np.float32)).max) > 3e38
+    True
+    """
+    if dtype.name == "bfloat16":
+        import ml_dtypes  # a bfloat16 array comes with it
+
+        return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+    return np.finfo(dtype)
+
+
 def is_floating(dtype: np.dtype[Any]) -> bool:
     """NumPy's floating dtypes, and ml_dtypes' (bfloat16, float8), which are not subtypes of
     ``np.floating``."""

@@ -49,6 +49,7 @@ from typing import Any, Final, NamedTuple
 import numpy as np
 from numpy.typing import NDArray
 
+from .._dtypes import finfo
 from ..layout import GdnBackwardLayout
 from ._criterion import Criterion
 from ._findings import Finding
@@ -450,7 +451,7 @@ def misreading_findings(
             floor = None
             if rounded is not None and rounded.get(name) is not None:
                 r = np.asarray(rounded[name], np.float64)
-                largest = float(_finfo(actual_of[name].dtype).max)
+                largest = float(finfo(actual_of[name].dtype).max)
                 big = np.abs(e) > min(_NEAR_OVERFLOW, largest)
                 free = ~np.isfinite(r) | big | ~np.isfinite(e)  # past any float: unverifiable
                 if (~np.isfinite(a) & ~free).any():
@@ -562,18 +563,8 @@ def _stored_figures(e: _Array, dtype: np.dtype[Any]) -> tuple[float, float]:
     ``dtype`` misses a reading's values by that much however it computes them."""
     with np.errstate(all="ignore"):
         kept = np.asarray(e).astype(dtype).astype(np.float64)
-    normal = np.isfinite(kept) & (np.abs(e) >= float(_finfo(dtype).tiny))
+    normal = np.isfinite(kept) & (np.abs(e) >= float(finfo(dtype).tiny))
     return _figures(np.where(normal, kept, e), e)  # what underflows is not excused
-
-
-def _finfo(dtype: np.dtype[Any]) -> Any:
-    """``numpy.finfo`` of a kernel's dtype; ml_dtypes' for bfloat16, which NumPy before 2
-    does not take."""
-    if dtype.name == "bfloat16":
-        import ml_dtypes  # a bfloat16 array comes with it
-
-        return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
-    return np.finfo(dtype)
 
 
 def _finding(reading: Reading, variant: str) -> Finding:
