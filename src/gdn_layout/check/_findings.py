@@ -364,19 +364,13 @@ class _Context:
         self.dtype = dtype
 
     @functools.cached_property
-    def rounded(self) -> _Array:
-        """The expected values rounded to the actual's dtype, in float64."""
-        with np.errstate(all="ignore"):
-            return self.e.astype(self.dtype).astype(np.float64)
-
-    @functools.cached_property
     def floor(self) -> float:
         """The least ``|c - 1|`` a fitted factor must have: more than a dominant element's
         rounding, and than the expected values' own rounding in the actual's dtype (large for
         subnormals)."""
         least = max(_LEAST_FACTOR, 4 * UNIT_ROUNDOFF.get(self.dtype.name, 0.0))
-        rounded = self.rounded
         with np.errstate(all="ignore"):
+            rounded = self.e.astype(self.dtype).astype(np.float64)
             relative = math.sqrt(float(np.vdot(rounded - self.e, rounded - self.e))) / max(
                 math.sqrt(float(np.vdot(self.e, self.e))), 1e-300
             )
@@ -1496,13 +1490,14 @@ def _zero_rows(ctx: _Context) -> Finding | None:
     rows = range(a.shape[0])
     if all(not a[r].any() for r in rows):
         return None  # no row to set them apart from: a tensor of zeros is the scan's to name
-    zero = [
-        r
-        for r in rows
-        if not a[r].any()
-        and np.count_nonzero(ctx.rounded[r]) >= _IDENTIFIED
-        and ctx.score(a[r], e[r]) > 1.0
-    ]
+    with np.errstate(all="ignore"):  # a row at a time: the region's copies stay few
+        zero = [
+            r
+            for r in rows
+            if not a[r].any()
+            and np.count_nonzero(e[r].astype(ctx.dtype).astype(np.float64)) >= _IDENTIFIED
+            and ctx.score(a[r], e[r]) > 1.0
+        ]
     if not zero:
         return None
     shown = ", ".join(map(str, zero[:_SHOWN])) + (", ..." if len(zero) > _SHOWN else "")
