@@ -14,7 +14,10 @@ Then the misreading panel (with torch installed): every reading of
 ``gdn_layout.check._misreadings.READINGS`` applied by tests/panel.py's ``misread``, a
 step-by-step PyTorch kernel under autograd glued to the op with that reading (not the
 reference on transformed inputs), over the same cases: per reading, how many cases it
-changed (failed), how often it was named, and how often another reading was named instead.
+changed (failed), how often it was named, how often it was offered only as the other cause
+of a finding no output can tell from it (``details["or_reading"]``: a ``dg`` a step off under
+equal gates, ``dstate``'s rows of zeros under a folded run), and how often another reading
+was named instead.
 
 A bug is applied only where it can exist (two heads for a head swap, a state for a transpose,
 ...) and where it changes the output. Per kind it prints how many cases it was applied to,
@@ -226,7 +229,8 @@ def misreading_panel(cases: list[Case]) -> None:
 
     applies = {r.name: r.applies for r in READINGS}
     print(
-        f"\n{'reading':28s} {'cases':>5s} {'failed':>6s} {'named':>6s} {'rate':>6s} {'other':>6s}"
+        f"\n{'reading':28s} {'cases':>5s} {'failed':>6s} {'named':>6s} {'rate':>6s} "
+        f"{'or':>6s} {'other':>6s}"
     )
     misses: list[str] = []
     for reading, variant in MISREADINGS:
@@ -241,18 +245,23 @@ def misreading_panel(cases: list[Case]) -> None:
                 continue
             counts["failed"] += 1
             named = [f.details["reading"] for f in result.findings if f.kind == "misreading"]
+            offered = {f.details.get("or_reading") for f in result.findings}
             counts["named"] += reading in named
+            counts["or"] += reading not in named and reading in offered
             counts["other"] += bool(set(named) - {reading})
-            if reading not in named:
+            if reading not in named and reading not in offered:
                 misses.append(f"{reading}/{variant or '-'} {case.name}: {result.causes()[:2]}")
         label = f"{reading}{'/' + variant if variant else ''}"
         rate = counts["named"] / counts["failed"] if counts["failed"] else float("nan")
         print(
             f"{label:28s} {counts['cases']:5d} {counts['failed']:6d} {counts['named']:6d} "
-            f"{rate:6.1%} {counts['other']:6d}"
+            f"{rate:6.1%} {counts['or']:6d} {counts['other']:6d}"
         )
     regimes = collections.Counter(line.split(":")[0].rsplit("-", 1)[1] for line in misses)
-    print(f"\nmisreadings not named: {len(misses)} (by regime: {dict(regimes)}), the first:")
+    print(
+        f"\nmisreadings neither named nor offered: {len(misses)} (by regime: {dict(regimes)}), "
+        "the first:"
+    )
     for line in misses[:8]:
         print(f"  {line}")
 

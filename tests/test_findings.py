@@ -258,6 +258,8 @@ def test_shift(layout: GdnBackwardLayout, name: str, step: int) -> None:
     found = only(grad_findings(name, a, e, layout, SCORE), "shift")
     assert found.details["step"] == step
     assert f"by {step:+d} step" in found.text
+    gate_read_off = name == "dg" and abs(step) == 1  # the same dg as a gate read a step off
+    assert found.details.get("or_reading") == ("gate_shift" if gate_read_off else None)
 
 
 @pytest.mark.parametrize("name", ["dg", "dbeta"])
@@ -373,6 +375,7 @@ def test_unwritten_batch_rows(layout: GdnBackwardLayout, name: str) -> None:
     assert found[0].details["rows"] == (1,)
     assert found[0].text.startswith(f"{name}'s batch row 1 is all zeros where the op's are not")
     assert ("one initial state" in found[0].text) == (name == "dstate")
+    assert found[0].details.get("or_reading") == ("batch_folded" if name == "dstate" else None)
     assert not grad_findings(name, e.copy(), e, layout, SCORE)  # nothing where nothing fails
 
 

@@ -301,6 +301,8 @@ def test_a_gate_read_a_step_off_under_equal_gates_is_named_by_its_dg_shift(varia
     assert finding.kind == "shift"
     when = "early" if variant else "late"
     assert f"or the gate read one step {when}" in finding.text, finding.text
+    assert finding.details["or_reading"] == "gate_shift"
+    assert not any(f.kind == "misreading" for f in result.findings)  # nothing tells them apart
 
 
 @pytest.mark.parametrize(("shape", "seed"), [((1, 255, 2, 16), 1), ((2, 130, 2, 8), 0)])

@@ -851,13 +851,15 @@ def _shift(ctx: _Context) -> Finding | None:
     if unit == "chunk" and k == -1:  # the state leaving chunk c, not the one entering it
         what = "the cotangent of the state" if ctx.name == "dh" else "the state"
         text += f" ({what} leaving chunk {i}, as another library keeps it?)"
+    details: dict[str, object] = {"step": k}
     if ctx.name == "dg" and abs(k) == 1:  # the misreading gate_shift, where gates are equal
         when = "late" if k == -1 else "early"
         text += (
             f" (dg stored a step off, or the gate read one step {when}: where the gates "
             "are equal, only dg shows that)"
         )
-    return _finding(ctx, "shift", text, result, {"step": k})
+        details["or_reading"] = "gate_shift"
+    return _finding(ctx, "shift", text, result, details)
 
 
 def _scale_hint(c: float, n: int) -> tuple[str, ...]:
@@ -1506,9 +1508,11 @@ def _zero_rows(ctx: _Context) -> Finding | None:
         f"{ctx.name}'s batch row{'s' if many else ''} {shown} {'are' if many else 'is'} all "
         "zeros where the op's are not: never written?"
     )
+    details: dict[str, object] = {"value": 0.0, "how": "rows", "rows": tuple(zero)}
     if ctx.name == "dstate":
         text += " (or the batch rows run as one sequence, which has one initial state)"
-    return Finding("unwritten", ctx.name, text, {"value": 0.0, "how": "rows", "rows": tuple(zero)})
+        details["or_reading"] = "batch_folded"
+    return Finding("unwritten", ctx.name, text, details)
 
 
 class Hypothesis(NamedTuple):
