@@ -51,6 +51,8 @@ from numpy.typing import NDArray
 
 from .._dtypes import finfo
 from ..layout import GdnBackwardLayout
+from ..packing import unpack
+from ..reference._fused import fused_backward
 from ._criterion import Criterion
 from ._findings import Finding
 from ._floors import term_scales
@@ -74,7 +76,9 @@ _NEAR_OVERFLOW: Final = float(np.finfo(np.float32).max) * 2.0**-16
 
 
 class _Case(NamedTuple):
-    """The slice of a case a re-run reads: float64, in the op's ``[B, S, H, N]`` shapes."""
+    """The slice of a case a re-run reads, in the op's ``[B, S, H, N]`` shapes: float64, or
+    float32 for a re-run that rounds as a kernel does, in the step-by-step form or, when
+    ``chunked``, in the fused kernels' chunked form."""
 
     q: _Array
     k: _Array
@@ -84,6 +88,11 @@ class _Case(NamedTuple):
     dy: _Array
     state: _Array | None
     per_channel: bool
+    chunked: bool = False
+
+
+class _NoForm(Exception):
+    """The chunked form cannot compute this reading: it takes a log-gate on key rows."""
 
 
 def _step_form(
@@ -91,6 +100,7 @@ def _step_form(
     *,
     q: _Array | None = None,
     k: _Array | None = None,
+    gate: _Array | None = None,
     decay: _Array | None = None,
     beta: _Array | None = None,
     state: _Array | None = None,
@@ -98,29 +108,63 @@ def _step_form(
     cotangent: _Array | None = None,
     fold: bool = False,
 ) -> dict[str, _Array]:
-    """The op's step-by-step form in float64 (the spec's steps), with the decay ``decay``
-    given directly (``exp(g)`` by default) and scaling value columns when ``columns``; a
-    cotangent ``cotangent`` on the final state; the batch rows as one sequence when ``fold``.
-    Returns ``dq, dk, dv, da`` (the decay's gradient), ``dbeta`` and ``dstate``."""
+    """The op's step-by-step form (the spec's steps), or its fused chunked form when
+    ``x.chunked``, with the log-gate ``gate`` (``g`` by default) or a decay ``decay`` given
+    directly, scaling value columns when ``columns``; a cotangent ``cotangent`` on the final
+    state; the batch rows as one sequence when ``fold``. Returns ``dq, dk, dv, dbeta``,
+    ``dstate`` and ``dg``, the log-gate's gradient, or with ``decay`` ``da``, the decay's.
+    Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``."""
     q = x.q if q is None else q
     k = x.k if k is None else k
-    a = np.exp(x.g) if decay is None else decay
+    g = x.g if gate is None else gate
     b = x.beta if beta is None else beta
     s0 = x.state if state is None else state
     rows, seq, heads, n = q.shape
+    v, dy = x.v, x.dy
     if fold:  # [B, S, ...] as [1, B*S, ...]: row r's first step follows row r-1's last
-        q, k, v, dy = (t.reshape(1, rows * seq, heads, n) for t in (q, k, x.v, x.dy))
-        a = a.reshape(1, rows * seq, *a.shape[2:])
+        q, k, v, dy = (t.reshape(1, rows * seq, heads, n) for t in (q, k, v, dy))
+        g = g.reshape(1, rows * seq, *g.shape[2:])
+        decay = None if decay is None else decay.reshape(g.shape)
         b = b.reshape(1, rows * seq, heads)
         s0 = None if s0 is None else s0[:1]
+    if x.chunked:
+        if decay is not None or columns:
+            raise _NoForm
+        grads = _fused_form(q, k, v, g, b, dy, s0, cotangent)
     else:
-        v, dy = x.v, x.dy
-    grads = _run(q, k, v, a, b, dy, s0, columns, cotangent)
+        a = np.exp(g) if decay is None else decay
+        grads = _run(q, k, v, a, b, dy, s0, columns, cotangent)
+        if decay is None:
+            grads["dg"] = grads.pop("da") * a  # the gradient of the log-gate read
     if fold:
-        for name in ("dq", "dk", "dv", "da", "dbeta"):
+        for name in grads.keys() - {"dstate"}:
             grads[name] = grads[name].reshape(rows, seq, *grads[name].shape[2:])
         grads["dstate"] = np.concatenate([grads["dstate"], np.zeros_like(grads["dstate"])])[:rows]
     return grads
+
+
+def _fused_form(
+    q: _Array,
+    k: _Array,
+    v: _Array,
+    g: _Array,
+    beta: _Array,
+    dy: _Array,
+    state: _Array | None,
+    cotangent: _Array | None,
+) -> dict[str, _Array]:
+    """The fused kernels' chunked form in ``q``'s dtype, its products unrounded: the
+    fixture's ``chunked`` floors run, on a reading's inputs. Raises :class:`_NoForm` where
+    it overflows (a reading's op may; the step-by-step form's run frees those values)."""
+    rows, _, heads, n = q.shape
+    try:
+        flat = fused_backward(q, k, v, g, beta, dy, state, dtype=q.dtype, cotangent=cotangent)[0]
+    except (FloatingPointError, ValueError):
+        raise _NoForm from None
+    grads = unpack(flat, GdnBackwardLayout.from_inputs(q, g, state))
+    out = {name: getattr(grads, name) for name in ("dq", "dk", "dv", "dg", "dbeta")}
+    out["dstate"] = np.zeros((rows, heads, n, n), q.dtype) if grads.dstate is None else grads.dstate
+    return out
 
 
 def _run(
@@ -197,13 +241,6 @@ def _run(
     }
 
 
-def _op(grads: dict[str, _Array], decay: _Array) -> _Grads:
-    """The gradients with respect to the log-gate read: ``dg = da * decay``."""
-    out: _Grads = dict(grads)
-    out["dg"] = grads["da"] * decay
-    return out
-
-
 # -- the readings ------------------------------------------------------------------------
 
 
@@ -224,7 +261,7 @@ class Reading(NamedTuple):
 
 def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
     assert x.state is not None
-    yield "", _op(_step_form(x, state=x.state.swapaxes(-1, -2)), np.exp(x.g))
+    yield "", dict(_step_form(x, state=x.state.swapaxes(-1, -2)))
 
 
 def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
@@ -234,8 +271,7 @@ def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _gate_exp_twice(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    decay = np.exp(np.exp(x.g))
-    yield "", _op(_step_form(x, decay=decay), decay)
+    yield "", dict(_step_form(x, gate=np.exp(x.g)))
 
 
 def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
@@ -247,8 +283,7 @@ def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
             g[:, :-1] = x.g[:, 1:]
         if np.array_equal(g, x.g):  # a constant gate reads the same either way: only a
             continue  # dg stored a step off would differ, which is a shift, not a reading
-        decay = np.exp(g)
-        grads = _op(_step_form(x, decay=decay), decay)
+        grads: _Grads = dict(_step_form(x, gate=g))
         dg = grads["dg"]
         assert dg is not None
         moved = np.zeros_like(dg)  # the gradient of g[t] stored where g[t] is, not at step t
@@ -264,25 +299,19 @@ def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _gate_axis(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    decay = np.exp(x.g)
-    yield "", _op(_step_form(x, columns=True), decay)
+    yield "", dict(_step_form(x, columns=True))
 
 
 def _g_beta_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    decay = np.exp(x.beta)
-    grads = _op(_step_form(x, decay=decay, beta=x.g), decay)
-    yield "", grads
+    yield "", dict(_step_form(x, gate=x.beta, beta=x.g))
 
 
 def _beta_missing(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    truth = _op(_step_form(x), np.exp(x.g))
     yield (
         "beta = 1 in the update (dbeta not judged)",
-        {
-            **_op(_step_form(x, beta=np.ones_like(x.beta)), np.exp(x.g)),
-            "dbeta": None,
-        },
+        {**_step_form(x, beta=np.ones_like(x.beta)), "dbeta": None},
     )
+    truth = _step_form(x)
     dv = truth["dv"]
     assert dv is not None
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -297,7 +326,7 @@ def _unit(t: _Array) -> tuple[_Array, _Array]:
 
 def _qk_normalized(x: _Case) -> Iterator[tuple[str, _Grads]]:
     (q, nq), (k, nk) = _unit(x.q), _unit(x.k)
-    grads = _op(_step_form(x, q=q, k=k), np.exp(x.g))
+    grads: _Grads = dict(_step_form(x, q=q, k=k))
     chained = dict(grads)
     for name, unit, norm in (("dq", q, nq), ("dk", k, nk)):
         d = grads[name]
@@ -309,18 +338,17 @@ def _qk_normalized(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _qk_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    yield "", _op(_step_form(x, q=x.k, k=x.q), np.exp(x.g))
+    yield "", dict(_step_form(x, q=x.k, k=x.q))
 
 
 def _final_state_cotangent(x: _Case) -> Iterator[tuple[str, _Grads]]:
     rows, _, heads, n = x.q.shape
     ones = np.ones((rows, heads, n, n), x.q.dtype)
-    yield "", _op(_step_form(x, cotangent=ones), np.exp(x.g))
+    yield "", dict(_step_form(x, cotangent=ones))
 
 
 def _batch_folded(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    grads = _op(_step_form(x, fold=True), np.exp(x.g))
-    yield "", {**grads, "dstate": None}  # a folded run has one initial state
+    yield "", {**_step_form(x, fold=True), "dstate": None}  # a folded run has one initial state
 
 
 READINGS: Final[tuple[Reading, ...]] = (
@@ -434,11 +462,16 @@ def misreading_findings(
     op_term = term_scales(x.q, x.k, theirs["dq"], theirs["dk"], per_channel=x.per_channel)["dg"]
 
     def passes(
-        grads: _Grads, rounded: _Grads | None, kernel: Mapping[str, Any], stored: bool = False
+        grads: _Grads,
+        rounded: tuple[_Grads, ...] | None,
+        kernel: Mapping[str, Any],
+        stored: bool = False,
     ) -> int | None:
         """How many values ``kernel``'s judged gradients were compared on, when all pass
-        against ``grads``; None when one fails. ``stored``: the floors are at least the
-        rounding of ``grads``' own values to the kernel's dtype (the fixture's are its op's)."""
+        against ``grads``; None when one fails. ``rounded``: the reading's float32 runs, the
+        step-by-step form's first, whose overflow frees values; the floors are at least the
+        worst of their rounding. ``stored``: the floors are at least the rounding of
+        ``grads``' own values to the kernel's dtype (the fixture's are its op's)."""
         judged = [n for n in names if grads.get(n) is not None]
         dq, dk = grads.get("dq"), grads.get("dk")
         term = op_term  # a gradient alone: the terms of the op's own dg
@@ -449,16 +482,21 @@ def misreading_findings(
             e = np.asarray(grads[name], np.float64)
             a = np.asarray(kernel[name], np.float64)
             floor = None
-            if rounded is not None and rounded.get(name) is not None:
-                r = np.asarray(rounded[name], np.float64)
+            if rounded is not None and rounded[0].get(name) is not None:
+                r = np.asarray(rounded[0][name], np.float64)
                 largest = float(finfo(actual_of[name].dtype).max)
                 big = np.abs(e) > min(_NEAR_OVERFLOW, largest)
                 free = ~np.isfinite(r) | big | ~np.isfinite(e)  # past any float: unverifiable
                 if (~np.isfinite(a) & ~free).any():
                     return None
-                e, a, r = e[~free], a[~free], r[~free]
+                e, a = e[~free], a[~free]
                 verified += e.size
-                floor = _figures(r, e)
+                floor = _figures(r[~free], e)
+                for other in rounded[1:]:  # another form: where it is finite, its rounding
+                    o = np.asarray(other[name], np.float64)[~free]
+                    if np.isfinite(o).all():
+                        more = _figures(o, e)
+                        floor = (max(floor[0], more[0]), max(floor[1], more[1]))
             if stored:
                 kept = _stored_figures(e, actual_of[name].dtype)
                 floor = kept if floor is None else (max(floor[0], kept[0]), max(floor[1], kept[1]))
@@ -474,7 +512,7 @@ def misreading_findings(
     if not failing:
         return ()
 
-    def holds(grads: _Grads, rounded: _Grads | None) -> bool:
+    def holds(grads: _Grads, rounded: tuple[_Grads, ...] | None) -> bool:
         """The reading judges a gradient the kernel fails, changes the op's values in
         one it judges (else a bug of its own, a moved ``dg``, would pass for it), and the
         kernel passes against it."""
@@ -499,7 +537,7 @@ def misreading_findings(
             )
         else:
             variants = reading.truths(x)
-        rounded: list[tuple[str, _Grads]] | None = None
+        rounded: list[tuple[_Grads, ...]] | None = None
         with np.errstate(all="ignore"):
             for index, (words, grads) in enumerate(variants):
                 named = holds(grads, None)
@@ -508,12 +546,24 @@ def misreading_findings(
                     _grows(grads, theirs, actual_of) or _nearer(grads, theirs, actual_of, failing)
                 ):
                     # its op's own float32 rounding may be what the kernel misses by
-                    rounded = list(reading.truths(low)) if rounded is None else rounded
-                    named = holds(grads, rounded[index][1])
+                    rounded = _rounded(reading, low) if rounded is None else rounded
+                    named = holds(grads, rounded[index])
                 if named:
                     found.append(_finding(reading, words))
                     break
     return tuple(found)
+
+
+def _rounded(reading: Reading, low: _Case) -> list[tuple[_Grads, ...]]:
+    """Each variant of ``reading`` run in float32: step by step, and in the fused kernels'
+    chunked form where that form can compute it and does not overflow (a kernel of either
+    form rounds as that form does; the fixture's floors are the worst of the same two)."""
+    steps = [grads for _, grads in reading.truths(low)]
+    try:
+        chunked = [grads for _, grads in reading.truths(low._replace(chunked=True))]
+    except _NoForm:
+        return [(grads,) for grads in steps]
+    return list(zip(steps, chunked, strict=True))
 
 
 def _grows(grads: _Grads, truth: _Grads, kernel: Mapping[str, Any]) -> bool:

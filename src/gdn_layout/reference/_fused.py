@@ -300,6 +300,7 @@ def fused_backward(
     dtype: Any = np.float32,
     sizes: bool = False,
     length: int = FUSED_CHUNK,
+    cotangent: _Array | None = None,
 ) -> tuple[_Array, dict[str, _Array], tuple[_Array, dict[str, _Array]] | None]:
     """Everything the fused kernels' chunked form gives, as :func:`._states.step_by_step`
     returns it: the packed gradients and ``{"y", "final_state", "h", "dh"}`` (the last three
@@ -309,7 +310,9 @@ def fused_backward(
     With ``sizes``, also the same of the sums of absolute terms of each result's last sums, in
     float64 (None otherwise): a sum taken in another order may change by ``u`` times its own.
 
-    Chunks are of ``length`` steps, cut also at every multiple of ``chunk``.
+    Chunks are of ``length`` steps, cut also at every multiple of ``chunk``. ``cotangent``,
+    ``[B, H, N, N]``, is one on the final state, which the op has not (zero): a misreading's
+    re-run takes it (:mod:`gdn_layout.check._misreadings`).
     """
     x = validate(q, k, v, g, beta, state, dy, dtype)
     assert x.dy is not None
@@ -351,6 +354,8 @@ def fused_backward(
             if size <= budget:
                 kept[i], budget = chunk_i, budget - size
         dh = np.zeros_like(h)
+        if cotangent is not None:
+            dh[-1] = cotangent
         out = [np.moveaxis(a, 1, 2) for a in grads[:5]]  # [B, H, S, ...] views
         for i in reversed(range(len(bounds) - 1)):
             span = slice(bounds[i], bounds[i + 1])
