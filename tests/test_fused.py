@@ -52,6 +52,49 @@ def test_in_float64_it_computes_the_op(
         assert _relative(array, truth_outputs[name]) < 1e-9, name
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    layout=st.from_type(GdnBackwardLayout).filter(lambda layout: layout.state_size > 0),
+    regime=st.sampled_from(REGIMES),
+    length=st.integers(1, 9),
+)
+def test_a_cotangent_on_the_final_state_is_that_of_steps_that_read_it(
+    layout: GdnBackwardLayout, regime: str, length: int
+) -> None:
+    # <C, S_T> is what N more steps that leave the state as it is (k = v = beta = g = 0)
+    # output against dy: step i reads row i of S_T (q = e_i) against C[i] / c. So the
+    # step-by-step form of the longer sequence, cut at S, is the truth with a cotangent C.
+    x = draw_inputs(layout, regime=regime, seed=2, dtype=np.float64)
+    q, k, v, g, beta, dy, state = x
+    b, s, h, n = q.shape
+    cot = np.random.default_rng(3).standard_normal((b, h, n, n))
+    reads = np.broadcast_to(np.eye(n)[None, :, None, :], (b, n, h, n))
+    against = np.sqrt(n) * cot.transpose(0, 2, 1, 3)  # [B, i, H, :] = C[b, h, i] / c
+    none = np.zeros((b, n, h, *g.shape[3:]))
+    longer = (
+        np.concatenate([q, reads], axis=1),
+        np.concatenate([k, np.zeros((b, n, h, n))], axis=1),
+        np.concatenate([v, np.zeros((b, n, h, n))], axis=1),
+        np.concatenate([g, none], axis=1),
+        np.concatenate([beta, np.zeros((b, n, h))], axis=1),
+        np.concatenate([dy, against], axis=1),
+        state,
+    )
+    flat = fused_backward(*x, dtype=np.float64, length=length, cotangent=cot)[0]
+    truth = step_by_step(*longer, dtype=np.float64)[0]
+    longer_layout = GdnBackwardLayout.from_inputs(longer[0], longer[3], state)
+    got, want = unpack(flat, layout), unpack(truth, longer_layout)
+    terms = term_scales(q, k, want.dq[:, :s], want.dk[:, :s], per_channel=layout.gate_per_channel)
+    for name in layout.names:
+        a, e = getattr(got, name), getattr(want, name)
+        e = e if name == "dstate" else e[:, :s]
+        if name == "dg":  # exact to the rounding of its terms, as above
+            scale = max(terms["dg"], float(np.max(np.abs(e), initial=0.0)))
+            assert float(np.max(np.abs(a - e), initial=0.0)) <= 1e-9 * scale
+            continue
+        assert _relative(a, e) < 1e-9, name
+
+
 def test_chunks_are_cut_at_the_recorded_boundaries_too() -> None:
     assert chunk_bounds(150, None) == [0, 64, 128, 150]
     assert chunk_bounds(150, 48) == [0, 48, 64, 96, 128, 144, 150]

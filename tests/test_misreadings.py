@@ -4,7 +4,7 @@ read another way), is named; correct kernels and bugs of other kinds are not."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import ml_dtypes
 import numpy as np
@@ -200,6 +200,29 @@ def test_a_near_miss_of_a_reading_is_judged_on_its_float32_rounding(
     kernel = panel.misread(fx, "final_state_cotangent", "")
     assert _named(compare(kernel, fx).findings) == ["final_state_cotangent"]
     monkeypatch.setattr(_misreadings, "_nearer", lambda *a: False)
+    assert _named(compare(kernel, fx).findings) == []
+
+
+@pytest.mark.slow
+def test_a_reading_is_judged_on_the_rounding_of_its_chunked_form_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A per-channel gate under extreme decay, S=300, N=128: the kernel's float32 dbeta
+    # misses the reading's by 86 times what the reading's float32 step-by-step form does,
+    # and by 2.3 times what its fused chunked form does (a cancellation of the ones'
+    # cotangent against the decayed state): the fixture's floors are the worst of both
+    # forms for the op, and so are the reading's.
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    layout = GdnBackwardLayout(1, 300, 1, 128, gate_per_channel=True)
+    fx = make_fixture(layout, regime="extreme", seed=209)
+    kernel = panel.misread(fx, "final_state_cotangent", "")
+    assert _named(compare(kernel, fx).findings) == ["final_state_cotangent"]
+
+    def step_by_step_only(*args: object) -> NoReturn:
+        raise _misreadings._NoForm
+
+    monkeypatch.setattr(_misreadings, "_fused_form", step_by_step_only)
     assert _named(compare(kernel, fx).findings) == []
 
 

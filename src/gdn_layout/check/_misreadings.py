@@ -26,8 +26,9 @@ come nearest their largest error, its states kept at every 64th step and recompu
 between. It runs only when the kernel fails on that slice, once per reading and variant (a
 scale is the truth times a factor). Where a reading's op grows (its gradients a thousand
 times the op's, or not finite), or the kernel misses it by less than it misses the op, it
-runs again in float32, whose own rounding then raises the floors and whose overflow frees
-the kernel's values there.
+runs again in float32, step by step and, where that form can compute it, in the fused
+kernels' chunked form: as the fixture's floors for the op, the worst rounding of the two
+then raises the floors, and the step-by-step run's overflow frees the kernel's values there.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, make_fixture, compare
