@@ -4,6 +4,7 @@ read another way), is named; correct kernels and bugs of other kinds are not."""
 
 from __future__ import annotations
 
+import tracemalloc
 from typing import Any, NoReturn
 
 import ml_dtypes
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 from numpy.typing import NDArray
 
-from gdn_layout import GdnBackwardLayout, compare, make_fixture, unpack
+from gdn_layout import GdnBackwardLayout, compare, draw_inputs, make_fixture, unpack
 from gdn_layout.check import _misreadings
 from gdn_layout.check._findings import KINDS, Finding
 from gdn_layout.files import Fixture
 from gdn_layout.reference import backward
+from gdn_layout.reference._fused import fused_backward
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -249,6 +251,41 @@ def test_a_folded_kernel_failing_in_dstate_alone_gets_its_zero_rows_named() -> N
     (found,) = result["dstate"].findings
     assert (found.kind, found.details["rows"]) == ("unwritten", (1,))
     assert "the batch rows run as one sequence" in found.text
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_the_chunked_re_run_takes_a_group_of_heads_at_a_time_within_its_bytes(
+    per_channel: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Heads are independent: a group at a time gives every head's values as one run does,
+    # and the run's own memory stays within _FUSED_BYTES (a per-channel chunk's temporaries
+    # are 64 times its inputs).
+    layout = GdnBackwardLayout(2, 256, 48, 16, gate_per_channel=per_channel, carry_state=True)
+    q, k, v, g, beta, dy, state = draw_inputs(layout, regime="mixed", seed=4)
+    assert state is not None
+    cot = np.ones(state.shape, np.float32)
+    args = (q, k, v, g, beta, dy, state, cot)
+    runs = []
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        runs.append(a[0].shape[2])
+        return fused_backward(*a, **kw)
+
+    monkeypatch.setattr(_misreadings, "fused_backward", counted)
+    tracemalloc.start()
+    grouped = _misreadings._fused_form(*args)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(runs) > 1, runs  # the heads did not fit one group
+    assert sum(runs) == layout.heads
+    held = sum(a.nbytes for a in grouped.values())  # the result, and the slices' copies
+    assert peak - 2 * held <= _misreadings._FUSED_BYTES, peak / 2**20
+    monkeypatch.setattr(_misreadings, "_FUSED_BYTES", 1 << 60)
+    whole = _misreadings._fused_form(*args)
+    assert grouped.keys() == whole.keys()
+    for name, values in whole.items():
+        most = float(np.abs(values).max())
+        np.testing.assert_allclose(grouped[name], values, rtol=1e-6, atol=1e-6 * most)
 
 
 def test_bare_arrays_have_no_inputs_to_re_run() -> None:

@@ -53,7 +53,7 @@ from numpy.typing import NDArray
 from .._dtypes import finfo
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
-from ..reference._fused import fused_backward
+from ..reference._fused import FUSED_CHUNK, fused_backward
 from ._criterion import Criterion
 from ._findings import Finding
 from ._floors import term_scales
@@ -71,6 +71,9 @@ _CHECKPOINT: Final = 64  # steps between the states a re-run keeps
 #: of the gradients where it differs from the op.
 _VERIFIED: Final = 16
 _PADDED: Final = (16, 32, 64, 128, 256)  # head sizes a library pads N to
+#: Most bytes a float32 run of the fused chunked form takes at once: it runs a group of
+#: heads at a time.
+_FUSED_BYTES: Final = 32 << 20
 #: Values within 16 binades of float32's largest may overflow in another order of the sums
 #: that form them: a kernel's value there is free.
 _NEAR_OVERFLOW: Final = float(np.finfo(np.float32).max) * 2.0**-16
@@ -157,14 +160,35 @@ def _fused_form(
     """The fused kernels' chunked form in ``q``'s dtype, its products unrounded: the
     fixture's ``chunked`` floors run, on a reading's inputs. Raises :class:`_NoForm` where
     it overflows (a reading's op may; the step-by-step form's run frees those values)."""
-    rows, _, heads, n = q.shape
-    try:
-        flat = fused_backward(q, k, v, g, beta, dy, state, dtype=q.dtype, cotangent=cotangent)[0]
-    except (FloatingPointError, ValueError):
-        raise _NoForm from None
-    grads = unpack(flat, GdnBackwardLayout.from_inputs(q, g, state))
-    out = {name: getattr(grads, name) for name in ("dq", "dk", "dv", "dg", "dbeta")}
-    out["dstate"] = np.zeros((rows, heads, n, n), q.dtype) if grads.dstate is None else grads.dstate
+    rows, seq, heads, n = q.shape
+    out = {
+        "dq": np.empty_like(q),
+        "dk": np.empty_like(k),
+        "dv": np.empty_like(v),
+        "dg": np.empty_like(g),
+        "dbeta": np.empty_like(beta),
+        "dstate": np.zeros((rows, heads, n, n), q.dtype),
+    }
+    # A group of heads at a time, its chunks formed again in the backward: a per-channel
+    # chunk's temporaries are 64 times its inputs (reference._fused).
+    each = 4 * rows * (8 * FUSED_CHUNK**2 * (n if g.ndim == 4 else 1) + 32 * seq * n)
+    step = max(1, _FUSED_BYTES // max(each, 1))
+    for h0 in range(0, heads, step):
+        part = slice(h0, min(h0 + step, heads))
+        qp, kp, vp, gp, bp, dyp = (t[:, :, part] for t in (q, k, v, g, beta, dy))
+        s0 = None if state is None else state[:, part]
+        c0 = None if cotangent is None else cotangent[:, part]
+        try:
+            flat, _, _ = fused_backward(
+                qp, kp, vp, gp, bp, dyp, s0, dtype=q.dtype, cotangent=c0, keep=0
+            )
+        except (FloatingPointError, ValueError):
+            raise _NoForm from None
+        grads = unpack(flat, GdnBackwardLayout.from_inputs(qp, gp, s0))
+        for name in ("dq", "dk", "dv", "dg", "dbeta"):
+            out[name][:, :, part] = getattr(grads, name)
+        if grads.dstate is not None:
+            out["dstate"][:, part] = grads.dstate
     return out
 
 

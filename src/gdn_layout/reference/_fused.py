@@ -301,6 +301,7 @@ def fused_backward(
     sizes: bool = False,
     length: int = FUSED_CHUNK,
     cotangent: _Array | None = None,
+    keep: int = KEEP_BYTES,
 ) -> tuple[_Array, dict[str, _Array], tuple[_Array, dict[str, _Array]] | None]:
     """Everything the fused kernels' chunked form gives, as :func:`._states.step_by_step`
     returns it: the packed gradients and ``{"y", "final_state", "h", "dh"}`` (the last three
@@ -312,7 +313,8 @@ def fused_backward(
 
     Chunks are of ``length`` steps, cut also at every multiple of ``chunk``. ``cotangent``,
     ``[B, H, N, N]``, is one on the final state, which the op has not (zero): a misreading's
-    re-run takes it (:mod:`gdn_layout.check._misreadings`).
+    re-run takes it (:mod:`gdn_layout.check._misreadings`). The forward's chunks are kept
+    for the backward within ``keep`` bytes, and formed again past it.
     """
     x = validate(q, k, v, g, beta, state, dy, dtype)
     assert x.dy is not None
@@ -329,7 +331,7 @@ def fused_backward(
     y = np.empty((batch, heads, seq, n), compute)
 
     kept: dict[int, _Chunk] = {}  # the forward's chunks, for the backward, within a budget
-    budget = KEEP_BYTES
+    budget = keep
 
     def part(i: int) -> _Chunk:
         if i in kept:
