@@ -15,6 +15,7 @@ from numpy.typing import NDArray
 from gdn_layout import GdnBackwardLayout, compare, draw_inputs, make_fixture, unpack
 from gdn_layout.check import _misreadings
 from gdn_layout.check._findings import KINDS, Finding
+from gdn_layout.check._floors import term_scales
 from gdn_layout.files import Fixture
 from gdn_layout.reference import backward
 from gdn_layout.reference._fused import fused_backward
@@ -251,6 +252,48 @@ def test_a_folded_kernel_failing_in_dstate_alone_gets_its_zero_rows_named() -> N
     (found,) = result["dstate"].findings
     assert (found.kind, found.details["rows"]) == ("unwritten", (1,))
     assert "the batch rows run as one sequence" in found.text
+
+
+@pytest.mark.parametrize("regime", ["mild", "extreme"])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        GdnBackwardLayout(2, 70, 2, 8, carry_state=True),
+        GdnBackwardLayout(2, 70, 2, 8, gate_per_channel=True, carry_state=True),
+        GdnBackwardLayout(2, 3, 1, 4),
+    ],
+    ids=str,
+)
+def test_every_reading_s_chunked_form_computes_that_reading(
+    layout: GdnBackwardLayout, regime: str
+) -> None:
+    # The chunked run's rounding sets a reading's floors only if it computes the same
+    # reading: in float64, every variant of every reading it takes is the step-by-step one.
+    fx = make_fixture(layout, regime=regime, seed=5)
+    rows, heads = slice(0, layout.batch), slice(0, layout.heads)
+    x = _misreadings._case_slice(fx.inputs, layout, rows, heads)
+    scales = term_scales(x.q, x.k, *unpack(fx.packed, layout)[:2], per_channel=x.per_channel)
+    for reading in _misreadings.READINGS:
+        if reading.name == "scale" or not reading.applies(layout):
+            continue
+        steps = dict(reading.truths(x))
+        try:
+            chunked = dict(reading.truths(x._replace(chunked=True)))
+        except _misreadings._NoForm:
+            assert reading.name in {"gate_as_decay", "gate_axis"}  # a decay, value columns
+            continue
+        assert chunked.keys() == steps.keys(), reading.name
+        for words, grads in steps.items():
+            for name in layout.names:
+                e, a = grads[name], chunked[words][name]
+                assert (e is None) == (a is None), (reading.name, words, name)
+                if e is None:
+                    continue
+                scale = float(np.max(np.abs(e), initial=0.0))
+                if name == "dg":  # exact to its terms' rounding, as the op's chunked form
+                    scale = max(scale, scales["dg"])
+                error = float(np.max(np.abs(a - e), initial=0.0))
+                assert error <= 1e-9 * scale, (reading.name, words, name, error / scale)
 
 
 @pytest.mark.parametrize("per_channel", [False, True])

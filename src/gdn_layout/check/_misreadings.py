@@ -71,8 +71,8 @@ _CHECKPOINT: Final = 64  # steps between the states a re-run keeps
 #: of the gradients where it differs from the op.
 _VERIFIED: Final = 16
 _PADDED: Final = (16, 32, 64, 128, 256)  # head sizes a library pads N to
-#: Most bytes a float32 run of the fused chunked form takes at once: it runs a group of
-#: heads at a time.
+#: About the most bytes a run of the fused chunked form takes at once: it runs a group of
+#: heads at a time, one head at least.
 _FUSED_BYTES: Final = 32 << 20
 #: Values within 16 binades of float32's largest may overflow in another order of the sums
 #: that form them: a kernel's value there is free.
@@ -117,7 +117,8 @@ def _step_form(
     directly, scaling value columns when ``columns``; a cotangent ``cotangent`` on the final
     state; the batch rows as one sequence when ``fold``. Returns ``dq, dk, dv, dbeta``,
     ``dstate`` and ``dg``, the log-gate's gradient, or with ``decay`` ``da``, the decay's.
-    Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``."""
+    Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``; where the
+    chunked form overflows, its values are NaN."""
     q = x.q if q is None else q
     k = x.k if k is None else k
     g = x.g if gate is None else gate
@@ -158,8 +159,8 @@ def _fused_form(
     cotangent: _Array | None,
 ) -> dict[str, _Array]:
     """The fused kernels' chunked form in ``q``'s dtype, its products unrounded: the
-    fixture's ``chunked`` floors run, on a reading's inputs. Raises :class:`_NoForm` where
-    it overflows (a reading's op may; the step-by-step form's run frees those values)."""
+    fixture's ``chunked`` floors run, on a reading's inputs. A group of heads where it
+    overflows (a reading's op may) is NaN: its rounding is not measured there."""
     rows, seq, heads, n = q.shape
     out = {
         "dq": np.empty_like(q),
@@ -169,22 +170,23 @@ def _fused_form(
         "dbeta": np.empty_like(beta),
         "dstate": np.zeros((rows, heads, n, n), q.dtype),
     }
-    # A group of heads at a time, its chunks formed again in the backward: a per-channel
-    # chunk's temporaries are 64 times its inputs (reference._fused).
-    each = 4 * rows * (8 * FUSED_CHUNK**2 * (n if g.ndim == 4 else 1) + 32 * seq * n)
+    # A group of heads at a time (one at least), its chunks formed again in the backward:
+    # a per-channel chunk's temporaries are 64 times its inputs (reference._fused).
+    each = q.dtype.itemsize * rows * (8 * FUSED_CHUNK**2 * (n if g.ndim == 4 else 1) + 32 * seq * n)
     step = max(1, _FUSED_BYTES // max(each, 1))
     for h0 in range(0, heads, step):
         part = slice(h0, min(h0 + step, heads))
         qp, kp, vp, gp, bp, dyp = (t[:, :, part] for t in (q, k, v, g, beta, dy))
         s0 = None if state is None else state[:, part]
         c0 = None if cotangent is None else cotangent[:, part]
+        layout = GdnBackwardLayout.from_inputs(qp, gp, s0)
         try:
             flat, _, _ = fused_backward(
                 qp, kp, vp, gp, bp, dyp, s0, dtype=q.dtype, cotangent=c0, keep=0
             )
-        except (FloatingPointError, ValueError):
-            raise _NoForm from None
-        grads = unpack(flat, GdnBackwardLayout.from_inputs(qp, gp, s0))
+        except FloatingPointError:  # the recurrence overflowed
+            flat = np.full(layout.total_elems, np.nan, q.dtype)
+        grads = unpack(flat, layout)
         for name in ("dq", "dk", "dv", "dg", "dbeta"):
             out[name][:, :, part] = getattr(grads, name)
         if grads.dstate is not None:
@@ -562,9 +564,9 @@ def misreading_findings(
             )
         else:
             variants = reading.truths(x)
-        rounded: list[tuple[_Grads, ...]] | None = None
+        rounded: dict[str, tuple[_Grads, ...]] | None = None
         with np.errstate(all="ignore"):
-            for index, (words, grads) in enumerate(variants):
+            for words, grads in variants:
                 named = holds(grads, None)
                 rerun = reading.name != "scale"  # a scale is the truth times a factor
                 if (not named and rerun and low is not None) and (
@@ -572,23 +574,24 @@ def misreading_findings(
                 ):
                     # its op's own float32 rounding may be what the kernel misses by
                     rounded = _rounded(reading, low) if rounded is None else rounded
-                    named = holds(grads, rounded[index])
+                    named = words in rounded and holds(grads, rounded[words])
                 if named:
                     found.append(_finding(reading, words))
                     break
     return tuple(found)
 
 
-def _rounded(reading: Reading, low: _Case) -> list[tuple[_Grads, ...]]:
-    """Each variant of ``reading`` run in float32: step by step, and in the fused kernels'
-    chunked form where that form can compute it and does not overflow (a kernel of either
-    form rounds as that form does; the fixture's floors are the worst of the same two)."""
-    steps = [grads for _, grads in reading.truths(low)]
+def _rounded(reading: Reading, low: _Case) -> dict[str, tuple[_Grads, ...]]:
+    """Each variant of ``reading`` run in float32, by its words: step by step, and in the
+    fused kernels' chunked form where that form can compute it (a kernel of either form
+    rounds as that form does; the fixture's floors are the worst of the same two). By words:
+    gates equal only in float32 make a variant of ``gate_shift`` that float64 has not."""
+    steps = dict(reading.truths(low))
     try:
-        chunked = [grads for _, grads in reading.truths(low._replace(chunked=True))]
+        chunked = dict(reading.truths(low._replace(chunked=True)))
     except _NoForm:
-        return [(grads,) for grads in steps]
-    return list(zip(steps, chunked, strict=True))
+        return {words: (grads,) for words, grads in steps.items()}
+    return {words: (grads, chunked[words]) for words, grads in steps.items()}
 
 
 def _grows(grads: _Grads, truth: _Grads, kernel: Mapping[str, Any]) -> bool:
