@@ -293,7 +293,7 @@ def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
     grads: _Grads = dict(_step_form(x, decay=x.g))
-    grads["dg"] = grads["da"]
+    grads["dg"] = grads.pop("da")  # the decay read is g itself
     yield "", grads
 
 
