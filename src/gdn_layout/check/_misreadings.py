@@ -508,7 +508,7 @@ def misreading_findings(
         for name in judged:
             e = np.asarray(grads[name], np.float64)
             a = np.asarray(kernel[name], np.float64)
-            floor = None
+            figures = []  # the (rms, max) of each rounding the floors are at least
             if rounded is not None and rounded[0].get(name) is not None:
                 r = np.asarray(rounded[0][name], np.float64)
                 largest = float(finfo(actual_of[name].dtype).max)
@@ -518,17 +518,13 @@ def misreading_findings(
                     return None
                 e, a = e[~free], a[~free]
                 verified += e.size
-                floor = _figures(r[~free], e)
-                for other in rounded[1:]:  # another form: where it is finite, its rounding
-                    o = np.asarray(other[name], np.float64)[~free]
-                    if np.isfinite(o).all():
-                        more = _figures(o, e)
-                        floor = (max(floor[0], more[0]), max(floor[1], more[1]))
+                forms = (np.asarray(form[name], np.float64)[~free] for form in rounded)
+                figures += [_figures(o, e) for o in forms if np.isfinite(o).all()]
             if stored:
-                kept = _stored_figures(e, actual_of[name].dtype)
-                floor = kept if floor is None else (max(floor[0], kept[0]), max(floor[1], kept[1]))
+                figures.append(_stored_figures(e, actual_of[name].dtype))
             if not np.isfinite(e).all():
                 return None
+            floor = (max(f[0] for f in figures), max(f[1] for f in figures)) if figures else None
             if criterion(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
                 return None
             if rounded is None:
