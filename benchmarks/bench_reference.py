@@ -640,7 +640,7 @@ def matmul_gflops(dtype: str, size: int = 512, repeats: int = 30) -> float:
 def fixture_worker(config: Config) -> dict[str, Any]:
     """Time ``make_fixture`` and its parts against the float64 backward (the truth)."""
     from gdn_layout import reference
-    from gdn_layout.check._floors import CHUNKED_RUNS, measure_floors
+    from gdn_layout._floors import CHUNKED_RUNS, measure_floors
     from gdn_layout.generate import draw_inputs, make_fixture
     from gdn_layout.reference._fused import fused_backward
     from gdn_layout.reference._states import step_by_step

@@ -19,7 +19,7 @@ import pytest
 from gdn_layout import GdnBackwardLayout, make_fixture, unpack
 from gdn_layout._dtypes import PRECISIONS
 from gdn_layout.check import Criterion, compare
-from gdn_layout.check._compare import _Score
+from gdn_layout.check._criterion import Scores
 from gdn_layout.check._findings import MAX_WHOLE_ELEMENTS, buffer_findings, grad_findings
 from gdn_layout.files import Fixture, save_fixture
 
@@ -154,7 +154,7 @@ def test_buffer_findings_hold_a_few_copies_of_one_segment_not_of_the_buffer() ->
     segment = max(seg.length for seg in layout.segments()) * 8
     tracemalloc.start()
     try:
-        buffer_findings(actual, expected, layout, _Score(criteria, None, PRECISIONS["float32"]))
+        buffer_findings(actual, expected, layout, Scores(criteria, None, PRECISIONS["float32"]))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -31,11 +31,11 @@ from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
 from gdn_layout._dtypes import PRECISIONS, UNIT_ROUNDOFF
+from gdn_layout._floors import term_scales
 from gdn_layout.check import Criterion
 from gdn_layout.check import _findings as findings
 from gdn_layout.check._criterion import row_scores, step_scores
 from gdn_layout.check._findings import grad_findings
-from gdn_layout.check._floors import term_scales
 from gdn_layout.files import Fixture, load_fixture
 from gdn_layout.generate import draw_inputs, make_fixture, write_suite
 from gdn_layout.reference import backward

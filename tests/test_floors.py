@@ -14,8 +14,8 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, load_fixture, save_fixture, unpack
+from gdn_layout._floors import ROUNDINGS, decode_floors, encode_floors, round_to
 from gdn_layout.check._criterion import DEFAULT_FLOORS, K
-from gdn_layout.check._floors import ROUNDINGS, decode_floors, encode_floors, round_to
 from gdn_layout.files import Fixture, FixtureError
 from gdn_layout.generate import make_fixture, precisions_of
 from gdn_layout.reference import backward
@@ -434,7 +434,7 @@ def test_transformers_chunked_function_passes_every_case(suite: tuple[Path, list
 
 
 def test_panel_floors_are_the_worst_form_with_the_least_on_few_elements() -> None:
-    from gdn_layout.check._floors import FEW_ELEMENTS, panel_floors
+    from gdn_layout._floors import FEW_ELEMENTS, panel_floors
 
     rng = np.random.default_rng(0)
     few, many = rng.standard_normal(FEW_ELEMENTS), rng.standard_normal(FEW_ELEMENTS + 1)

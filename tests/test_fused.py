@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.check._floors import term_scales
+from gdn_layout._floors import term_scales
 from gdn_layout.generate import draw_inputs
 from gdn_layout.reference._fused import FUSED_CHUNK, chunk_bounds, fused_backward
 from gdn_layout.reference._states import step_by_step

@@ -13,9 +13,9 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, draw_inputs, make_fixture, unpack
+from gdn_layout._floors import term_scales
 from gdn_layout.check import _misreadings
 from gdn_layout.check._findings import KINDS, Finding
-from gdn_layout.check._floors import term_scales
 from gdn_layout.files import Fixture
 from gdn_layout.reference import backward
 from gdn_layout.reference._fused import fused_backward

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout
-from gdn_layout.check._criterion import FLOOR_CLASSES
+from gdn_layout._floors import FLOOR_CLASSES
 from gdn_layout.files import (
     FORMAT,
     FORMAT_VERSION,

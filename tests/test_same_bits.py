@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.check._floors import ROUNDINGS, _figures, measure_floors, round_to
+from gdn_layout._floors import ROUNDINGS, _figures, measure_floors, round_to
 from gdn_layout.reference import backward, chunk_states, forward
 from gdn_layout.reference._states import step_by_step
 

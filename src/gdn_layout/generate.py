@@ -24,8 +24,8 @@ from numpy.typing import DTypeLike, NDArray
 from . import reference
 from ._checks import integer, not_a_layout
 from ._dtypes import precision_of
+from ._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, panel_floors
 from ._version import __version__
-from .check._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, panel_floors
 from .files._atomic import atomic_write, write_folder
 from .files._fixture import (
     Fixture,
@@ -292,7 +292,7 @@ def correct_forms_floors(
 ) -> dict[str, dict[str, tuple[float, float, float]]]:
     """The floors of each tensor of ``truth`` (gradients and states, by name, float64) for
     each class of ``precisions``: the worst rounding of its correct forms
-    (:data:`~gdn_layout.check._floors.PANEL`), run on the stored inputs ``x``, and the least
+    (:data:`~gdn_layout._floors.PANEL`), run on the stored inputs ``x``, and the least
     that rounding analysis allows. Forms run side by side on ``workers`` threads."""
     layout = GdnBackwardLayout.from_inputs(x.q, x.g, x.state)
     forms = sorted({form for c in precisions for form, _ in PANEL[c]}, key=_FORMS.index)

@@ -30,17 +30,16 @@ from typing import Any, Final, Unpack
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from ._arrays import as_framework, as_packed
+from ._arrays import as_framework
 from ._checks import integer
+from ._floors import Floors
 from .check import compare, compare_tensor
 from .check._compare import Judging
-from .check._criterion import Floors
 from .check._records import Comparison, GradComparison, failure_message
 from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
 from .files._manifest import MANIFEST, NotASuite, read_manifest
 from .generate import correct_forms_floors, make_fixture, precisions_of, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
-from .packing import unpack
 from .regimes import REGIMES
 
 __all__ = [
@@ -182,9 +181,7 @@ class Case:
         result = self.compare(actual, **judging)
         if not result.passed:
             heading = f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"
-            rows = _rows_unlike_the_first(self, actual)
-            notes = () if rows is None else (rows,)
-            raise AssertionError(failure_message(heading, result, table=True, notes=notes))
+            raise AssertionError(failure_message(heading, result, table=True))
         return result
 
     def check_states(
@@ -347,33 +344,6 @@ def _state_reference(
     expected = (stored if stored is not None else truth[tensor].astype(fixture.dtype)).view()
     expected.flags.writeable = False  # a view: the fixture's own array is left as it is
     return expected, measured
-
-
-def _rows_unlike_the_first(case: Case, actual: object) -> str | None:
-    """Where every batch row of ``case`` holds the same inputs, the line that names the rows
-    of ``actual`` whose gradients differ from the first row's (a kernel wrong only past the
-    first row); None for any other case, or when all rows agree."""
-    x = case.inputs
-    if case.layout.batch < 2 or not all(
-        a is None or all(np.array_equal(a[0], a[b]) for b in range(1, len(a))) for a in x
-    ):
-        return None
-    grads = unpack(as_packed(actual, "actual", "check"), case.layout)
-    differ = sorted(
-        {
-            b
-            for g in grads
-            if g is not None
-            for b in range(1, case.layout.batch)
-            if not np.array_equal(g[b], g[0], equal_nan=True)
-        }
-    )
-    if not differ:
-        return None
-    return (
-        f"  batch rows hold identical inputs, but the gradients of row(s) "
-        f"{', '.join(map(str, differ))} differ from row 0's: a bug in the rows after the first?"
-    )
 
 
 def make_case(

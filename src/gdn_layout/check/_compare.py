@@ -3,37 +3,52 @@ inputs are checked, a criterion chosen per gradient, and each gradient scanned o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any, Final, TypedDict, Unpack
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
 
 from .._arrays import as_packed
 from .._checks import not_a_layout
-from .._dtypes import PRECISIONS, Precision, default_precision, is_floating
+from .._dtypes import Precision, default_precision, is_floating, precision_of
+from .._floors import Floors, checked_floors
 from ..layout import GdnBackwardLayout, Segment, layout_caption
 from ..packing import unpack
 from ._criterion import (
     DEFAULT_TOLERANCES,
     Criterion,
-    Floors,
     Tolerance,
-    checked_floors,
-    floor_for,
     judged_precision,
     per_grad,
-    step_scores,
 )
-from ._findings import Finding, buffer_findings, grad_findings, size_findings, tensor_findings
-from ._misreadings import misreading_findings, overflow_finding
+from ._explain import Evidence, explain
+from ._findings import size_findings, tensor_findings
 from ._records import Comparison, GradComparison, failure_message
 from ._scan import cause_maps, scan
 
-if TYPE_CHECKING:
-    from ..files._fixture import Fixture
+__all__ = ["Expected", "Judging", "assert_close", "compare", "compare_tensor", "error_map"]
 
-__all__ = ["Judging", "assert_close", "compare", "compare_tensor", "error_map"]
+
+@runtime_checkable
+class Expected(Protocol):
+    """What :func:`compare` reads of a fixture (:class:`~gdn_layout.Fixture` is one): the
+    expected buffer and its layout, the floors and term scales that judge it, the inputs the
+    explanations re-run, and a guard that holds its file unchanged while it is read."""
+
+    @property
+    def packed(self) -> NDArray[Any]: ...
+    @property
+    def layout(self) -> GdnBackwardLayout: ...
+    @property
+    def floors(self) -> Floors | None: ...
+    @property
+    def scales(self) -> Mapping[str, float]: ...
+    @property
+    def inputs(self) -> Sequence[NDArray[Any] | None]: ...
+    def unchanged(self) -> contextlib.AbstractContextManager[Any]: ...
 
 
 class Judging(TypedDict, total=False):
@@ -50,7 +65,7 @@ class Judging(TypedDict, total=False):
 
 def compare(
     actual: NDArray[Any],
-    expected: NDArray[Any] | Fixture,
+    expected: NDArray[Any] | Expected,
     layout: GdnBackwardLayout | None = None,
     *,
     rtol: Tolerance | None = None,
@@ -150,9 +165,7 @@ def compare(
     >>> compare(kernel, fixture).passed, compare(kernel, fixture, precision="tf32").passed
     (True, True)
     """
-    from ..files._fixture import Fixture  # the files import the criterion
-
-    if isinstance(expected, Fixture):
+    if isinstance(expected, Expected):
         if floors is not None or scales is not None:
             raise TypeError(
                 "compare: floors and scales come with the fixture; pass fixture.packed and "
@@ -163,70 +176,73 @@ def compare(
         if layout is not None and layout != expected.layout:
             raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
         with expected.unchanged():
+            packed = expected.packed
             return _compare(
                 actual,
-                expected.packed,
+                packed,
                 expected.layout,
-                rtol,
-                atol,
-                max_rms_ratio,
-                equal_nan,
-                precision,
-                expected.floors,
+                _Judging(rtol, atol, max_rms_ratio, equal_nan, precision, expected.floors),
                 expected.scales,
                 expected.inputs,
+                fixture_class=precision_of(packed.dtype, "compare: the fixture's dtype"),
             )
     if layout is None:
         raise TypeError("compare: layout is required when expected is an array")
-    return _compare(
-        actual, expected, layout, rtol, atol, max_rms_ratio, equal_nan, precision, floors, scales
-    )
+    floors = None if floors is None else checked_floors(floors, "compare: floors")
+    judging = _Judging(rtol, atol, max_rms_ratio, equal_nan, precision, floors)
+    return _compare(actual, expected, layout, judging, scales)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Judging:
+    """The judging keywords of one call, as given."""
+
+    rtol: Tolerance | None
+    atol: Tolerance | None
+    max_rms_ratio: Tolerance | None
+    equal_nan: bool
+    precision: str | None
+    floors: Floors | None
 
 
 def _compare(
-    actual: NDArray[Any],
-    expected: NDArray[Any],
+    actual: object,
+    expected: object,
     layout: GdnBackwardLayout,
-    rtol: Tolerance | None,
-    atol: Tolerance | None,
-    max_rms_ratio: Tolerance | None,
-    equal_nan: bool,
-    precision: str | None,
-    floors: Floors | None,
+    judging: _Judging,
     scales: Tolerance | None,
-    inputs: tuple[NDArray[Any] | None, ...] | None = None,
+    inputs: Sequence[NDArray[Any] | None] | None = None,
+    fixture_class: Precision | None = None,
 ) -> Comparison:
-    """:func:`compare` of two buffers; with the case's ``inputs``, the misreadings are
-    tried where it fails."""
+    """:func:`compare` in its two stages: each gradient measured once into its record (its
+    figures and verdict), then, where one fails, :func:`~gdn_layout.check._explain.explain`
+    of the records; with the case's ``inputs``, the explanations re-run the op."""
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
-    actual = as_packed(actual, "actual")
-    expected = as_packed(expected, "expected")
-    _check_buffer("actual", actual, layout)
-    _check_buffer("expected", expected, layout)
-    actual, expected = np.asarray(actual), np.asarray(expected)
+    mine = _checked_buffer("actual", actual, layout)
+    theirs = _checked_buffer("expected", expected, layout)
+    equal_nan = judging.equal_nan
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
-    floors = None if floors is None else checked_floors(floors, "compare: floors")
-    buffers = default_precision(actual.dtype, expected.dtype)
+    buffers = default_precision(mine.dtype, theirs.dtype)
     default_rtol, default_atol = DEFAULT_TOLERANCES[buffers.buffer]
-    rtols = per_grad("rtol", rtol)
-    atols = per_grad("atol", atol)
-    rms_limits = per_grad("max_rms_ratio", max_rms_ratio)
+    rtols = per_grad("rtol", judging.rtol)
+    atols = per_grad("atol", judging.atol)
+    rms_limits = per_grad("max_rms_ratio", judging.max_rms_ratio)
     tolerated = set(rtols) | set(atols) | set(rms_limits)
     judged = buffers  # a class is judged in, and checked, only where a gradient is calibrated
     if any(name not in tolerated for name in layout.names):
-        judged = judged_precision(precision, "compare", actual.dtype, expected.dtype)
+        judged = _judged_class(judging.precision, fixture_class, mine.dtype, theirs.dtype)
     term = per_grad("scales", scales)
-    grads = []
-    criteria: dict[str, Criterion] = {}
-    score = _Score(criteria, floors, judged)  # each gradient's criterion, once it is made
+    records = []
     for seg in layout.segments():
-        a = actual[seg.offset : seg.offset + seg.length]
-        e = expected[seg.offset : seg.offset + seg.length]
+        a = mine[seg.offset : seg.offset + seg.length]
+        e = theirs[seg.offset : seg.offset + seg.length]
         r, t, m = (d.get(seg.name) for d in (rtols, atols, rms_limits))
         if r is None and t is None and m is None:
-            criterion = Criterion.calibrated(floors, judged, seg.name, e, term.get(seg.name))
+            criterion = Criterion.calibrated(
+                judging.floors, judged, seg.name, e, term.get(seg.name)
+            )
         else:
             criterion = Criterion.tolerances(
                 default_rtol if r is None else r,
@@ -234,120 +250,53 @@ def _compare(
                 m,
                 elementwise=m is None or r is not None or t is not None,
             )
-        criteria[seg.name] = criterion
-        grad = scan(seg, a, e, criterion, bool(equal_nan))
-        if not grad.passed:  # findings and cause maps cost nothing when everything passes
-            found = grad_findings(
-                seg.name,
-                a.reshape(seg.shape),
-                e.reshape(seg.shape),
-                layout,
-                score,
-            )
+        record = scan(seg, a, e, criterion, bool(equal_nan))
+        if not record.passed:  # the maps of a cause cost nothing when everything passes
             signed, ratio = cause_maps(seg, a, e)
-            grad = dataclasses.replace(
-                grad, findings=found, signed_error_map=signed, ratio_map=ratio
-            )
-        grads.append(grad)
-    whole: tuple[Finding, ...] = ()
-    if not all(g.passed for g in grads) and inputs is not None:
-        failed = [g for g in grads if not g.passed]
-        if len(failed) > 1 or not any(_explained(f) for f in failed[0].findings):
-            whole = _misreadings(actual, expected, layout, inputs, criteria, floors, judged)
-        if whole:  # it explains every gradient: the per-gradient guesses go
-            grads = [dataclasses.replace(g, findings=()) for g in grads]
-        mine = unpack(actual, layout)
-        nonfinite = {
-            g.name: getattr(mine, g.name)
-            for g in grads
-            if any(f.kind == "nonfinite" for f in g.findings)
-        }
-        overflow = overflow_finding(nonfinite, np.asarray(inputs[3]), actual.dtype)
-        whole = whole if overflow is None else (overflow, *whole)
-    if not whole and not all(g.passed for g in grads):
-        whole = buffer_findings(actual, expected, layout, score)
-    return Comparison(layout, tuple(grads), whole)
-
-
-#: The kinds that may explain a gradient failing alone by its own values, moved, not written
-#: or not finite: no reading is re-run for it.
-_EXPLAINED: Final = frozenset(
-    {"unwritten", "nonfinite", "axes", "transpose", "heads", "batch", "shift"}
-)
-
-
-def _explained(finding: Finding) -> bool:
-    """Whether ``finding`` explains its gradient by the op's own values as they are. One that
-    needs a fitted factor (a ``scale``, a shift scaled by 95 on a 3-step case) does not: a
-    reading may scale one gradient alone (``dv`` without ``beta``), which a re-run shows."""
-    return finding.kind in _EXPLAINED and finding.details.get("factor", 1.0) == 1.0
-
-
-def _misreadings(
-    actual: NDArray[Any],
-    expected: NDArray[Any],
-    layout: GdnBackwardLayout,
-    inputs: tuple[NDArray[Any] | None, ...],
-    criteria: dict[str, Criterion],
-    floors: Floors | None,
-    judged: Precision,
-) -> tuple[Finding, ...]:
-    """:func:`~gdn_layout.check._misreadings.misreading_findings` with each gradient's
-    criterion, calibrated ones made again against each re-run's values."""
-
-    def criterion(
-        name: str,
-        values: NDArray[np.float64],
-        term: float | None,
-        least: tuple[float, float] | None,
-    ) -> Criterion:
-        given = criteria[name]
-        if given.mode != "calibrated":
-            return given
-        merged = floors
-        if least is not None:  # the fixture's floors, or the reading's rounding if more
-            source = PRECISIONS["float32"] if judged.name == "float64" else judged
-            base = floor_for(floors, source, name)
-            merged = {source.name: {name: (max(base[0], least[0]), max(base[1], least[1]))}}
-        return Criterion.calibrated(merged, judged, name, values, term)
-
-    mine, theirs = unpack(actual, layout), unpack(expected, layout)
-    return misreading_findings(
-        {n: getattr(mine, n) for n in layout.names},
-        {n: getattr(theirs, n) for n in layout.names},
-        inputs,
+            record = dataclasses.replace(record, signed_error_map=signed, ratio_map=ratio)
+        records.append(record)
+    if all(r.passed for r in records):
+        return Comparison(layout, tuple(records))
+    evidence = Evidence(
         layout,
-        criterion,
+        tuple(records),
+        mine,
+        theirs,
+        unpack(mine, layout),
+        unpack(theirs, layout),
+        inputs,
+        judging.floors,
+        judged,
     )
+    explained, whole = explain(evidence)
+    return Comparison(layout, explained, whole)
 
 
-class _Score:
-    """Each gradient's criterion as the findings' score (with the per-step scores of
-    :data:`~gdn_layout.check._findings.Score`); a gradient of another layout is judged by the
-    calibrated criterion."""
-
-    def __init__(
-        self, criteria: dict[str, Criterion], floors: Floors | None, judged: Precision
-    ) -> None:
-        self.criteria, self.floors, self.judged = criteria, floors, judged
-
-    def __call__(
-        self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
-    ) -> float:
-        criterion = self.criteria.get(name)
-        if criterion is None:
-            criterion = Criterion.calibrated(self.floors, self.judged, name, expected)
-        return criterion.score(actual, expected)
-
-    def steps(
-        self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
-    ) -> NDArray[np.float64]:
-        return step_scores(self.criteria[name], actual, expected)
+def _judged_class(
+    precision: str | None,
+    fixture_class: Precision | None,
+    *dtypes: np.dtype[Any],
+) -> Precision:
+    """The class judged in: ``precision``, else the fixture's dtype's, else that of the less
+    precise buffer. A kernel coarser than its fixture is refused unless ``precision`` names
+    its class: a stray cast would otherwise pass as the coarser class."""
+    if precision is not None or fixture_class is None:
+        return judged_precision(precision, "compare", *dtypes)
+    buffers = default_precision(*dtypes)
+    if buffers.unit_roundoff > fixture_class.unit_roundoff:
+        raise ValueError(
+            f"compare: the fixture is {fixture_class.buffer}, so the kernel is judged as "
+            f"{fixture_class.name}, but its output is {buffers.buffer}, coarser: a stray "
+            f"cast? A kernel that computes in {buffers.name} is judged with "
+            f"precision={buffers.name!r} (--precision {buffers.name} on the command line, "
+            f"--gdn-precision {buffers.name} with pytest)"
+        )
+    return fixture_class
 
 
 def assert_close(
     actual: NDArray[Any],
-    expected: NDArray[Any] | Fixture,
+    expected: NDArray[Any] | Expected,
     layout: GdnBackwardLayout | None = None,
     *,
     floors: Floors | None = None,
@@ -460,11 +409,8 @@ def error_map(
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "error_map")
-    actual = as_packed(actual, "actual", "error_map")
-    expected = as_packed(expected, "expected", "error_map")
-    _check_buffer("actual", actual, layout, "error_map")
-    _check_buffer("expected", expected, layout, "error_map")
-    actual, expected = np.asarray(actual), np.asarray(expected)
+    actual = _checked_buffer("actual", actual, layout, "error_map")
+    expected = _checked_buffer("expected", expected, layout, "error_map")
     seg = layout.segment(name)
     span = slice(seg.offset, seg.offset + seg.length)
     return scan(seg, actual[span], expected[span], Criterion.tolerances(0.0, 0.0), False).error_map
@@ -522,9 +468,11 @@ def compare_tensor(
 # -- validation ----------------------------------------------------------------------------
 
 
-def _check_buffer(
-    which: str, buffer: object, layout: GdnBackwardLayout, func: str = "compare"
-) -> None:
+def _checked_buffer(
+    which: str, given: object, layout: GdnBackwardLayout, func: str = "compare"
+) -> NDArray[Any]:
+    """``given`` read as a packed buffer of ``layout`` (:func:`as_packed`), checked."""
+    buffer = as_packed(given, which, func)
     if not isinstance(buffer, np.ndarray):
         raise TypeError(f"{func}: {which} must be a NumPy array, got {type(buffer).__name__}")
     _check_plain_values(which, buffer, func)
@@ -540,6 +488,7 @@ def _check_buffer(
             f"elements, got shape {buffer.shape}, for {layout!r}"
             + "".join(f"; {f.text}" for f in fits)
         )
+    return np.asarray(buffer)
 
 
 #: What an ndarray subclass may not override for its values to be what np.asarray shows.

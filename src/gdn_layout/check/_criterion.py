@@ -3,7 +3,7 @@
 Elementwise tolerances (``numpy.isclose``'s), an RMS ratio (flash-linear-attention's), both,
 or the calibrated criterion: a correct kernel differs from the float64 truth by the rounding
 of what it computes, whose *floors* a fixture measures per precision class
-(:mod:`gdn_layout.check._floors`: the worst of the correct forms a kernel of the class
+(:mod:`gdn_layout._floors`: the worst of the correct forms a kernel of the class
 computes). The calibrated criterion of a class (:data:`gdn_layout._dtypes.PRECISIONS`; by
 default that of the less precise buffer) passes a gradient when both its RMS error and its
 largest error are at most the class's ``K`` (16 for float32 and tf32, 8 for bfloat16 and
@@ -41,19 +41,18 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._dtypes import DTYPES, PRECISIONS, Precision, default_precision, precision_of
+from .._floors import Floors
 from .._norms import finite_rms, rms_rows
 from ..layout import GRADIENT_NAMES
 
 __all__ = [
     "DEFAULT_FLOORS",
     "DEFAULT_TOLERANCES",
-    "FLOOR_CLASSES",
     "Criterion",
-    "Floors",
     "K",
     "Mode",
+    "Scores",
     "Tolerance",
-    "checked_floors",
     "floor_for",
     "json_float",
     "judged_precision",
@@ -62,16 +61,10 @@ __all__ = [
     "step_scores",
 ]
 
-#: A gradient's floors by precision class, then gradient name: ``(rms, max)``, or
-#: ``(rms, max, reach)`` where ``reach`` says how far the correct forms' rounding goes beyond
-#: the step-by-step form's (the larger figure over the step-by-step form's).
-Floors = Mapping[str, Mapping[str, tuple[float, ...]]]
 Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
 Tolerance = Number | Mapping[str, Number]
 
-#: The classes a fixture measures floors for: all but float64, whose are float32's, scaled.
-FLOOR_CLASSES: Final = tuple(name for name in PRECISIONS if name != "float64")
 #: How far above its floor a correct kernel's error may be, by precision class: 16 for float32
 #: and tf32, 8 for bfloat16 and float16, 64 for float64 (whose truth is itself a float64
 #: computation whose own error adds to the kernel's). docs/criterion.md says how each was
@@ -81,46 +74,6 @@ FLOOR_CLASSES: Final = tuple(name for name in PRECISIONS if name != "float64")
 K: Final = {p.name: p.k for p in PRECISIONS.values()}
 #: Floors for fixtures that carry none, by class: ``(rms, max)`` for every gradient.
 DEFAULT_FLOORS: Final = {p.name: p.default_floors for p in PRECISIONS.values()}
-
-
-def checked_floors(
-    value: object, where: str, names: tuple[str, ...] = GRADIENT_NAMES
-) -> dict[str, dict[str, tuple[float, ...]]]:
-    """``value`` as floors: ``{class: {name: (rms, max)}}`` (or ``(rms, max, reach)``) for
-    tensors among ``names`` (the gradients), each figure a finite number >= 0. A floor of inf,
-    or one that is not a number, would let any error pass."""
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"{where} must be a mapping {{precision: {{gradient: (rms, max)}}}}, "
-            f"got {type(value).__name__}"
-        )
-    floors: dict[str, dict[str, tuple[float, ...]]] = {}
-    for precision, per in value.items():
-        if precision not in FLOOR_CLASSES:
-            raise ValueError(
-                f"{where}: unknown precision class {precision!r}; expected among {FLOOR_CLASSES}"
-            )
-        if not isinstance(per, Mapping):
-            raise TypeError(f"{where}[{precision!r}] must be a mapping, got {type(per).__name__}")
-        parsed = {}
-        for grad, figures in per.items():
-            if grad not in names or not _is_floor(figures):
-                raise ValueError(
-                    f"{where}[{precision!r}][{grad!r}] must be (rms, max) or (rms, max, reach) "
-                    f"for a tensor among {', '.join(names)}, finite numbers >= 0; got {figures!r}"
-                )
-            parsed[grad] = tuple(float(x) for x in figures)
-        floors[precision] = parsed
-    return floors
-
-
-def _is_floor(figures: object) -> bool:
-    if not isinstance(figures, (list, tuple)) or len(figures) not in (2, 3):
-        return False
-    numbers_only = all(
-        isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in figures
-    )
-    return numbers_only and all(math.isfinite(float(x)) and float(x) >= 0 for x in figures)
 
 
 def floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[float, ...]:
@@ -501,3 +454,27 @@ def per_grad(what: str, value: Tolerance | None) -> dict[str, float]:
             )
         return {name: _number(f"{what}[{name!r}]", value[name]) for name in value}
     return dict.fromkeys(GRADIENT_NAMES, _number(what, value))
+
+
+class Scores:
+    """Each gradient's criterion as the findings' score
+    (:data:`~gdn_layout.check._findings.Score`, with its per-step ``steps``); a gradient of
+    another layout is judged by the calibrated criterion of ``judged`` against ``floors``."""
+
+    def __init__(
+        self, criteria: Mapping[str, Criterion], floors: Floors | None, judged: Precision
+    ) -> None:
+        self.criteria, self.floors, self.judged = dict(criteria), floors, judged
+
+    def __call__(
+        self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
+    ) -> float:
+        criterion = self.criteria.get(name)
+        if criterion is None:
+            criterion = Criterion.calibrated(self.floors, self.judged, name, expected)
+        return criterion.score(actual, expected)
+
+    def steps(
+        self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
+    ) -> NDArray[np.float64]:
+        return step_scores(self.criteria[name], actual, expected)

@@ -45,6 +45,10 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     (:func:`buffer_findings`) a gradient is found at another offset of the packed buffer:
     where the other gate mode's layout puts it, or where another order of the segments does.
     :func:`size_findings` names the layouts of the same ``B, S, H, N`` a wrong length fits.
+``rows``
+    (:mod:`~gdn_layout.check._explain`, with a fixture's inputs) the batch rows hold identical
+    inputs, but the gradients of some rows differ from row 0's: a bug in the rows after the
+    first.
 ``axes``
     the gradient holds the expected values written in another axis order (``[B, H, S, N]``
     for ``[B, S, H, N]``...): the buffer reshaped to that order and transposed back explains it.
@@ -156,6 +160,7 @@ KINDS: Final = (
     "unwritten",
     "nonfinite",
     "layout",
+    "rows",
     "axes",
     "transpose",
     "heads",

@@ -51,12 +51,12 @@ import numpy as np
 from numpy.typing import NDArray
 
 from .._dtypes import finfo
+from .._floors import term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
 from ._criterion import Criterion
 from ._findings import Finding
-from ._floors import term_scales
 
 __all__ = ["BUDGET", "READINGS", "Reading", "misreading_findings", "overflow_finding"]
 

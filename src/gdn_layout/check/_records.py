@@ -24,6 +24,8 @@ __all__ = ["Comparison", "GradComparison", "failure_message"]
 
 #: ``field`` metadata of what ``to_dict`` leaves out: the maps, which are for plots.
 _NOT_JSON: Final = {"json": False}
+#: ``field`` metadata of the verdict, which ``to_dict`` puts last, after ``axes``.
+_VERDICT: Final = {"json": False}
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,13 @@ class GradComparison:
         in C order. None for an empty gradient.
     worst_actual, worst_expected
         The two values there.
+    passed
+        Whether the gradient meets its criterion: the verdict, given once when the gradient
+        is measured.
+    error_floor_ratio
+        The calibrated criterion's figure: the larger of the RMS error and the largest error,
+        each over its floor as an error; None when the gradient was judged by explicit
+        tolerances.
     error_map
         Read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
         mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
@@ -149,6 +158,8 @@ class GradComparison:
     worst: tuple[int, ...] | None
     worst_actual: float | None
     worst_expected: float | None
+    passed: bool = field(metadata=_VERDICT)
+    error_floor_ratio: float | None = field(metadata=_VERDICT)
     error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
     batch_error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
     mismatch_map: NDArray[np.int64] = field(compare=False, repr=False, metadata=_NOT_JSON)
@@ -163,20 +174,6 @@ class GradComparison:
     ratio_map: NDArray[np.float64] | None = field(
         default=None, compare=False, repr=False, metadata=_NOT_JSON
     )
-
-    @property
-    def passed(self) -> bool:
-        """Whether the gradient meets its criterion."""
-        return self.criterion.passes(
-            self.rms_ratio, self.max_abs_error, self.mismatches, self.nonfinite_mismatches
-        )
-
-    @property
-    def error_floor_ratio(self) -> float | None:
-        """The calibrated criterion's figure: the larger of the RMS error and the largest
-        error, each over its floor as an error; None when the gradient was judged by explicit
-        tolerances."""
-        return self.criterion.ratio(self.rms_ratio, self.max_abs_error)
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -297,6 +294,15 @@ class Comparison:
     grads: tuple[GradComparison, ...]
     #: What explains the packed buffer as a whole: another layout, or segments exchanged.
     buffer_findings: tuple[Finding, ...] = field(default=(), compare=False)
+    #: The names of the gradients that failed, in packing order: read off the records once.
+    failed: tuple[str, ...] = field(init=False)
+    #: Whether every gradient passed.
+    passed: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        failed = tuple(g.name for g in self.grads if not g.passed)
+        object.__setattr__(self, "failed", failed)  # the frozen record's own derived fields
+        object.__setattr__(self, "passed", not failed)
 
     @property
     def findings(self) -> tuple[Finding, ...]:
@@ -312,16 +318,6 @@ class Comparison:
         return [
             part for line in lines for part in textwrap.wrap(line, width, subsequent_indent="  ")
         ]
-
-    @property
-    def passed(self) -> bool:
-        """Whether every gradient passed."""
-        return all(g.passed for g in self.grads)
-
-    @property
-    def failed(self) -> tuple[str, ...]:
-        """The names of the gradients that failed, in packing order."""
-        return tuple(g.name for g in self.grads if not g.passed)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -16,9 +16,8 @@ from numpy.typing import DTypeLike, NDArray
 
 from .._checks import integer
 from .._dtypes import resolve
+from .._floors import Floors, decode_floors, encode_floors, term_scales
 from .._version import __version__
-from ..check._criterion import Floors
-from ..check._floors import decode_floors, encode_floors, term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import GdnGrads, unpack
 from ..regimes import REGIMES
@@ -243,7 +242,7 @@ class Fixture:
     @property
     def scales(self) -> dict[str, float]:
         """The scale of the terms that form each gradient where it can be far below them,
-        ``{"dg": ...}`` (see :func:`gdn_layout.check._floors.term_scales`): pass it to
+        ``{"dg": ...}`` (see :func:`gdn_layout._floors.term_scales`): pass it to
         :func:`~gdn_layout.compare` as ``scales=``, so that a ``dg`` that is 0 or tiny is
         judged against the rounding of its terms. Computed from ``q, k`` and the expected
         ``dq, dk`` on each access."""

@@ -12,8 +12,8 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from .._dtypes import resolve
+from .._floors import Floors
 from .._limits import available_memory, human_bytes
-from ..check._criterion import Floors
 from ..layout import GdnBackwardLayout
 from . import _mapping
 from . import _safetensors as safetensors

@@ -13,31 +13,34 @@ float64 result, as two figures:
 
 and no lower than a rounding analysis allows (:func:`panel_floors`), with the *reach*, how far
 the class's forms go beyond the step-by-step form. A fixture stores them as JSON
-(:func:`encode_floors`); :mod:`gdn_layout.check._criterion` judges a kernel against them. The
-scale of the terms that form ``dg`` (:func:`term_scales`) sets the least floor of a gradient
-far below its terms.
+(:func:`encode_floors`); the calibrated criterion (:mod:`gdn_layout.check._criterion`)
+judges a kernel against them. The scale of the terms that form ``dg`` (:func:`term_scales`)
+sets the least floor of a gradient far below its terms.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, Final
 
 import numpy as np
 from numpy.typing import NDArray
 
-from .._dtypes import PRECISIONS
-from .._norms import CHUNK_ELEMENTS, Norm
-from ..layout import GRADIENT_NAMES, GdnBackwardLayout
-from ._criterion import Floors, checked_floors
+from ._dtypes import PRECISIONS
+from ._norms import CHUNK_ELEMENTS, Norm
+from .layout import GRADIENT_NAMES, GdnBackwardLayout
 
 __all__ = [
     "CHUNKED_RUNS",
     "FEW_ELEMENTS",
+    "FLOOR_CLASSES",
     "PANEL",
     "ROUNDINGS",
+    "Floors",
+    "checked_floors",
     "decode_floors",
     "encode_floors",
     "measure_floors",
@@ -45,6 +48,54 @@ __all__ = [
     "round_to",
     "term_scales",
 ]
+
+
+#: A gradient's floors by precision class, then gradient name: ``(rms, max)``, or
+#: ``(rms, max, reach)`` where ``reach`` says how far the correct forms' rounding goes beyond
+#: the step-by-step form's (the larger figure over the step-by-step form's).
+Floors = Mapping[str, Mapping[str, tuple[float, ...]]]
+#: The classes a fixture measures floors for: all but float64, whose are float32's, scaled.
+FLOOR_CLASSES: Final = tuple(name for name in PRECISIONS if name != "float64")
+
+
+def checked_floors(
+    value: object, where: str, names: tuple[str, ...] = GRADIENT_NAMES
+) -> dict[str, dict[str, tuple[float, ...]]]:
+    """``value`` as floors: ``{class: {name: (rms, max)}}`` (or ``(rms, max, reach)``) for
+    tensors among ``names`` (the gradients), each figure a finite number >= 0. A floor of inf,
+    or one that is not a number, would let any error pass."""
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"{where} must be a mapping {{precision: {{gradient: (rms, max)}}}}, "
+            f"got {type(value).__name__}"
+        )
+    floors: dict[str, dict[str, tuple[float, ...]]] = {}
+    for precision, per in value.items():
+        if precision not in FLOOR_CLASSES:
+            raise ValueError(
+                f"{where}: unknown precision class {precision!r}; expected among {FLOOR_CLASSES}"
+            )
+        if not isinstance(per, Mapping):
+            raise TypeError(f"{where}[{precision!r}] must be a mapping, got {type(per).__name__}")
+        parsed = {}
+        for grad, figures in per.items():
+            if grad not in names or not _is_floor(figures):
+                raise ValueError(
+                    f"{where}[{precision!r}][{grad!r}] must be (rms, max) or (rms, max, reach) "
+                    f"for a tensor among {', '.join(names)}, finite numbers >= 0; got {figures!r}"
+                )
+            parsed[grad] = tuple(float(x) for x in figures)
+        floors[precision] = parsed
+    return floors
+
+
+def _is_floor(figures: object) -> bool:
+    if not isinstance(figures, (list, tuple)) or len(figures) not in (2, 3):
+        return False
+    numbers_only = all(
+        isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_)) for x in figures
+    )
+    return numbers_only and all(math.isfinite(float(x)) and float(x) >= 0 for x in figures)
 
 
 def round_to(values: NDArray[np.float32], name: str) -> NDArray[np.float32]:
