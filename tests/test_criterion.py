@@ -30,9 +30,9 @@ from hypothesis.extra import numpy as hnp
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
-from gdn_layout._dtypes import PRECISIONS, UNIT_ROUNDOFF
+from gdn_layout._dtypes import UNIT_ROUNDOFF
 from gdn_layout._floors import term_scales
-from gdn_layout.check import Criterion
+from gdn_layout.check import Criterion, K
 from gdn_layout.check import _findings as findings
 from gdn_layout.check._criterion import row_scores, step_scores
 from gdn_layout.check._findings import grad_findings
@@ -179,7 +179,7 @@ def test_the_least_floor_is_half_the_unit_roundoff_times_the_terms() -> None:
     layout = GdnBackwardLayout(1, 1, 1, 4)
     expected = np.zeros(layout.total_elems, np.float32)
     actual = expected.copy()
-    k = PRECISIONS["float32"].k
+    k = K["float32"]
     unpack(actual, layout).dg[0, 0, 0] = k * UNIT_ROUNDOFF["float32"] / 2 * 3.0
     at_limit = compare(actual, expected, layout, scales={"dg": 3.0})["dg"]
     assert at_limit.passed

@@ -32,8 +32,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import Case, GdnBackwardLayout, GdnGrads, load_suite, pack, unpack
-from gdn_layout._dtypes import PRECISIONS
-from gdn_layout.check import Criterion
+from gdn_layout.check import Criterion, K
 from gdn_layout.check import _findings as findings
 from gdn_layout.check._criterion import step_scores
 from gdn_layout.check._findings import (
@@ -55,7 +54,7 @@ STRUCTURAL = set(KINDS) - {"rounding"}
 
 #: (rms limit, max limit) of the calibrated-like criterion, by dtype.
 LIMITS = {
-    name: (PRECISIONS[name].k * rms, PRECISIONS[name].k * largest)
+    name: (K[name] * rms, K[name] * largest)
     for name, (rms, largest) in {
         "float32": (6e-5, 2e-4),
         "float16": (1e-3, 1e-2),
@@ -851,7 +850,7 @@ def test_the_gradients_and_states_share_one_table(monkeypatch: pytest.MonkeyPatc
 ROOT = Path(__file__).resolve().parents[1]
 #: How much stricter than the calibrated criterion correct kernels are judged: float32's K
 #: times 2.
-STRICTER = 2 * PRECISIONS["float32"].k
+STRICTER = 2 * K["float32"]
 
 
 def _bench() -> ModuleType:

@@ -296,18 +296,37 @@ def test_bad_floors_are_refused_by_compare(
 # -- precision classes -----------------------------------------------------------------------
 
 
-def test_the_class_defaults_from_the_buffers_and_is_chosen_with_precision(
-    fixture: Fixture,
-) -> None:
+def test_the_class_is_the_fixture_s_unless_precision_names_another(fixture: Fixture) -> None:
     out = _f32(fixture)
     assert compare(out, fixture)["dq"].criterion.precision_name == "float32"
     assert compare(out, fixture, precision="TF32")["dq"].criterion.precision_name == "tf32"
     assert compare(out.astype(np.float64), fixture)["dq"].criterion.precision_name == "float32"
     half = out.astype(ml_dtypes.bfloat16)
-    assert compare(half, fixture)["dq"].criterion.precision_name == "bfloat16"
     assert compare(half, fixture, precision="bf16")["dq"].criterion.precision_name == "bfloat16"
     assert compare(out, fixture).passed
     assert compare(out, fixture, precision="tf32").passed
+
+
+def test_an_output_coarser_than_its_fixture_names_precision(fixture: Fixture) -> None:
+    # A float32 kernel whose output is cast to bfloat16 would pass as bfloat16: a stray cast
+    # is refused, naming the keyword and options that judge a bfloat16 kernel.
+    half = _f32(fixture).astype(ml_dtypes.bfloat16)
+    with pytest.raises(
+        ValueError,
+        match=r"compare: the fixture is float32, so the kernel is judged as float32, but its "
+        r"output is bfloat16, coarser: a stray cast\? A kernel that computes in bfloat16 is "
+        r"judged with precision='bfloat16' \(--precision bfloat16 on the command line, "
+        r"--gdn-precision bfloat16 with pytest\)",
+    ):
+        compare(half, fixture)
+    assert compare(half, fixture, precision="bfloat16").passed
+
+
+def test_bare_buffers_are_judged_in_the_class_of_the_less_precise(fixture: Fixture) -> None:
+    half = _f32(fixture).astype(ml_dtypes.bfloat16)
+    result = compare(half, fixture.packed, fixture.layout, floors=fixture.floors)
+    assert result["dq"].criterion.precision_name == "bfloat16"
+    assert result.passed
 
 
 def test_a_tf32_kernel_passes_as_tf32_and_fails_as_float32(fixture: Fixture) -> None:

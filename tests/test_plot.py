@@ -25,8 +25,7 @@ from matplotlib.figure import Figure, SubFigure
 from matplotlib.text import Text
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout._dtypes import PRECISIONS
-from gdn_layout.check import Comparison, compare
+from gdn_layout.check import Comparison, K, compare
 from gdn_layout.plot import Picture, plot_errors, plot_layout
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -225,7 +224,7 @@ def test_plot_errors_heatmap_locates_the_error(
     # float32 against float64: judged by the calibrated criterion, whose verdict has a line.
     dk_title = panels["dk"].get_title().splitlines()
     assert dk_title[0] == "dk FAIL: 1 of 1536 out, worst [1, 17, 3, 5]"
-    assert re.fullmatch(rf"error/floor \S+ > {PRECISIONS['float32'].k:g}", dk_title[1])
+    assert re.fullmatch(rf"error/floor \S+ > {K['float32']:g}", dk_title[1])
     assert dk_title[2] == "max |a-e| over b, n"
     assert panels["dbeta"].get_title().endswith("\nmax |a-e| over b")
     if carry:

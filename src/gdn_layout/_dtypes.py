@@ -11,9 +11,9 @@ safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, `
 2
 >>> [(d.name, d.code, d.itemsize) for d in DTYPES.values()]
 [('float64', 'F64', 8), ('float32', 'F32', 4), ('float16', 'F16', 2), ('bfloat16', 'BF16', 2)]
->>> [(p.name, p.buffer, p.k) for p in PRECISIONS.values()]  # doctest: +NORMALIZE_WHITESPACE
-[('float64', 'float64', 64.0), ('float32', 'float32', 16.0), ('tf32', 'float32', 16.0),
- ('bfloat16', 'bfloat16', 8.0), ('float16', 'float16', 8.0)]
+>>> [(p.name, p.buffer) for p in PRECISIONS.values()]  # doctest: +NORMALIZE_WHITESPACE
+[('float64', 'float64'), ('float32', 'float32'), ('tf32', 'float32'),
+ ('bfloat16', 'bfloat16'), ('float16', 'float16')]
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ class Precision(NamedTuple):
     """A precision class: what a kernel computes in, and how it is judged.
 
     A kernel is judged against the floors of its class (:mod:`gdn_layout.check`): the worst
-    rounding that correct forms computed in that class reach on the case's inputs.
+    rounding that correct forms computed in that class reach on the case's inputs, times the
+    class's margin ``K`` (:data:`gdn_layout.check.K`).
     """
 
     #: The class's name, as ``precision=`` takes it.
@@ -91,8 +92,6 @@ class Precision(NamedTuple):
     #: Mantissa bits of the operands of its matrix products (accumulated in float32), or None
     #: when they are the computation dtype's own.
     product_bits: int | None
-    #: How far above its floor a correct kernel's error may be (see docs/criterion.md).
-    k: float
     #: ``(rms, max)`` floors for fixtures that carry none of this class.
     default_floors: tuple[float, float]
     #: Other accepted spellings (lower case) besides the name.
@@ -127,13 +126,13 @@ PRECISIONS: Final = {
     p.name: p
     for p in (
         Precision(
-            "float64", "float64", None, 64.0, (3e-5 * 2.0**-29, 5e-4 * 2.0**-29),
+            "float64", "float64", None, (3e-5 * 2.0**-29, 5e-4 * 2.0**-29),
             DTYPES["float64"].spellings[1:],
         ),
-        Precision("float32", "float32", None, 16.0, (3e-5, 5e-4), DTYPES["float32"].spellings[1:]),
-        Precision("tf32", "float32", 10, 16.0, (3e-3, 3e-2)),
-        Precision("bfloat16", "bfloat16", 7, 8.0, (1e-2, 0.15), DTYPES["bfloat16"].spellings[1:]),
-        Precision("float16", "float16", 10, 8.0, (6e-3, 3e-2), DTYPES["float16"].spellings[1:]),
+        Precision("float32", "float32", None, (3e-5, 5e-4), DTYPES["float32"].spellings[1:]),
+        Precision("tf32", "float32", 10, (3e-3, 3e-2)),
+        Precision("bfloat16", "bfloat16", 7, (1e-2, 0.15), DTYPES["bfloat16"].spellings[1:]),
+        Precision("float16", "float16", 10, (6e-3, 3e-2), DTYPES["float16"].spellings[1:]),
     )
 }  # fmt: skip
 _PRECISION_NAMES: Final = {

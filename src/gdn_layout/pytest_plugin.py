@@ -15,7 +15,7 @@ runs over the cases of:
     (float32 by default) with ``--gdn-seed``.
 ``--gdn-precision CLASS``
     ``gdn_case.check`` judges in that precision class (``tf32`` for a kernel whose float32
-    matrix products take TF32 operands); by default the class of the buffers' dtype.
+    matrix products take TF32 operands); by default the class of the cases' dtype.
 
 With neither, a test that takes ``gdn_case`` runs over the standard suite, written once into
 pytest's cache folder (``.pytest_cache/d/gdn-layout``, one per gdn-layout version and dtype,

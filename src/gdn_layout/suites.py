@@ -148,7 +148,7 @@ class Case:
     def compare(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
         """:func:`~gdn_layout.compare` of ``actual`` (any array: NumPy, torch, anything with
         ``__dlpack__`` or ``__array__``) with the fixture: against its floors in the
-        precision class of the buffers (or :attr:`precision`, or ``precision=``) unless
+        precision class of the fixture's dtype (or :attr:`precision`, or ``precision=``) unless
         tolerances are given. ``judging`` takes :func:`~gdn_layout.compare`'s judging
         keywords (:class:`~gdn_layout.check._compare.Judging`).
 

@@ -13,8 +13,8 @@ calibrated (the default)
     the gradient's RMS among the correct forms a kernel of the class computes (the
     step-by-step form, and the chunked WY/UT form as fused kernels compute it, with TF32 or
     bfloat16 operands for those classes; see docs/criterion.md). Judged in the class
-    ``precision=`` names (by default the less precise buffer's dtype: ``float64``,
-    ``float32``, ``tf32``, ``bfloat16``, ``float16``), a gradient passes when both figures
+    ``precision=`` names (by default the fixture's dtype, or with bare buffers the less
+    precise one's: ``float64``, ``float32``, ``tf32``, ``bfloat16``, ``float16``), a gradient passes when both figures
     are at most ``K`` times their floors: 16 for float32 and tf32, 8 for float16 and
     bfloat16, 64 for float64 (whose truth is itself rounded to float64). No floor, as an
     error, is below half the unit roundoff times ``rms(e)``, nor below half the computation

@@ -108,9 +108,10 @@ def compare(
     precision : str, optional
         The precision class the kernel computes in, whose floors judge it: ``"float64"``,
         ``"float32"``, ``"tf32"`` (float32 with matrix products on operands of 10 mantissa
-        bits), ``"bfloat16"`` or ``"float16"``. Left out, the class of the less precise
-        buffer's dtype. A class whose buffers are more precise than the buffers given is
-        refused.
+        bits), ``"bfloat16"`` or ``"float16"``. Left out, the class of the fixture's dtype,
+        and an ``actual`` coarser than the fixture is refused (a stray cast would pass as
+        the coarser class); with bare buffers, the class of the less precise one's dtype. A
+        class whose buffers are more precise than the buffers given is refused.
     floors : mapping, optional
         With an array ``expected``: the precision floors of the calibrated criterion
         (:attr:`~gdn_layout.Fixture.floors`); left out, the defaults.

@@ -71,7 +71,7 @@ Tolerance = Number | Mapping[str, Number]
 #: chosen: the floors are the worst of the correct forms a kernel of the class computes, and
 #: the factor is the margin that rounding order alone (a sum taken in another order, a
 #: gradient of a few elements) still needs above them.
-K: Final = {p.name: p.k for p in PRECISIONS.values()}
+K: Final = {"float64": 64.0, "float32": 16.0, "tf32": 16.0, "bfloat16": 8.0, "float16": 8.0}
 #: Floors for fixtures that carry none, by class: ``(rms, max)`` for every gradient.
 DEFAULT_FLOORS: Final = {p.name: p.default_floors for p in PRECISIONS.values()}
 
@@ -139,7 +139,7 @@ class Criterion:
     >>> Criterion.tolerances(1e-4, 1e-6).words
     'rtol=0.0001 atol=1e-06'
     >>> c = Criterion.calibrated(None, "float32", "dq", np.ones(8))
-    >>> c.precision_name, c.floor, c.limit == c.precision.k  # K of its class
+    >>> c.precision_name, c.floor, c.limit == K[c.precision.name]  # K of its class
     ('float32', (3e-05, 0.0005), True)
     >>> c.score(np.ones(8) * (1 + 1e-6), np.ones(8)) < 1  # within the limit
     True
@@ -196,8 +196,8 @@ class Criterion:
         return cls(
             "calibrated",
             rtol=0.0,
-            atol=precision.k * max(floor[1] * scale, by_scale, by_terms),
-            max_rms_ratio=precision.k * rms_error / scale if scale > 0 else math.inf,
+            atol=K[precision.name] * max(floor[1] * scale, by_scale, by_terms),
+            max_rms_ratio=K[precision.name] * rms_error / scale if scale > 0 else math.inf,
             floor=(floor[0], floor[1]),
             precision=precision,
             reach=floor[2] if len(floor) > 2 else None,
@@ -214,7 +214,7 @@ class Criterion:
     @property
     def limit(self) -> float:
         """The calibrated bound on ``error_floor_ratio``, :data:`K` of the dtype; else NaN."""
-        return math.nan if self.precision is None else self.precision.k
+        return math.nan if self.precision is None else K[self.precision.name]
 
     @property
     def precision_name(self) -> str | None:

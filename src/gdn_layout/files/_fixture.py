@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -239,13 +240,13 @@ class Fixture:
         """
         return held(self.stamp, self.path or Path(self.stamp.where if self.stamp else ""))
 
-    @property
+    @functools.cached_property
     def scales(self) -> dict[str, float]:
         """The scale of the terms that form each gradient where it can be far below them,
         ``{"dg": ...}`` (see :func:`gdn_layout._floors.term_scales`): pass it to
         :func:`~gdn_layout.compare` as ``scales=``, so that a ``dg`` that is 0 or tiny is
         judged against the rounding of its terms. Computed from ``q, k`` and the expected
-        ``dq, dk`` on each access."""
+        ``dq, dk`` once, on first access: a pass over both."""
         return term_scales(
             self.q,
             self.k,
