@@ -144,35 +144,6 @@ def test_a_kernel_failing_off_the_slice_is_not_re_run(monkeypatch: pytest.Monkey
     assert not ran
 
 
-def test_a_gradient_failing_alone_is_re_run_unless_its_own_values_explain_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    layout = GdnBackwardLayout(2, 40, 2, 8)
-    fx = make_fixture(layout, regime="mild")
-    out = backward(*fx.inputs, dtype=np.float32)
-    dv = unpack(out, layout).dv
-    dv[...] = dv[:, :, ::-1].copy()  # dv's heads exchanged: named by its own values
-    ran: list[tuple[Any, ...]] = []
-    run = _misreadings._run
-
-    def counted(*args: Any) -> Any:
-        ran.append(args)
-        return run(*args)
-
-    monkeypatch.setattr(_misreadings, "_run", counted)
-    result = compare(out, fx)
-    assert result.failed == ("dv",)
-    assert [f.kind for f in result["dv"].findings] == ["heads"]
-    assert not ran
-    unpack(out, layout).dv[...] = unpack(backward(*fx.inputs, dtype=np.float32), layout).dv
-    unpack(out, layout).dq[...] *= 2  # a factor: a reading may scale one gradient alone
-    result = compare(out, fx)
-    assert result.failed == ("dq",)
-    assert [f.kind for f in result["dq"].findings] == ["scale"]
-    assert ran
-    assert not _named(result.findings)
-
-
 def test_dv_without_beta_is_named_where_a_scaled_shift_also_fits() -> None:
     # S=3, N=128, bfloat16, beta_missing's dv variant: dv alone fails, and its own finding is
     # a shift by -2 steps with a fitted factor (on the one step left); the re-run names the

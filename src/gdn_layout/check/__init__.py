@@ -14,9 +14,10 @@ calibrated (the default)
     step-by-step form, and the chunked WY/UT form as fused kernels compute it, with TF32 or
     bfloat16 operands for those classes; see docs/criterion.md). Judged in the class
     ``precision=`` names (by default the fixture's dtype, or with bare buffers the less
-    precise one's: ``float64``, ``float32``, ``tf32``, ``bfloat16``, ``float16``), a gradient passes when both figures
-    are at most ``K`` times their floors: 16 for float32 and tf32, 8 for float16 and
-    bfloat16, 64 for float64 (whose truth is itself rounded to float64). No floor, as an
+    precise one's: ``float64``, ``float32``, ``tf32``, ``bfloat16``, ``float16``), a
+    gradient passes when both figures are at most ``K`` times their floors: 16 for float32
+    and tf32, 8 for float16 and bfloat16, 64 for float64 (whose truth is itself rounded to
+    float64). No floor, as an
     error, is below half the unit roundoff times ``rms(e)``, nor below half the computation
     dtype's times the scale of the terms that form the gradient (a fixture's
     :attr:`~gdn_layout.Fixture.scales`): a ``dg`` that is exactly 0, or far below the

@@ -1,0 +1,139 @@
+"""``check._explain``: the second stage of a comparison. It reads the first stage's records and
+the buffers unpacked once, and each explainer keeps its own policy."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gdn_layout import GdnBackwardLayout, compare, generate, make_fixture, unpack
+from gdn_layout.check import _compare, _explain, _misreadings
+from gdn_layout.check._findings import KINDS
+from gdn_layout.check._records import GradComparison
+from gdn_layout.reference import backward
+
+
+def _counted(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[Any]:
+    """The calls of ``module.name`` from now on, which still runs."""
+    calls: list[Any] = []
+    original = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_each_explainer_is_named_once_and_its_kinds_are_known() -> None:
+    names = [e.name for e in _explain.EXPLAINERS]
+    assert len(names) == len(set(names))
+    assert set(KINDS) >= _explain.ALONE
+    assert "rows" in KINDS
+
+
+def test_a_failing_compare_measures_each_gradient_once_and_unpacks_each_buffer_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A reading (the state transposed) fails every gradient: the explanations re-run the op,
+    # yet the first stage's records are the only measurement of the kernel's gradients.
+    layout = GdnBackwardLayout(1, 12, 2, 4, carry_state=True)
+    fx = make_fixture(layout, regime="mild")
+    q, k, v, g, beta, dy, state = fx.inputs
+    assert state is not None
+    kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    scans = _counted(monkeypatch, _compare, "scan")
+    unpacks = _counted(monkeypatch, _compare, "unpack")
+    result = compare(kernel, fx)
+    assert [f.kind for f in result.findings] == ["misreading"]
+    assert [args[0].name for args in scans] == list(layout.names)
+    assert len(unpacks) == 2  # the kernel's buffer and the fixture's
+    assert unpacks[0][0] is not unpacks[1][0]
+
+
+def test_the_verdict_is_stored_in_the_records() -> None:
+    layout = GdnBackwardLayout(1, 4, 2, 3)
+    expected = np.linspace(-1, 1, layout.total_elems)
+    actual = expected.copy()
+    unpack(actual, layout).dk[0, 2, 1, 0] += 0.5
+    result = compare(actual, expected, layout)
+    stored = {f.name for f in dataclasses.fields(GradComparison)}
+    assert {"passed", "error_floor_ratio"} <= stored
+    assert (result.passed, result.failed) == (False, ("dk",))
+    dk = result["dk"]
+    # Figures replaced by hand do not change a verdict given once, when it was measured.
+    assert not dataclasses.replace(dk, rms_ratio=0.0, max_abs_error=0.0, mismatches=0).passed
+
+
+def test_a_gradient_failing_alone_is_re_run_unless_its_own_values_explain_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    layout = GdnBackwardLayout(2, 40, 2, 8)
+    fx = make_fixture(layout, regime="mild")
+    out = backward(*fx.inputs, dtype=np.float32)
+    dv = unpack(out, layout).dv
+    dv[...] = dv[:, :, ::-1].copy()  # dv's heads exchanged: named by its own values
+    ran = _counted(monkeypatch, _misreadings, "_run")
+    result = compare(out, fx)
+    assert result.failed == ("dv",)
+    assert [f.kind for f in result["dv"].findings] == ["heads"]
+    assert not ran
+    unpack(out, layout).dv[...] = unpack(backward(*fx.inputs, dtype=np.float32), layout).dv
+    unpack(out, layout).dq[...] *= 2  # a factor: a reading may scale one gradient alone
+    result = compare(out, fx)
+    assert result.failed == ("dq",)
+    assert [f.kind for f in result["dq"].findings] == ["scale"]
+    assert ran
+    assert not any(f.kind == "misreading" for f in result.findings)
+
+
+def test_bare_buffers_run_no_explainer_that_needs_the_inputs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")
+    q, k, v, g, beta, dy, state = fx.inputs
+    assert state is not None
+    kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    needing = [e.name for e in _explain.EXPLAINERS if e.needs_inputs]
+    assert needing
+    ran: list[str] = []
+    for i, entry in enumerate(_explain.EXPLAINERS):
+
+        def find(evidence: Any, so_far: Any, entry: Any = entry) -> Any:
+            ran.append(entry.name)
+            return entry.find(evidence, so_far)
+
+        replaced = dataclasses.replace(entry, find=find)
+        explainers = list(_explain.EXPLAINERS)
+        explainers[i] = replaced
+        monkeypatch.setattr(_explain, "EXPLAINERS", tuple(explainers))
+    result = compare(kernel, fx.packed, fx.layout, floors=fx.floors)
+    assert not result.passed
+    assert ran
+    assert not set(ran) & set(needing)
+    ran.clear()
+    compare(kernel, fx)
+    assert set(ran) & set(needing)
+
+
+def test_rows_of_identical_inputs_whose_gradients_differ_are_named() -> None:
+    layout = GdnBackwardLayout(2, 20, 2, 4)
+    fx = generate._identical_rows_fixture(layout, np.dtype(np.float32), "mixed", 11)
+    good = backward(*fx.inputs, dtype=np.float32)
+    assert compare(good, fx).passed
+    row_bug = good.copy()
+    unpack(row_bug, layout).dv[1] *= 1.5  # only the second row is wrong
+    rows = [f for f in compare(row_bug, fx).findings if f.kind == "rows"]
+    assert [f.details["rows"] for f in rows] == [(1,)]
+    assert rows[0].text.startswith("batch rows hold identical inputs, but the gradients of row")
+    everywhere = good.copy()
+    unpack(everywhere, layout).dv[...] *= 1.5  # every row wrong alike
+    assert not any(f.kind == "rows" for f in compare(everywhere, fx).findings)
+    other = make_fixture(layout, seed=1)  # rows of their own
+    wrong = backward(*other.inputs, dtype=np.float32)
+    unpack(wrong, layout).dv[1] *= 1.5
+    assert not any(f.kind == "rows" for f in compare(wrong, other).findings)
