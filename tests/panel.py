@@ -184,36 +184,48 @@ def transformers_chunked(fx: Fixture) -> NDArray[Any]:
     return _packed(fx, leaves, y)
 
 
-def misread(fx: Fixture, reading: str, variant: str = "") -> NDArray[Any]:
+def misread(
+    fx: Fixture, reading: str, variant: str = "", *, attributed: bool = False
+) -> NDArray[Any]:
     """A step-by-step kernel in float32 under autograd, glued to the op with the misreading
     ``reading`` (the vocabulary of ``gdn_layout.check._misreadings``) as a port has it: the
     glue passes the inputs as the kernel reads them, and the kernel's gradients, with respect
     to what it read, are packed as they come. ``variant`` picks a form of a reading:
     ``"early"`` for ``gate_shift``, ``"dv"`` for ``beta_missing``, ``"1"``, ``"1/N"`` or a
-    padded size such as ``"16"`` for ``scale``."""
+    padded size such as ``"16"`` for ``scale``.
+
+    ``attributed``: the glue is inside autograd too (a port wrapping a function), so the
+    gradients come back by the chain rule to the tensors the user passed: ``q`` and ``k``
+    exchanged give ``dq`` the gradient of the ``k`` slot, ``exp(g)`` passed as the log-gate
+    gives ``dg`` through that ``exp``, and a state read transposed gives ``dstate`` written
+    with the same stride."""
     t = _torch()
     x = {
         n: np.asarray(a, np.float32).copy()
         for n, a in zip(("q", "k", "v", "g", "beta", "dy", "state"), fx.inputs, strict=True)
         if a is not None
     }
+    user = {n: t.from_numpy(a).requires_grad_(n != "dy") for n, a in x.items()}
+    read = dict(user) if attributed else {n: a.detach().clone() for n, a in user.items()}
     if reading == "state_transposed":
-        x["state"] = np.ascontiguousarray(x["state"].swapaxes(-1, -2))
+        read["state"] = read["state"].transpose(-1, -2)
     elif reading == "gate_exp_twice":
-        x["g"] = np.exp(x["g"])
+        read["g"] = read["g"].exp()
     elif reading == "g_beta_swapped":
-        x["g"], x["beta"] = x["beta"], x["g"]
+        read["g"], read["beta"] = read["beta"], read["g"]
     elif reading == "qk_swapped":
-        x["q"], x["k"] = x["k"], x["q"]
+        read["q"], read["k"] = read["k"], read["q"]
     batch, seq = x["q"].shape[:2]
     folded = reading == "batch_folded"
     if folded:
         for n in ("q", "k", "v", "g", "beta", "dy"):
-            x[n] = x[n].reshape(1, batch * seq, *x[n].shape[2:])
-        if "state" in x:
-            x["state"] = x["state"][:1].copy()
-    leaves = {n: t.from_numpy(a).requires_grad_(n != "dy") for n, a in x.items()}
-    q, k, v, g, beta = (leaves[n] for n in ("q", "k", "v", "g", "beta"))
+            read[n] = read[n].reshape(1, batch * seq, *read[n].shape[2:])
+        if "state" in read:
+            read["state"] = read["state"][:1]
+    if not attributed:  # the kernel's own leaves: its gradients of what it read
+        read = {n: a.detach().clone().requires_grad_(n != "dy") for n, a in read.items()}
+    leaves = user if attributed else read
+    q, k, v, g, beta = (read[n] for n in ("q", "k", "v", "g", "beta"))
     _, steps, heads, size = q.shape
     if reading == "qk_normalized":
         q = q / q.norm(dim=-1, keepdim=True)
@@ -221,7 +233,7 @@ def misread(fx: Fixture, reading: str, variant: str = "") -> NDArray[Any]:
     scale = size**-0.5
     if reading == "scale":
         scale = {"1": 1.0, "1/N": 1.0 / size}.get(variant) or int(variant) ** -0.5
-    state = leaves.get("state", t.zeros(q.shape[0], heads, size, size))
+    state = read.get("state", t.zeros(q.shape[0], heads, size, size))
     outputs = []
     for s in range(steps):
         if reading == "gate_shift":
@@ -244,7 +256,7 @@ def misread(fx: Fixture, reading: str, variant: str = "") -> NDArray[Any]:
         state = state + key[..., :, None] * write[..., None, :]
         outputs.append(scale * (q[:, s, :, None, :] @ state)[..., 0, :])
     y = t.stack(outputs, 1)
-    loss = (y * leaves["dy"]).sum()
+    loss = (y * read["dy"]).sum()
     if reading == "final_state_cotangent":
         loss = loss + state.sum()
     loss.backward()
@@ -254,12 +266,12 @@ def misread(fx: Fixture, reading: str, variant: str = "") -> NDArray[Any]:
     }
     if reading == "beta_missing" and variant == "dv":
         grads["v"] = grads["v"] / x["beta"][..., None]
-    if folded:
+    if folded and not attributed:
         grads = {n: a.reshape(batch, seq, *a.shape[2:]) for n, a in grads.items()}
     dstate = None
     if "state" in leaves:
         dstate = leaves["state"].grad.numpy()
-        if folded:
+        if folded and not attributed:
             dstate = np.concatenate([dstate, np.zeros((batch - 1, *dstate.shape[1:]), "f4")])
     out = pack(grads["q"], grads["k"], grads["v"], grads["g"], grads["beta"], dstate)
     return out.astype(fx.dtype)

@@ -73,6 +73,60 @@ def test_an_independent_kernel_s_misreading_is_named(
     assert text.startswith("every gradient matches the op with ")
 
 
+#: The readings a port's glue can make inside autograd, whose gradients then come back to the
+#: tensors the user passed rather than to the kernel's own slots.
+TWO_WAYS = ("state_transposed", "gate_exp_twice", "g_beta_swapped", "qk_swapped")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reading", TWO_WAYS)
+def test_a_reading_is_named_whichever_way_its_gradients_come_back(
+    fixture: Fixture, reading: str
+) -> None:
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    if not next(r for r in _misreadings.READINGS if r.name == reading).applies(fixture.layout):
+        pytest.skip(f"{reading} cannot change this layout")
+    own = panel.misread(fixture, reading)
+    chained = panel.misread(fixture, reading, attributed=True)
+    assert not np.array_equal(own, chained)  # the two ways differ on this case
+    for kernel in (own, chained):
+        result = compare(kernel, fixture)
+        assert _named(result.findings) == [reading], [f.text for f in result.findings]
+        assert all(not g.findings for g in result.grads)
+
+
+def test_a_reading_in_the_update_but_not_in_dg_is_named_but_dg() -> None:
+    # The per-channel decay on value columns in the state update, but dg formed as the op
+    # forms it for key rows: every gradient but dg matches the reading.
+    fx = make_fixture(
+        GdnBackwardLayout(2, 40, 2, 8, gate_per_channel=True, carry_state=True),
+        regime="mixed",
+        seed=3,
+    )
+    q, k, v, g, beta, dy, state = fx.inputs
+    x = _misreadings._Case(*(np.asarray(t, np.float64) for t in (q, k, v, g, beta, dy, state)),
+                           per_channel=True)  # fmt: skip
+    axis = _misreadings._step_form(x, columns=True)
+    kernel = np.array(fx.packed, np.float32)
+    grads = unpack(kernel, fx.layout)
+    for name in ("dq", "dk", "dv", "dbeta", "dstate"):
+        getattr(grads, name)[...] = axis[name]
+    result = compare(kernel, fx)
+    assert _named(result.findings) == ["gate_axis"], [f.text for f in result.findings]
+    finding = result.findings[0]
+    assert finding.details["but"] == "dg"
+    assert finding.text.startswith(
+        "every gradient but dg matches the op with the per-channel decay on value columns"
+    )
+    # dg, as the op forms it, is the op's: nothing else is wrong with it
+    assert result["dg"].passed
+    grads.dg[...] = np.asarray(axis["dg"], np.float32)  # the reading everywhere: named whole
+    whole = compare(kernel, fx)
+    assert _named(whole.findings) == ["gate_axis"]
+    assert "but" not in whole.findings[0].details
+
+
 def _read(fx: Fixture, **changed: Any) -> NDArray[Any]:
     """The reference on the fixture's inputs read another way: a kernel with that reading."""
     x: dict[str, Any] = dict(

@@ -160,7 +160,10 @@ def _misreading(evidence: Evidence, so_far: Explained) -> Explained:
     )
     if not found:
         return so_far
-    return Explained({n: () for n in so_far.grads}, (*so_far.whole, *found))
+    # A reading explains every gradient, but the one it names as formed otherwise.
+    kept = {f.details.get("but") for f in found}
+    grads = {n: so_far.grads[n] if n in kept else () for n in so_far.grads}
+    return Explained(grads, (*so_far.whole, *found))
 
 
 def _overflow(evidence: Evidence, so_far: Explained) -> Explained:
