@@ -105,8 +105,9 @@ def test_a_reading_in_the_update_but_not_in_dg_is_named_but_dg() -> None:
         seed=3,
     )
     q, k, v, g, beta, dy, state = fx.inputs
-    x = _misreadings._Case(*(np.asarray(t, np.float64) for t in (q, k, v, g, beta, dy, state)),
-                           per_channel=True)  # fmt: skip
+    f64 = [np.asarray(t, np.float64) for t in (q, k, v, g, beta, dy, state)]
+    x = _misreadings._Case(f64[0], f64[1], f64[2], f64[3], f64[4], f64[5], f64[6], True)
+
     axis = _misreadings._step_form(x, columns=True)
     kernel = np.array(fx.packed, np.float32)
     grads = unpack(kernel, fx.layout)

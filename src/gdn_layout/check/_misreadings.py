@@ -294,7 +294,7 @@ _CHAINED: Final = "its gradients taken back to the tensors passed (autograd)"
 
 def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
     assert x.state is not None
-    grads = dict(_step_form(x, state=x.state.swapaxes(-1, -2)))
+    grads: _Grads = dict(_step_form(x, state=x.state.swapaxes(-1, -2)))
     yield "", grads
     dstate = grads["dstate"]
     assert dstate is not None
@@ -311,7 +311,7 @@ def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _gate_exp_twice(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    grads = dict(_step_form(x, gate=np.exp(x.g)))
+    grads: _Grads = dict(_step_form(x, gate=np.exp(x.g)))
     yield "", grads
     dg = grads["dg"]
     assert dg is not None
@@ -347,7 +347,7 @@ def _gate_axis(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _g_beta_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    grads = dict(_step_form(x, gate=x.beta, beta=x.g))
+    grads: _Grads = dict(_step_form(x, gate=x.beta, beta=x.g))
     yield "", grads
     yield _CHAINED, {**grads, "dg": grads["dbeta"], "dbeta": grads["dg"]}
 
@@ -384,7 +384,7 @@ def _qk_normalized(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _qk_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    grads = dict(_step_form(x, q=x.k, k=x.q))
+    grads: _Grads = dict(_step_form(x, q=x.k, k=x.q))
     yield "", grads
     yield _CHAINED, {**grads, "dq": grads["dk"], "dk": grads["dq"]}
 
