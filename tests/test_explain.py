@@ -137,3 +137,53 @@ def test_rows_of_identical_inputs_whose_gradients_differ_are_named() -> None:
     wrong = backward(*other.inputs, dtype=np.float32)
     unpack(wrong, layout).dv[1] *= 1.5
     assert not any(f.kind == "rows" for f in compare(wrong, other).findings)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_wrong_hand_over_in_the_backward_is_worded_for_the_backward(per_channel: bool) -> None:
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    layout = GdnBackwardLayout(1, 40, 2, 8, gate_per_channel=per_channel, carry_state=True)
+    fx = make_fixture(layout, regime="mild", seed=2)
+    assert compare(panel.step_by_step(fx), fx).passed  # the panel's kernel, right
+    result = compare(panel.handed_back_wrong(fx, 24), fx)
+    assert result["dq"].passed  # the forward is right
+    steps = [
+        f for g in result.grads for f in g.findings if f.kind == "boundary" and f.gradient != "dq"
+    ]
+    assert steps, result.causes()
+    for finding in steps:
+        assert finding.details["step"] == 24
+        assert "handed back across step 24 in the backward sweep" in finding.text
+        assert "not carried" not in finding.text
+
+
+def test_a_step_found_where_dq_fails_keeps_the_forward_s_words() -> None:
+    # A state not carried forward: dq fails too, so the step is not the backward's.
+    layout = GdnBackwardLayout(1, 40, 2, 8)
+    fx = make_fixture(layout, regime="mild", seed=2)
+    out = backward(*fx.inputs, dtype=np.float32)
+    grads = unpack(out, layout)
+    for name in ("dq", "dk"):
+        part = getattr(grads, name)[:, 24:]
+        part += 0.1 * np.abs(part).mean() * np.random.default_rng(0).standard_normal(part.shape)
+    found = [f for g in compare(out, fx).grads for f in g.findings if f.kind == "boundary"]
+    assert found
+    assert not any("backward sweep" in f.text for f in found)
+
+
+def test_dstate_failing_alone_with_nothing_found_is_the_end_of_the_backward_sweep() -> None:
+    layout = GdnBackwardLayout(1, 20, 2, 8, carry_state=True)
+    fx = make_fixture(layout, regime="mild", seed=4)
+    out = backward(*fx.inputs, dtype=np.float32)
+    dstate = unpack(out, layout).dstate
+    assert dstate is not None
+    dstate += 0.05 * np.abs(dstate).mean() * np.random.default_rng(1).standard_normal(dstate.shape)
+    result = compare(out, fx)
+    assert result.failed == ("dstate",)
+    assert [f.text.split(":")[0] for f in result["dstate"].findings] == [
+        "only dstate fails, and dq passes (the forward's states are right)"
+    ]
+    dstate *= 0  # a dstate never written is its own finding, not the sweep's
+    assert [f.kind for f in compare(out, fx)["dstate"].findings] == ["unwritten"]

@@ -220,8 +220,8 @@ def plot_errors(
       Both colour about their centre (0, or a ratio of 1); over the batch a cell shows the
       batch element with the largest error (``"signed"``) or the median ratio (``"ratio"``).
     * A ``boundary`` finding (:attr:`GradComparison.findings`) is drawn as dashed orange
-      lines: before the step it names, around the run of steps it finds wrong, or at every
-      multiple of its period.
+      lines: before the step where the error starts or stops abruptly, or at every multiple
+      of its period; an error that only fades with the decay draws none.
     * A large map is binned (see :attr:`GradComparison.error_map_bins`): a cell then holds
       the largest error of a block of positions, its outline and marks stand for that whole
       block, the axis labels say "binned" and count cells, and chunk lines are drawn only
@@ -582,12 +582,11 @@ def _boundaries(ax: Axes, grad: GradComparison) -> dict[str, Artist]:
     for finding in grad.findings:
         if finding.kind != "boundary":
             continue
+        # A step where the error starts or stops abruptly; where it only fades with the
+        # decay (a run of wrong steps without one, an initial state's effect), no line.
         step, period = finding.details.get("step"), finding.details.get("period")
-        first, last = finding.details.get("first"), finding.details.get("last")
         if isinstance(step, int):
             steps = [step]
-        elif isinstance(first, int) and isinstance(last, int):
-            steps = [first, last + 1]  # the run of wrong steps
         elif isinstance(period, int):
             steps = list(range(period, grad.shape[1], period))
         else:

@@ -16,6 +16,11 @@ those records and the two buffers, unpacked once (:class:`Evidence`), and asks t
 ``overflow``
     (with a fixture's inputs) non-finite gradients in chunks whose log-decay spans more than
     ``exp`` takes.
+``backward``
+    where ``dq`` passes (it reads the forward's states alone) and no reading holds: a step
+    where the other gradients' error starts or stops is worded for the backward sweep (the
+    state's cotangent handed to the chunk before), and ``dstate`` failing alone with nothing
+    found is that sweep's end.
 ``layout``
     gradients found at other offsets of the packed buffer; only when nothing above explains
     the buffer as a whole.
@@ -179,6 +184,47 @@ def _overflow(evidence: Evidence, so_far: Explained) -> Explained:
     return dataclasses.replace(so_far, whole=(finding, *so_far.whole))
 
 
+def _forward_right(evidence: Evidence, so_far: Explained) -> bool:
+    """Whether ``dq`` passes (it reads the forward's states alone: they are right) and no
+    reading explains the case."""
+    dq = next((r for r in evidence.records if r.name == "dq"), None)
+    read = any(f.kind == "misreading" for f in so_far.whole)
+    return dq is not None and dq.passed and evidence.layout.seq > 1 and not read
+
+
+#: What a step found where the forward is right says: the backward's hand-over.
+_HANDED = (
+    "the state's cotangent dS handed back across step {step} in the backward sweep (to the "
+    "chunk before it) wrong? (dq passes: the forward's states are right)"
+)
+
+
+def _handed_back(evidence: Evidence, so_far: Explained) -> Explained:
+    """Where ``dq`` passes, a step where the other gradients' error starts or stops is the
+    backward sweep's, not a state the forward failed to carry: the cotangent ``dS`` handed
+    to the chunk before. ``dstate`` failing alone with nothing found is the same sweep's
+    end."""
+    grads = dict(so_far.grads)
+    for name, found in so_far.grads.items():
+        reworded = []
+        for f in found:
+            step = f.details.get("step")
+            if f.kind == "boundary" and isinstance(step, int):
+                what = f.text.split(";")[0].split(": ")[0]
+                f = Finding(f.kind, f.gradient, f"{what}: {_HANDED.format(step=step)}", f.details)
+            reworded.append(f)
+        grads[name] = tuple(reworded)
+    if [r.name for r in evidence.failing] == ["dstate"] and not grads.get("dstate"):
+        text = (
+            "only dstate fails, and dq passes (the forward's states are right): the state's "
+            "cotangent dS is wrong only where the backward sweep ends: its last hand-over or "
+            "decay (dS handed to the chunk before with another chunk's decay?), or how dstate "
+            "is written"
+        )
+        grads["dstate"] = (Finding("boundary", "dstate", text, {"step": None, "side": "end"}),)
+    return Explained(grads, so_far.whole)
+
+
 def _layout(evidence: Evidence, so_far: Explained) -> Explained:
     found = buffer_findings(evidence.actual, evidence.expected, evidence.layout, evidence.score)
     return dataclasses.replace(so_far, whole=(*so_far.whole, *found))
@@ -225,6 +271,7 @@ EXPLAINERS: Final = (
     Explainer("gradient", False, _always, _own_values),
     Explainer("misreading", True, _re_run_needed, _misreading),
     Explainer("overflow", True, _always, _overflow),
+    Explainer("backward", False, _forward_right, _handed_back),
     Explainer("layout", False, lambda evidence, so_far: not so_far.whole, _layout),
     Explainer("rows", True, _always, _rows),
 )

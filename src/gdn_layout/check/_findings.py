@@ -69,8 +69,9 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     obeys the same bounds.
 ``boundary``
     from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
-    from ``t0`` on fail (or the reverse), or the failing steps all lie within one step of the
-    multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them, or they
+    from ``t0`` on fail (or the reverse; an error from the first step that falls by less
+    than :data:`FALLS` at ``t0`` fades, as an initial state's does, and names no step), or
+    the failing steps all lie within one step of the multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them, or they
     fill at least 3/4 of one run of 3 or more steps (24 elements or more), at most half the
     sequence, with right steps on both sides (a state not carried across a step: its error
     fades with the decay on either side; the step is named when the error starts or stops
@@ -1009,6 +1010,16 @@ def _boundary(ctx: _Context) -> Finding | None:
             continue
         unit, _ = _unit(ctx.name)
         count = f"{'C' if unit == 'chunk' else 'S'}={steps}"
+        if side == "before" and per[t0 - 1] < FALLS * per[t0]:
+            # No edge: an error from the first step that fades with the decay, as that of
+            # the initial state does. Where it passes under the limit is no boundary.
+            text = (
+                f"{ctx.name} is wrong from the first {unit} on and its error fades, within the "
+                f"limit from {unit} {t0} on ({count}): the initial state, or how it is read, "
+                "wrong? (its effect fades with the decay)"
+            )
+            details = {"step": None, "side": "fades", "until": t0, "count": int(failing.size)}
+            return Finding("boundary", ctx.name, text, {**details, **contrast})
         if side == "from":
             text = f"{ctx.name} is right before {unit} {t0} and wrong from {unit} {t0} on ({count})"
             if unit == "step" and t0 >= 8 and t0 & (t0 - 1) == 0:
