@@ -71,9 +71,9 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
     from ``t0`` on fail (or the reverse; an error from the first step that falls by less
     than :data:`FALLS` at ``t0`` fades, as an initial state's does, and names no step), or
-    the failing steps all lie within one step of the multiples of a period ``P >= 4`` and cover at least 3/4 of at least two of them, or they
-    fill at least 3/4 of one run of 3 or more steps (24 elements or more), at most half the
-    sequence, with right steps on both sides (a state not carried across a step: its error
+    the failing steps all lie within one step of the multiples of a period ``P >= 4`` and
+    cover at least 3/4 of at least two of them, or they fill at least 3/4 of one run of 3 or
+    more steps (24 elements or more), at most half the sequence, with right steps on both sides (a state not carried across a step: its error
     fades with the decay on either side; the step is named when the error starts or stops
     by :data:`FALLS` from one step to the next). Each way the wrong part must score above
     :data:`ROUNDING_MAX` (past rounding's reach: a chunked float32 form's own error steps up
@@ -1018,8 +1018,9 @@ def _boundary(ctx: _Context) -> Finding | None:
                 f"limit from {unit} {t0} on ({count}): the initial state, or how it is read, "
                 "wrong? (its effect fades with the decay)"
             )
-            details = {"step": None, "side": "fades", "until": t0, "count": int(failing.size)}
-            return Finding("boundary", ctx.name, text, {**details, **contrast})
+            fades: dict[str, object] = {"step": None, "side": "fades", "until": t0}
+            fades.update(count=int(failing.size), **contrast)
+            return Finding("boundary", ctx.name, text, fades)
         if side == "from":
             text = f"{ctx.name} is right before {unit} {t0} and wrong from {unit} {t0} on ({count})"
             if unit == "step" and t0 >= 8 and t0 & (t0 - 1) == 0:
