@@ -69,16 +69,17 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     obeys the same bounds.
 ``boundary``
     from per-step scores along ``s``: the steps before ``t0`` pass and at least 90% of those
-    from ``t0`` on fail (or the reverse; an error from the first step that falls by less
-    than :data:`FALLS` at ``t0`` fades, as an initial state's does, and names no step), or
-    the failing steps all lie within one step of the multiples of a period ``P >= 4`` and
-    cover at least 3/4 of at least two of them, or they fill at least 3/4 of one run of 3 or
-    more steps (24 elements or more), at most half the sequence, with right steps on both sides (a state not carried across a step: its error
-    fades with the decay on either side; the step is named when the error starts or stops
-    by :data:`FALLS` from one step to the next). Each way the wrong part must score above
-    :data:`ROUNDING_MAX` (past rounding's reach: a chunked float32 form's own error steps up
-    at a chunk boundary too) and at least :data:`FALLS` times the right part, and the right
-    part must pass, with at least 8 elements and some non-zero expected value in it.
+    from ``t0`` on fail (or the reverse; an error from the first step that falls by less than
+    :data:`FALLS` at ``t0`` fades, as an initial state's does, and names no step), or the
+    failing steps all lie within one step of the multiples of a period ``P >= 4`` and cover at
+    least 3/4 of at least two of them, or they fill at least 3/4 of one run of 3 or more steps
+    (24 elements or more), at most half the sequence, with right steps on both sides (a state
+    not carried across a step: its error fades with the decay on either side; the step is named
+    when the error starts or stops by :data:`FALLS` from one step to the next). Each way the
+    wrong part must score above :data:`ROUNDING_MAX` (past rounding's reach: a chunked float32
+    form's own error steps up at a chunk boundary too) and at least :data:`FALLS` times the
+    right part, and the right part must pass, with at least 8 elements and some non-zero
+    expected value in it.
 ``rounding``
     no structural hypothesis holds and the score is at most :data:`ROUNDING_MAX`: the error is
     only too large, as rounding is. Above that, an unexplained gradient gets no finding.
