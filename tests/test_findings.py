@@ -318,6 +318,24 @@ def test_boundary_wrong_before_a_step_and_zeros() -> None:
     assert "all zeros there" in found.text
 
 
+def test_an_error_from_the_first_step_that_fades_names_no_step() -> None:
+    # An initial state's error fades with the decay, by a factor of 3 a step here: where it
+    # passes under the limit is no boundary. An abrupt end of the same error is one.
+    layout = GdnBackwardLayout(1, 24, 2, 8)
+    e = grads(layout)["dq"]
+    fade = 0.3 * 3.0 ** -np.arange(layout.seq)
+    a = e * (1 + fade[None, :, None, None])
+    found = only(grad_findings("dq", a, e, layout, SCORE), "boundary")
+    assert (found.details["step"], found.details["side"]) == (None, "fades")
+    assert found.details["until"] > 1
+    assert "fades" in found.text
+    cut = found.details["until"]
+    abrupt = e.copy()
+    abrupt[:, :cut] = e[:, :cut] * 1.3  # wrong over the same steps, ending at once
+    edge = only(grad_findings("dq", abrupt, e, layout, SCORE), "boundary")
+    assert (edge.details["step"], edge.details["side"]) == (cut, "before")
+
+
 @pytest.mark.parametrize("name", ["dq", "dv", "dg"])
 def test_boundary_near_multiples_of_a_chunk(name: str) -> None:
     layout = GdnBackwardLayout(1, 32, 2, 4, gate_per_channel=name == "dg")

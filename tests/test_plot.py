@@ -403,6 +403,18 @@ def test_chunk_grid_and_ticks_on_chunk_multiples() -> None:
     assert not [c for c in wide["dq"].collections if c.get_label().startswith("chunk")]
 
 
+def test_an_error_that_only_fades_draws_no_boundary_line() -> None:
+    # dq wrong from the first step, fading by a factor of 3 a step: found, but no step named.
+    layout = GdnBackwardLayout(1, 24, 2, 8)
+    actual, expected = _buffers(layout)
+    dq = unpack(actual, layout).dq
+    dq *= (1 + 0.3 * 3.0 ** -np.arange(layout.seq))[None, :, None, None].astype(np.float32)
+    result = compare(actual, expected, layout)
+    assert [f.details["side"] for f in result["dq"].findings if f.kind == "boundary"] == ["fades"]
+    panel = _panels(plot_errors(result))["dq"]
+    assert not [c for c in panel.collections if c.get_label() == "boundary finding"]
+
+
 # -- plot_errors: whole-number ticks and nothing cut off, for any shape ---------------------
 
 
