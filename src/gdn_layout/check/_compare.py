@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Final, TypedDict, Unpack
 import numpy as np
 from numpy.typing import NDArray
 
-from .._arrays import as_packed
+from .._arrays import as_packed, device_of
 from .._checks import not_a_layout
 from .._dtypes import PRECISIONS, Precision, default_precision, is_floating
 from ..layout import GdnBackwardLayout, Segment, layout_caption
@@ -27,7 +27,7 @@ from ._criterion import (
 )
 from ._findings import Finding, buffer_findings, grad_findings, size_findings, tensor_findings
 from ._misreadings import misreading_findings, overflow_finding
-from ._records import Comparison, GradComparison, failure_message
+from ._records import Comparison, GradComparison, failure_message, read_from
 from ._scan import cause_maps, scan
 
 if TYPE_CHECKING:
@@ -200,6 +200,7 @@ def _compare(
     tried where it fails."""
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
+    device = device_of(actual)
     actual = as_packed(actual, "actual")
     expected = as_packed(expected, "expected")
     _check_buffer("actual", actual, layout)
@@ -266,7 +267,7 @@ def _compare(
         whole = whole if overflow is None else (overflow, *whole)
     if not whole and not all(g.passed for g in grads):
         whole = buffer_findings(actual, expected, layout, score)
-    return Comparison(layout, tuple(grads), whole)
+    return Comparison(layout, tuple(grads), whole, device)
 
 
 #: The kinds that may explain a gradient failing alone by its own values, moved, not written
@@ -403,6 +404,7 @@ def assert_close(
         heading = (
             f"gradients differ: {', '.join(result.failed)} ({len(result.failed)} of "
             f"{len(result.grads)} failed) for {layout_caption(result.layout)}"
+            f"{read_from(result.device)}"
         )
         raise AssertionError(failure_message(heading, result))
     return result
