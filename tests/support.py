@@ -27,6 +27,7 @@ from gdn_layout.files import Fixture
 __all__ = [
     "DTYPES",
     "FLAGS",
+    "DeviceArray",
     "Hung",
     "Suite",
     "assert_same_fixture",
@@ -51,6 +52,42 @@ FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 #: The ``suite`` fixture's value (conftest.py): the standard suite's folder and its fixture
 #: paths.
 Suite = tuple[Path, list[Path]]
+
+
+class DeviceArray:
+    """An array of another library in a device's memory, as DLPack describes it: its
+    ``__dlpack_device__`` is ``device`` (CUDA's ``(2, 0)`` unless told), and its ``__dlpack__``
+    honours only the request for a copy in host memory (``dl_device=(kDLCPU, 0),
+    copy=True``), each one a new copy of ``host`` recorded in ``copies``. It has no
+    ``__array__``: a reader gets its values by that request or not at all.
+    ``honour=False`` refuses that request too. On a device of host memory (CUDA's pinned
+    memory, ``(3, 0)``), ``host`` itself is exported to a reader that asks for no copy."""
+
+    def __init__(
+        self, host: NDArray[Any], device: tuple[int, int] = (2, 0), *, honour: bool = True
+    ) -> None:
+        self.host, self.kind, self.honour = host, device, honour
+        self.copies: list[NDArray[Any]] = []
+        self.dtype, self.device = host.dtype, f"device{device}"
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.kind
+
+    def __dlpack__(
+        self,
+        *,
+        stream: object = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> object:
+        if self.kind[0] == 3 and dl_device is None and not copy:
+            return self.host.__dlpack__()
+        if not self.honour or dl_device != (1, 0) or copy is not True:
+            raise BufferError(f"cannot export from {self.kind} with {dl_device=}, {copy=}")
+        self.copies.append(self.host.copy())
+        versioned: dict[str, Any] = {} if max_version is None else {"max_version": max_version}
+        return self.copies[-1].__dlpack__(**versioned)
 
 
 class Hung(Exception):

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 from numpy.typing import DTypeLike
 
-from gdn_layout import GdnBackwardLayout, pack, unpack
+from gdn_layout import GdnBackwardLayout, _arrays, pack, unpack
+from gdn_layout._arrays import as_packed, device_of
 from gdn_layout.check import compare
 from gdn_layout.reference import backward
 from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import make_case
+from support import DeviceArray
 
 DTYPES = [np.float64, np.float32, np.float16, ml_dtypes.bfloat16]
 LAYOUT = GdnBackwardLayout(2, 5, 3, 4, carry_state=True)
@@ -166,7 +168,10 @@ def test_tensors_numpy_cannot_read_are_refused_by_name(kind: str) -> None:
     expected = torch.from_numpy(np.array(case.expected))
     tensor = expected.to("meta") if kind == "meta" else expected.to(getattr(torch, kind))
     received = rf"got a Tensor of dtype {tensor.dtype} on device {tensor.device}: "
-    accepted = r"must be an array NumPy can read \(a NumPy dtype or bfloat16, in CPU memory\)"
+    accepted = (
+        r"must be an array NumPy can read \(a NumPy dtype or bfloat16, in memory it can be "
+        r"copied from\)"
+    )
     with pytest.raises(TypeError, match=rf"^compare: actual {accepted}, {received}"):
         compare(tensor, case.expected, LAYOUT)
     with pytest.raises(TypeError, match=rf"^compare: expected {accepted}, {received}"):
@@ -228,3 +233,225 @@ def test_numpy_inputs_are_writable_copies() -> None:
     assert case.inputs_as("numpy", dtype="float64").q.dtype == np.float64
     with pytest.raises(ValueError, match="requires_grad is torch's; NumPy arrays have no"):
         case.inputs_as("numpy", requires_grad=True)
+
+
+# -- devices -------------------------------------------------------------------------------
+
+
+def _torch_with_cuda() -> Any:
+    """torch, where a CUDA device is here; the test is skipped otherwise, never failed."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device here")
+    return torch
+
+
+@pytest.mark.slow  # imports torch: about a second, once per process
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "torch.device('cpu')", "meta", "cuda"])
+def test_inputs_as_torch_makes_each_tensor_once_on_the_device(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = _torch_with_cuda() if device == "cuda" else pytest.importorskip("torch")
+    given = torch.device("cpu") if device.startswith("torch.") else device
+    case = make_case(LAYOUT, dtype=ml_dtypes.bfloat16, seed=8)
+    viewed: list[np.ndarray] = []
+    from_numpy = torch.from_numpy
+
+    def spy(array: np.ndarray) -> Any:
+        viewed.append(array)
+        return from_numpy(array)
+
+    monkeypatch.setattr(torch, "from_numpy", spy)
+    x = case.inputs_as("torch", dtype="float32", device=given, requires_grad=True)
+    # The one copy is made from the fixture's own memory: no host copy before it.
+    assert len(viewed) == len(case.inputs)
+    assert all(np.shares_memory(v, a) for v, a in zip(viewed, case.inputs, strict=True))
+    for name, tensor, array in zip(x._fields, x, case.inputs, strict=True):
+        assert tensor.device.type == torch.device(given).type, name
+        assert (tensor.dtype, tensor.requires_grad, tensor.is_leaf) == (torch.float32, True, True)
+        assert array is not None
+        assert tensor.shape == array.shape
+        assert tensor.is_contiguous()
+        if tensor.device.type != "meta":
+            back = tensor.detach().cpu().numpy()
+            assert np.array_equal(back, np.asarray(array, np.float32), equal_nan=True), name
+            assert not np.shares_memory(back, array)
+
+
+@pytest.mark.slow  # imports JAX: about a second, once per process
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", "jax.devices('cpu')[0]"])
+def test_inputs_as_jax_makes_each_array_once_on_the_device(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jax = pytest.importorskip("jax")
+    given = jax.devices("cpu")[0] if device.startswith("jax.") else device
+    case = make_case(LAYOUT, dtype=ml_dtypes.bfloat16, seed=8)
+    put: list[np.ndarray] = []
+    device_put = jax.device_put
+
+    def spy(array: np.ndarray, *args: Any, **kwargs: Any) -> Any:
+        put.append(array)
+        return device_put(array, *args, **kwargs)
+
+    monkeypatch.setattr(jax, "device_put", spy)
+    x = case.inputs_as("jax", device=given)
+    assert all(p is a for p, a in zip(put, case.inputs, strict=True))  # no host copy first
+    for name, array, expected in zip(x._fields, x, case.inputs, strict=True):
+        assert expected is not None
+        assert array.devices() == {jax.devices("cpu")[0]}, name
+        assert array.dtype == expected.dtype
+        assert np.array_equal(np.asarray(array), expected, equal_nan=True), name
+        assert not np.shares_memory(np.asarray(array), expected)  # JAX's own memory
+
+
+@pytest.mark.slow  # imports torch and JAX: about a second each, once per process
+def test_inputs_as_refuses_a_device_the_framework_does_not_have_here() -> None:
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax")
+    import jax.extend
+
+    case = make_case(LAYOUT, seed=3)
+    past = f"cuda:{torch.cuda.device_count()}"  # one past the last CUDA device: none here
+    kinds = ["cpu", "meta", *(["cuda"] if torch.cuda.is_available() else [])]
+    torch_has = re.escape(", ".join(map(repr, kinds)))
+    for device in [past, "no-such-device", 99 if torch.cuda.device_count() < 99 else 999]:
+        with pytest.raises(
+            ValueError, match=rf"^inputs_as: device must be one torch has here \({torch_has}"
+        ) as raised:
+            case.inputs_as("torch", device=device)
+        assert raised.value.args[0].endswith(f"got {device!r}")
+    cpus = len(jax.devices("cpu"))
+    offered = [
+        name
+        for b in jax.extend.backend.backends()
+        for name in (b, *(f"{b}:{i}" for i in range(len(jax.devices(b)))))
+    ]
+    jax_has = re.escape(", ".join(map(repr, offered)))
+    for device in [f"cpu:{cpus}", "no-such-platform", "", "cpu:-1", "cpu:x"]:
+        with pytest.raises(
+            ValueError,
+            match=rf"^inputs_as: device must be a jax.Device or one JAX has here \({jax_has}\), "
+            rf"got {re.escape(repr(device))}$",
+        ):
+            case.inputs_as("jax", device=device)
+    for device in ["cuda", "gpu", torch.device("cpu")]:
+        got = re.escape(repr(device))
+        with pytest.raises(
+            ValueError, match=rf"^inputs_as: device must be None or 'cpu' for NumPy, got {got}$"
+        ):
+            case.inputs_as("numpy", device=device)
+    for framework, device, expected in [
+        ("torch", 2.5, "a torch.device, its name or an index, got float"),
+        ("torch", True, "a torch.device, its name or an index, got bool"),
+        ("jax", 0, "a jax.Device or a platform's name, got int"),
+        ("jax", torch.device("cpu"), "a jax.Device or a platform's name, got device"),
+    ]:
+        with pytest.raises(TypeError, match=rf"^inputs_as: device must be {expected}$"):
+            case.inputs_as(framework, device=device)
+
+
+@pytest.mark.parametrize("numpy_takes_device", [True, False], ids=["numpy>=2.1", "older"])
+def test_an_array_on_a_device_is_read_with_one_cross_device_copy(
+    numpy_takes_device: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if numpy_takes_device and not _arrays._FROM_DLPACK_TAKES_DEVICE:
+        pytest.skip("this NumPy has no from_dlpack(device=...)")
+    monkeypatch.setattr(_arrays, "_FROM_DLPACK_TAKES_DEVICE", numpy_takes_device)
+    host = np.linspace(-1.0, 1.0, 12, dtype=np.float32)
+    for device, name in [((2, 0), "cuda:0"), ((10, 1), "rocm:1"), ((99, 2), "device type 99:2")]:
+        array = DeviceArray(host, device)
+        read = as_packed(array)
+        assert len(array.copies) == 1  # one request, one copy
+        assert np.shares_memory(read, array.copies[0])  # NumPy took the copy as it was given
+        assert np.array_equal(read, host)
+        assert not np.shares_memory(read, host)
+        assert device_of(array) == name
+
+
+def test_an_array_in_host_memory_is_viewed_without_a_copy() -> None:
+    host = np.linspace(-1.0, 1.0, 12, dtype=np.float32)
+    pinned = DeviceArray(host, (3, 0))  # CUDA's pinned host memory
+    assert np.shares_memory(as_packed(pinned), host)
+    assert not pinned.copies
+    assert device_of(pinned) is None
+
+
+def test_an_array_no_copy_reaches_is_refused_by_name() -> None:
+    array = DeviceArray(np.zeros(4, np.float32), honour=False)
+    with pytest.raises(
+        TypeError,
+        match=r"^pack: a gradient must be an array NumPy can read .* got a DeviceArray of dtype "
+        r"float32 on device device\(2, 0\): cannot export",
+    ):
+        as_packed(array, "a gradient", "pack")
+
+
+class _CudaArray:
+    """An array known only by ``__cuda_array_interface__`` (no DLPack, no ``__array__``)."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host, self.dtype, self.device = host, host.dtype, "cuda"
+        self.__cuda_array_interface__ = {"shape": host.shape, "typestr": host.dtype.str}
+
+
+def test_an_array_with_a_cuda_array_interface_is_copied_by_cupy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    host = np.arange(6, dtype=np.float32)
+    copies: list[np.ndarray] = []
+
+    class _View:  # CuPy's array of the interface, read without a copy; .get() copies once
+        def __init__(self, array: _CudaArray) -> None:
+            self.array = array
+
+        def get(self) -> np.ndarray:
+            copies.append(self.array.host.copy())
+            return copies[-1]
+
+    class _Cupy:
+        asarray = _View
+
+    monkeypatch.setitem(sys.modules, "cupy", _Cupy)
+    read = as_packed(_CudaArray(host))
+    assert len(copies) == 1
+    assert read is copies[0]
+    assert np.array_equal(read, host)
+    assert device_of(_CudaArray(host)) == "cuda"
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as where CuPy is not installed
+    with pytest.raises(TypeError, match=r"^compare: actual must be .* needs CuPy to copy it"):
+        as_packed(_CudaArray(host))
+
+
+@pytest.mark.slow  # imports JAX: about a second, once per process
+def test_jax_arrays_on_a_cpu_device_are_read_without_a_copy() -> None:
+    jax = pytest.importorskip("jax")
+    case = make_case(LAYOUT, seed=9)
+    on_device = jax.device_put(np.array(case.expected), jax.devices("cpu")[0])
+    assert np.shares_memory(as_packed(on_device), as_packed(on_device))
+    assert device_of(on_device) is None
+    assert compare(on_device, case.expected, LAYOUT).passed
+    bf16 = jax.device_put(np.asarray(case.expected, ml_dtypes.bfloat16))  # DLPack lacks bf16
+    assert as_packed(bf16).dtype == ml_dtypes.bfloat16
+
+
+@pytest.mark.slow  # imports torch: about a second, once per process
+def test_torch_tensors_on_cpu_are_not_said_to_be_on_a_device() -> None:
+    torch = pytest.importorskip("torch")
+    assert device_of(torch.zeros(2)) is None
+    assert device_of(torch.zeros(2, device="meta")) == "meta"
+
+
+@pytest.mark.slow
+def test_a_kernel_on_a_cuda_device_is_checked_without_moving_its_tensors() -> None:
+    torch = _torch_with_cuda()
+    case = make_case(LAYOUT, seed=10)
+    x = case.inputs_as("torch", device="cuda")
+    assert all(t is None or t.device.type == "cuda" for t in x)
+    expected = torch.from_numpy(np.array(case.expected)).to("cuda")
+    assert case.check(expected).passed
+    for dtype in (torch.float32, torch.bfloat16):
+        assert np.array_equal(as_packed(expected.to(dtype)), as_packed(expected.cpu().to(dtype)))
+    wrong = expected.clone()
+    wrong[LAYOUT.segment("dv").offset] += 1
+    with pytest.raises(AssertionError, match=rf"\(read from {expected.device}\)"):
+        case.check(wrong)

@@ -397,8 +397,8 @@ def test_compare_refuses_a_tensor_numpy_cannot_read(fixture_path: Path, tmp_path
     torch.save({"packed": float8}, tmp_path / "k.pt")
     assert_user_error(
         run("compare", tmp_path / "k.pt", fixture_path),
-        "k.pt['packed'] must be an array NumPy can read (a NumPy dtype or bfloat16, in CPU "
-        "memory), got a Tensor of dtype torch.float8_e4m3fn on device cpu",
+        "k.pt['packed'] must be an array NumPy can read (a NumPy dtype or bfloat16, in memory "
+        "it can be copied from), got a Tensor of dtype torch.float8_e4m3fn on device cpu",
     )
 
 

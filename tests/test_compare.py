@@ -23,8 +23,9 @@ from gdn_layout._stats import grad_stats, grads_html, grads_text
 from gdn_layout._tables import html_table
 from gdn_layout.check import Comparison, assert_close, compare, error_map
 from gdn_layout.generate import make_fixture
-from gdn_layout.layout import layout_html, layout_table, layout_text
+from gdn_layout.layout import layout_caption, layout_html, layout_table, layout_text
 from gdn_layout.reference import backward
+from support import DeviceArray
 
 FLAGS = [(False, False), (True, False), (False, True), (True, True)]
 
@@ -754,3 +755,22 @@ def test_differences_past_the_largest_float() -> None:
     assert grad.mismatches == 0  # judged by the RMS ratio alone: no element is counted
     elementwise = compare(actual, expected, LAYOUT, rtol=0.5)["dk"]
     assert elementwise.mismatches == LAYOUT.segment("dk").length - 1  # all but the equal one
+
+
+def test_the_report_names_the_device_the_actual_buffer_was_read_from() -> None:
+    layout = _layout()
+    expected = _reference(layout)
+    actual = expected.copy()
+    actual[layout.segment("dk").offset] += 1.0
+    on_device: Any = DeviceArray(actual)  # CUDA device 0, as DLPack numbers it
+    result = compare(on_device, expected, layout, rtol=1e-6)
+    assert len(on_device.copies) == 1
+    assert result.failed == ("dk",)
+    title = str(result).splitlines()[0]
+    assert title == f"compare FAILED (dk): {layout_caption(layout)} (read from cuda:0)"
+    assert "(read from cuda:0)" in result._repr_html_()
+    with pytest.raises(AssertionError, match=r"^gradients differ: dk .* \(read from cuda:0\)\n"):
+        assert_close(on_device, expected, layout, rtol=1e-6)
+    # From host memory, nothing is said.
+    assert "read from" not in str(compare(actual, expected, layout, rtol=1e-6))
+    assert compare(actual, expected, layout, rtol=1e-6).device is None

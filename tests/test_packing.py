@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, GdnGrads, empty, pack, unpack, zeros
+from support import DeviceArray
 
 DTYPES = [
     np.dtype(np.float16),
@@ -374,3 +375,11 @@ def test_a_wrong_shape_is_named_the_same_before_and_after_its_layout_is_cached()
         with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
             pack(*bad)
         pack(*good)  # caches the layout of dq's shape
+
+
+def test_pack_reads_gradients_on_a_device_with_one_copy_each() -> None:
+    layout = GdnBackwardLayout(2, 3, 2, 4, carry_state=True)
+    packed = _ramp(layout.total_elems, np.dtype(np.float32))
+    grads: list[Any] = [DeviceArray(np.array(g)) for g in unpack(packed, layout) if g is not None]
+    assert np.array_equal(pack(*grads, layout=layout), packed)
+    assert all(len(g.copies) == 1 for g in grads)

@@ -128,7 +128,7 @@ def my_backward(q, k, v, g, beta, state, dy):
     s = None if state is None else state.detach().float().requires_grad_()
     q_, k_, v_, g_, b_ = leaves
     batch, steps, heads, n = q_.shape
-    h = torch.zeros(batch, heads, n, n) if s is None else s
+    h = q_.new_zeros(batch, heads, n, n) if s is None else s
     ys = []
     for t in range(steps):
         decay = g_[:, t].exp()
@@ -139,6 +139,11 @@ def my_backward(q, k, v, g, beta, state, dy):
     (torch.stack(ys, 1) * dy.float()).sum().backward()
     grads = [t.grad.reshape(-1) for t in leaves] + ([] if s is None else [s.grad.reshape(-1)])
     return torch.cat(grads).to(q.dtype)
+"""
+
+#: The device the README's first example runs on: CUDA where it is here.
+DEVICE = """
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 """
 
 
@@ -153,8 +158,11 @@ def test_the_readme_s_torch_example_runs_as_written(pytester: pytest.Pytester, d
     text = README.read_text()
     example = re.search(r"```python\n(# test_my_kernel\.py\n.*?)```", text, re.DOTALL)
     assert example is not None
-    pytester.makepyfile(kernel=MY_BACKWARD)
-    pytester.makepyfile(test_my_kernel="from kernel import my_backward\n" + example.group(1))
+    # The README's GPU user's test, on the CPU where no CUDA device is here.
+    assert 'device="cuda"' in example.group(1)
+    test = example.group(1).replace('device="cuda"', "device=DEVICE")
+    pytester.makepyfile(kernel=MY_BACKWARD + DEVICE)
+    pytester.makepyfile(test_my_kernel="from kernel import DEVICE, my_backward\n" + test)
     layout = "2,9,2,4,channel,state"
     # In a process of its own: torch cannot be imported again in this one.
     result = pytester.runpytest_subprocess(

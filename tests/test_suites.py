@@ -16,10 +16,11 @@ import pytest
 from gdn_layout import GdnBackwardLayout, write_suite
 from gdn_layout.cli import main
 from gdn_layout.files import FixtureError
-from gdn_layout.reference import backward
+from gdn_layout.layout import layout_caption
+from gdn_layout.reference import backward, chunk_states
 from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, verify_suite
-from support import Suite
+from support import DeviceArray, Suite
 
 generate = importlib.import_module("gdn_layout.generate")
 
@@ -118,6 +119,24 @@ def test_check_raises_with_the_table_and_the_coordinates() -> None:
     assert "compare FAILED (dg)" in text
     assert "dg[0, 1, 1]: actual" in text
     assert case.compare(bad, rtol=1e-9, atol=10.0).passed
+
+
+def test_check_and_check_states_say_the_device_a_failure_was_read_from() -> None:
+    case = make_case(GdnBackwardLayout(1, 20, 2, 4, carry_state=True), regime="mild", seed=2)
+    good = backward(*case.inputs, dtype=np.float32)
+    assert case.check(DeviceArray(good)).passed  # one copy, read and judged
+    bad = good.copy()
+    bad[case.layout.segment("dv").offset] += 1.0
+    with pytest.raises(AssertionError) as raised:
+        case.check(DeviceArray(bad))
+    lines = str(raised.value).splitlines()
+    assert lines[0] == f"case {case.name}: gradient(s) dv differ"
+    assert f"compare FAILED (dv): {layout_caption(case.layout)} (read from cuda:0)" in lines
+    h, dh, _ = chunk_states(*case.inputs, chunk=8, dtype=np.float32)
+    assert case.check_states(h=DeviceArray(h), dh=DeviceArray(dh), chunk=8)["h"].passed
+    h[0, 1] += 1.0
+    with pytest.raises(AssertionError, match=rf"^case {case.name}: h \(read from cuda:0\) differ"):
+        case.check_states(h=DeviceArray(h), dh=dh, chunk=8)
 
 
 @pytest.mark.slow

@@ -279,8 +279,9 @@ def pack(
 
 
 def _array(x: object) -> NDArray[Any]:
-    """A gradient as an ndarray: a torch or JAX array (``__dlpack__``) read without a copy,
-    its bfloat16 included; anything else as :func:`numpy.asarray` reads it."""
+    """A gradient as an ndarray: a torch or JAX array (``__dlpack__``) read as
+    :func:`~gdn_layout._arrays.as_packed` reads it (without a copy in host memory, with one
+    from a device's), its bfloat16 included; anything else as :func:`numpy.asarray` reads it."""
     if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
         return as_packed(x, "a gradient", "pack")
     return np.asarray(x)

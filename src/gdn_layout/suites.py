@@ -30,12 +30,12 @@ from typing import Any, Final, Unpack
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from ._arrays import as_framework
+from ._arrays import as_framework, device_of
 from ._checks import integer
 from ._floors import Floors
 from .check import compare, compare_tensor
 from .check._compare import Judging
-from .check._records import Comparison, GradComparison, failure_message
+from .check._records import Comparison, GradComparison, failure_message, read_from
 from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
 from .files._manifest import MANIFEST, NotASuite, read_manifest
 from .generate import correct_forms_floors, make_fixture, precisions_of, reference_outputs
@@ -108,28 +108,50 @@ class Case:
         return (x.q, x.k, x.v, x.g, x.beta, *state, x.dy)
 
     def inputs_as(
-        self, framework: str, *, dtype: object = None, requires_grad: bool = False
+        self,
+        framework: str,
+        *,
+        dtype: object = None,
+        device: object = None,
+        requires_grad: bool = False,
     ) -> Any:
         """:attr:`inputs` as new tensors of ``framework``, ``"torch"``, ``"jax"`` or
         ``"numpy"``, in the framework's ``dtype`` (or its name; default: the fixture's own,
-        bfloat16 included): a :class:`~gdn_layout.files.GdnInputs` of tensors (``state`` None
-        when not carried).
+        bfloat16 included), on ``device``: a :class:`~gdn_layout.files.GdnInputs` of tensors
+        (``state`` None when not carried).
 
-        Each is a writable copy, since a fixture's arrays (:attr:`inputs`, :attr:`rlx_inputs`)
-        are read-only views; ``requires_grad`` is torch's.
+        ``device`` is torch's (``"cuda"``, ``"cuda:1"``, a ``torch.device``; default CPU),
+        JAX's (a ``jax.Device``, or a platform's name, ``"cpu"``, ``"gpu"``, ``"gpu:1"``;
+        default JAX's default device), or None or ``"cpu"`` for NumPy. Each tensor is one
+        writable copy of the fixture's read-only array (:attr:`inputs`, :attr:`rlx_inputs`),
+        made on the device; ``requires_grad`` is torch's. What :meth:`check` is given is read
+        from any device (one copy to host memory), and its report names the device.
+
+        >>> from gdn_layout import GdnBackwardLayout
+        >>> case = make_case(GdnBackwardLayout(1, 4, 2, 4), regime="mild")
+        >>> x = case.inputs_as("numpy", device="cpu")
+        >>> x.q.flags.writeable, x.state is None
+        (True, True)
+        >>> case.inputs_as("numpy", device="cuda")
+        Traceback (most recent call last):
+        ...
+        ValueError: inputs_as: device must be None or 'cpu' for NumPy, got 'cuda'
 
         Raises
         ------
         ValueError
-            ``framework`` is unknown, ``dtype`` names no dtype of it, or ``requires_grad``
-            is asked of JAX or NumPy.
+            ``framework`` is unknown, ``dtype`` names no dtype of it, ``device`` is not one
+            it has here (the message lists those it has), or ``requires_grad`` is asked of
+            JAX or NumPy.
+        TypeError
+            ``device`` is not of a type the framework names devices with.
         ImportError
             ``framework`` is not installed.
         """
         return GdnInputs._make(
             None
             if a is None
-            else as_framework(a, framework, dtype=dtype, requires_grad=requires_grad)
+            else as_framework(a, framework, dtype=dtype, device=device, requires_grad=requires_grad)
             for a in self.inputs
         )
 
@@ -227,7 +249,8 @@ class Case:
                 )
         judged = Comparison(self.layout, tuple(results.values()))
         if not judged.passed:
-            heading = f"case {self.name}: {', '.join(judged.failed)} differ"
+            named = (f"{n}{read_from(device_of(given[n]))}" for n in judged.failed)
+            heading = f"case {self.name}: {', '.join(named)} differ"
             raise AssertionError(failure_message(heading, judged, located=True))
         return results
 

@@ -11,7 +11,7 @@ from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
 import numpy as np
 from numpy.typing import NDArray
 
-from .._arrays import as_packed
+from .._arrays import as_packed, device_of
 from .._checks import not_a_layout
 from .._dtypes import Precision, default_precision, is_floating, precision_of
 from .._floors import Floors, checked_floors
@@ -26,7 +26,7 @@ from ._criterion import (
 )
 from ._explain import Evidence, explain
 from ._findings import size_findings, tensor_findings
-from ._records import Comparison, GradComparison, failure_message
+from ._records import Comparison, GradComparison, failure_message, read_from
 from ._scan import cause_maps, scan
 
 __all__ = ["Expected", "Judging", "assert_close", "compare", "compare_tensor", "error_map"]
@@ -220,6 +220,7 @@ def _compare(
     of the records; with the case's ``inputs``, the explanations re-run the op."""
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
+    device = device_of(actual)
     mine = _checked_buffer("actual", actual, layout)
     theirs = _checked_buffer("expected", expected, layout)
     equal_nan = judging.equal_nan
@@ -257,7 +258,7 @@ def _compare(
             record = dataclasses.replace(record, signed_error_map=signed, ratio_map=ratio)
         records.append(record)
     if all(r.passed for r in records):
-        return Comparison(layout, tuple(records))
+        return Comparison(layout, tuple(records), device=device)
     evidence = Evidence(
         layout,
         tuple(records),
@@ -270,7 +271,7 @@ def _compare(
         judged,
     )
     explained, whole = explain(evidence)
-    return Comparison(layout, explained, whole)
+    return Comparison(layout, explained, whole, device)
 
 
 def _judged_class(
@@ -353,6 +354,7 @@ def assert_close(
         heading = (
             f"gradients differ: {', '.join(result.failed)} ({len(result.failed)} of "
             f"{len(result.grads)} failed) for {layout_caption(result.layout)}"
+            f"{read_from(result.device)}"
         )
         raise AssertionError(failure_message(heading, result))
     return result

@@ -294,6 +294,8 @@ class Comparison:
     grads: tuple[GradComparison, ...]
     #: What explains the packed buffer as a whole: another layout, or segments exchanged.
     buffer_findings: tuple[Finding, ...] = field(default=(), compare=False)
+    #: The device ``actual`` was copied from (``"cuda:0"``); None for host memory.
+    device: str | None = field(default=None, compare=False)
     #: The names of the gradients that failed, in packing order: read off the records once.
     failed: tuple[str, ...] = field(init=False)
     #: Whether every gradient passed.
@@ -345,7 +347,7 @@ class Comparison:
 
     def _title(self) -> str:
         verdict = "passed" if self.passed else f"FAILED ({', '.join(self.failed)})"
-        return f"compare {verdict}: {layout_caption(self.layout)}"
+        return f"compare {verdict}: {layout_caption(self.layout)}{read_from(self.device)}"
 
     def _columns(self) -> list[tuple[str, str, list[str]]]:
         """Every column: header, alignment and one cell per gradient."""
@@ -487,6 +489,11 @@ def failure_message(
             lines.append(f"    worst at {named}")
     lines.extend(notes)
     return "\n".join(lines)
+
+
+def read_from(device: str | None) -> str:
+    """The words that say a buffer was copied from ``device``; none for host memory."""
+    return "" if device is None else f" (read from {device})"
 
 
 #: The columns a narrow table leaves out first, in that order.
