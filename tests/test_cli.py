@@ -466,6 +466,32 @@ def test_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:
     assert piped.stderr == ""
 
 
+def test_a_suite_s_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gdn_layout._progress import LINE_STEP
+
+    generate = importlib.import_module("gdn_layout.generate")
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", generate._SUITE_SHAPES[:1])
+    count = len(list(generate._suite_cases()))
+    logged = run("fixture", "--suite", tmp_path / "a", "--workers", "1")
+    assert logged.returncode == 0, logged.stderr
+    lines = logged.stderr.splitlines()
+    assert all(re.fullmatch(r"suite: \d+% \(\d+ s\)", line) for line in lines), lines
+    percents = [int(line.split()[1].rstrip("%")) for line in lines]
+    assert percents == sorted(percents)
+    assert percents[-1] == 100
+    assert len(lines) >= min(count, round(1 / LINE_STEP))  # one at every tenth at least
+    shown = run("fixture", "--suite", tmp_path / "b", "--workers", "1", terminal=True)
+    assert shown.returncode == 0
+    assert "\rsuite [" in shown.stderr
+    assert "] 100%" in shown.stderr
+    assert shown.stderr.endswith("\r\x1b[K")  # the bar is cleared when done
+    for terminal in (False, True):
+        quiet = run("fixture", "--suite", tmp_path / f"q{terminal}", "-q", terminal=terminal)
+        assert (quiet.returncode, quiet.stderr) == (0, "")
+
+
 @pytest.mark.slow
 def test_a_real_terminal_gets_the_progress_bar(tmp_path: Path) -> None:
     # End to end, once: stderr on a pseudo-terminal, as in an interactive shell.
@@ -525,7 +551,9 @@ def test_ctrl_c_during_a_suite_is_one_line_and_leaves_nothing(tmp_path: Path) ->
             process.kill()
             process.wait()
     assert process.returncode == 128 + signal.SIGINT, stderr
-    assert stderr.splitlines() == ["gdn-layout: interrupted"]
+    *progress, last = stderr.splitlines()
+    assert last == "gdn-layout: interrupted"
+    assert all(line.startswith("suite: ") for line in progress)  # a log's progress lines
     assert list(parent.iterdir()) == []
 
 

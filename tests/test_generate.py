@@ -605,7 +605,7 @@ def test_the_command_line_refuses_a_mount_point_in_one_line(tmp_path: Path) -> N
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(generate, "_SUITE_SHAPES", generate._SUITE_SHAPES[:1])
-            done = run("fixture", "--suite", str(point))
+            done = run("fixture", "--suite", str(point), "--quiet")  # its error alone
     finally:
         subprocess.run(["umount", point], check=True)
     assert done.returncode == 2
@@ -1041,3 +1041,48 @@ def test_a_shape_appended_keeps_every_file_of_the_suite_its_name_and_seed(
     new = set(grown) - set(today)
     assert len(new) == 4 * len(REGIMES)
     assert all(name.startswith("s2-") for name in new)
+
+
+# -- the digest of the suite's definition (the key of the pytest plugin's cached suite) ---------
+
+
+def test_the_suite_s_digest_follows_its_definition(monkeypatch: pytest.MonkeyPatch) -> None:
+    float32 = np.dtype(np.float32)
+    today = generate._suite_digest(float32)
+    assert generate._suite_digest(float32) == today  # the same definition, the same digest
+    digests = {today}
+
+    def changed() -> None:
+        digest = generate._suite_digest(float32)
+        assert digest not in digests
+        digests.add(digest)
+        monkeypatch.undo()
+        assert generate._suite_digest(float32) == today
+
+    shapes = generate._SUITE_SHAPES
+    revision = max(*REGIME_SINCE.values(), *(shape.since for shape in shapes)) + 1
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", (*shapes, generate._Case("s2", 1, 2, 1, 4)))
+    changed()  # a shape added
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", shapes[:-1])
+    changed()  # a shape removed
+    last = shapes[-1]
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", (*shapes[:-1], last._replace(seq=last.seq + 1)))
+    changed()  # a shape changed
+    monkeypatch.setattr(generate, "REGIME_SINCE", dict(list(REGIME_SINCE.items())[:-1]))
+    changed()  # a regime fewer
+    monkeypatch.setattr(generate, "REGIME_SINCE", {**REGIME_SINCE, REGIMES[-1]: revision})
+    changed()  # a regime's revision, and so every seed after it
+    draw = generate.draw_gate
+
+    def drawn_otherwise(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> Any:
+        gate = draw(rng, shape, regime)
+        return gate * 2 if regime == REGIMES[-1] else gate
+
+    monkeypatch.setattr(generate, "draw_gate", drawn_otherwise)
+    changed()  # one regime's gates drawn otherwise
+    monkeypatch.setattr(generate, "FORMAT_VERSION", generate.FORMAT_VERSION + 1)
+    changed()  # another file format
+    assert generate._suite_digest(float32, seed=1) not in digests
+    for dtype in DTYPES:
+        if dtype != float32:
+            assert generate._suite_digest(dtype) not in digests

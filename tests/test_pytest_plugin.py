@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +19,7 @@ import pytest
 
 from gdn_layout import load_fixture
 from gdn_layout.check._findings import _IDENTIFIED
+from gdn_layout.pytest_plugin import _cache_key
 from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import suite_files
 from support import Suite, run, suite_with_huge_integer
@@ -156,7 +161,6 @@ def test_plugin_makes_the_standard_suite_once_in_pytest_s_cache(
 ) -> None:
     # The whole first run: a test file and pytest. The suite is made once, verified on reuse,
     # and made again when it is damaged.
-    from gdn_layout import __version__
     from gdn_layout.suites import suite_files
 
     pytester.makepyfile(test_kernel=CORRECT_KERNEL)
@@ -167,7 +171,7 @@ def test_plugin_makes_the_standard_suite_once_in_pytest_s_cache(
     (past / "manifest.json").write_text("{}")
     (root / "suite-0.0.1-float32.lock").write_text("")
     first = pytester.runpytest(*selected)
-    folder = root / f"suite-{__version__}-float32"
+    folder = root / _cache_key("float32")  # the version's and the definition's
     assert sorted(p.name for p in root.iterdir()) == [folder.name, f"{folder.name}.lock"]
     cases = suite_files(folder, regime="zero")
     first.assert_outcomes(passed=len(cases))
@@ -181,6 +185,212 @@ def test_plugin_makes_the_standard_suite_once_in_pytest_s_cache(
     manifest = folder / "manifest.json"
     manifest.write_text(manifest.read_text()[:100])  # cut short: made again too
     pytester.runpytest(*selected).assert_outcomes(passed=len(cases))
+
+
+#: A conftest that makes the standard suite of its first shape alone (a few seconds' work).
+FIRST_SHAPE = """
+import gdn_layout.generate as generate
+
+generate._SUITE_SHAPES = generate._SUITE_SHAPES[:1]
+"""
+
+#: What the plugin says before it makes the suite, and as it goes.
+MAKING = "gdn-layout: making the standard suite for gdn_case, once: "
+PROGRESS = "gdn-layout: standard suite"
+
+
+def _cached_folder(pytester: pytest.Pytester) -> Path:
+    """The one suite in pytest's cache folder."""
+    root = pytester.path / ".pytest_cache" / "d" / "gdn-layout"
+    (folder,) = [p for p in root.iterdir() if p.is_dir()]
+    return folder
+
+
+def _said(folder: Path, count: int) -> str:
+    return f"{MAKING}{count} fixtures in float32, in {folder} (later runs reuse it)"
+
+
+def test_plugin_says_what_it_makes_and_how_far_in_a_log(pytester: pytest.Pytester) -> None:
+    from gdn_layout._progress import LINE_STEP
+
+    pytester.makeconftest(FIRST_SHAPE)
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    first = pytester.runpytest_subprocess()  # stderr is a pipe, as in CI
+    folder = _cached_folder(pytester)
+    count = len(suite_files(folder))
+    first.assert_outcomes(passed=count)
+    err = first.stderr.lines
+    assert err.count(_said(folder, count)) == 1, err
+    start = err.index(_said(folder, count))
+    lines = [line for line in err if line.startswith(f"{PROGRESS}: ")]
+    assert lines
+    assert err.index(lines[0]) > start
+    percents = [int(line.split(": ")[2].split("%")[0]) for line in lines]
+    assert percents == sorted(percents)
+    assert percents[-1] == 100
+    assert len(percents) >= round(1 / LINE_STEP)  # a line at every tenth: more files than ten
+    assert "\r" not in first.stderr.str()  # no bar into a log
+    again = pytester.runpytest_subprocess()  # made once: nothing said after
+    again.assert_outcomes(passed=count)
+    assert "gdn-layout" not in again.stderr.str()
+
+
+@pytest.mark.slow
+def test_plugin_draws_a_bar_on_a_terminal(pytester: pytest.Pytester) -> None:
+    import pty
+
+    pytester.makeconftest(FIRST_SHAPE)
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    leader, follower = pty.openpty()
+    with subprocess.Popen(
+        [sys.executable, "-m", "pytest"],
+        stdout=follower,
+        stderr=follower,
+        cwd=pytester.path,
+    ) as process:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        code = process.wait(timeout=300)
+    os.close(leader)
+    shown = b"".join(chunks).decode()
+    assert code == 0, shown
+    folder = _cached_folder(pytester)
+    assert _said(folder, len(suite_files(folder))) in shown
+    assert f"\r{PROGRESS} [" in shown
+    assert "] 100%" in shown
+    assert f"{PROGRESS}: " not in shown  # no log lines on a terminal
+
+
+@pytest.mark.slow
+def test_plugin_under_xdist_says_it_from_one_worker(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("xdist")
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    pytester.makeconftest(FIRST_SHAPE)
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    result = pytester.runpytest_subprocess("-n", "2")
+    folder = _cached_folder(pytester)
+    count = len(suite_files(folder))
+    result.assert_outcomes(passed=count)
+    err = result.stderr.lines
+    assert [line for line in err if line.startswith(MAKING)] == [_said(folder, count)]
+    assert len([line for line in err if line.startswith(f"{PROGRESS}: 100%")]) == 1
+
+
+def test_plugin_keys_the_cached_suite_by_its_definition(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generate = importlib.import_module("gdn_layout.generate")
+    from gdn_layout import __version__
+
+    monkeypatch.setattr(generate, "_SUITE_SHAPES", generate._SUITE_SHAPES[:1])
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    root = pytester.path / ".pytest_cache" / "d" / "gdn-layout"
+    past = root / f"suite-{__version__}-float32"  # as this version named it before the digest
+    past.mkdir(parents=True)
+    other = root / f"suite-{__version__}-float64-0123456789abcdef"  # another dtype's: kept
+    other.mkdir()
+    first = pytester.runpytest_inprocess("--gdn-regime", "zero")
+    made = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert len(made) == 2
+    assert other.name in made
+    assert past.name not in made
+    (name,) = set(made) - {other.name}
+    count = len(suite_files(root / name, regime="zero"))
+    first.assert_outcomes(passed=count)
+    stamps = {p: p.stat().st_mtime_ns for p in (root / name).iterdir()}
+    pytester.runpytest_inprocess("--gdn-regime", "zero").assert_outcomes(passed=count)
+    assert {p: p.stat().st_mtime_ns for p in (root / name).iterdir()} == stamps  # reused
+    # A regime drawn otherwise is another suite, in another folder; the old one goes.
+    draw = generate.draw_gate
+
+    def drawn_otherwise(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> object:
+        return draw(rng, shape, regime) * (2 if regime == REGIMES[-1] else 1)
+
+    monkeypatch.setattr(generate, "draw_gate", drawn_otherwise)
+    pytester.runpytest_inprocess("--gdn-regime", "zero").assert_outcomes(passed=count)
+    remade = sorted(p.name for p in root.iterdir() if p.is_dir())
+    assert other.name in remade
+    assert name not in remade
+    assert len(remade) == 2
+    assert not (root / f"{name}.lock").exists()
+
+
+#: A kernel wrong in one element of dg, for the cases of a per-channel gate and a state.
+ONE_WRONG = """
+import numpy as np
+from gdn_layout.reference import backward
+
+def test_off(gdn_case):
+    out = backward(*gdn_case.inputs, dtype=np.float32)
+    if gdn_case.layout.gate_per_channel and gdn_case.layout.carry_state:
+        out[gdn_case.layout.segment("dg").offset] += 1.0
+    gdn_case.check(out)
+"""
+
+
+def _redraw(result: pytest.RunResult) -> list[list[str]]:
+    """The arguments after ``gdn-layout`` of the command each failure gives."""
+    prefix = "E         redraw: gdn-layout "
+    return [shlex.split(line.removeprefix(prefix)) for line in result.outlines if
+            line.startswith(prefix)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_plugin_keeps_a_failure_s_output_and_picture_with_gdn_save(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeconftest(FIRST_SHAPE)
+    pytester.makepyfile(test_kernel=ONE_WRONG)
+    selected = ("--gdn-regime", "zero")
+    plain = pytester.runpytest_subprocess(*selected)
+    folder = _cached_folder(pytester)
+    names = suite_files(folder, regime="zero")
+    (wrong,) = [n for n in names if "-channel-state-" in n]
+    plain.assert_outcomes(passed=len(names) - 1, failed=1)
+    plain.stdout.fnmatch_lines([f"E         fixture: {folder / wrong}"])
+    assert _redraw(plain) == [
+        ["compare", "--plot", "PICTURE.png", "OUTPUT.npy", str(folder / wrong)]
+    ]
+    plain.stdout.fnmatch_lines(["E         (OUTPUT.npy: *pytest --gdn-save DIR keeps it*"])
+    kept = pytester.runpytest_subprocess(*selected, "--gdn-save", "kept")
+    kept.assert_outcomes(passed=len(names) - 1, failed=1)
+    kept.stdout.fnmatch_lines([f"gdn-layout: failing cases are kept in {pytester.path / 'kept'}"])
+    stem = f"test_kernel-test_off-{wrong.removesuffix('.safetensors')}"
+    files = sorted(p.name for p in (pytester.path / "kept").iterdir())
+    assert files == [f"{stem}-output.npy", f"{stem}.png"]
+    picture, output = (str(pytester.path / "kept" / name) for name in reversed(files))
+    (words,) = _redraw(kept)
+    assert words == ["compare", "--plot", picture, "--force", output, str(folder / wrong)]
+    drawn = run(*words)
+    assert drawn.returncode == 1, drawn.stderr
+    assert "compare FAILED (dg)" in drawn.stdout
+
+
+def test_plugin_says_once_that_it_keeps_no_picture_without_matplotlib(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    pytester.makepyfile(test_kernel=ONE_WRONG)
+    pytester.makeini("[pytest]\ngdn_save = kept\n")  # relative to the file
+    layout = ("-p", "no:cacheprovider", "--gdn-layout", "1,3,2,2,channel,state")
+    result = pytester.runpytest_inprocess(*layout)
+    result.assert_outcomes(failed=len(REGIMES))
+    said = "without pictures: matplotlib is not installed (pip install 'gdn-layout[plot]'"
+    assert result.stdout.str().count(said) == 1
+    kept = sorted(p.name for p in (pytester.path / "kept").iterdir())
+    assert len(kept) == 2 * len(REGIMES)
+    assert all(name.endswith(("-output.npy", "-fixture.safetensors")) for name in kept)
+    assert all(words[2] == "PICTURE.png" for words in _redraw(result))
 
 
 @pytest.mark.slow

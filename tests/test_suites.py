@@ -3,10 +3,13 @@ pytest plugin that gives the cases to a kernel's tests is tested in test_pytest_
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
+import shlex
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,12 +18,12 @@ import pytest
 
 from gdn_layout import GdnBackwardLayout, write_suite
 from gdn_layout.cli import main
-from gdn_layout.files import FixtureError
+from gdn_layout.files import FixtureError, load_fixture, save_fixture
 from gdn_layout.layout import layout_caption
 from gdn_layout.reference import backward, chunk_states
 from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, verify_suite
-from support import DeviceArray, Suite
+from support import DeviceArray, Suite, run
 
 generate = importlib.import_module("gdn_layout.generate")
 
@@ -137,6 +140,95 @@ def test_check_and_check_states_say_the_device_a_failure_was_read_from() -> None
     h[0, 1] += 1.0
     with pytest.raises(AssertionError, match=rf"^case {case.name}: h \(read from cuda:0\) differ"):
         case.check_states(h=DeviceArray(h), dh=dh, chunk=8)
+
+
+def _failing(case: Case) -> np.ndarray:
+    """A kernel's output for ``case`` with one element of dg off by 1."""
+    out = backward(*case.inputs, dtype=np.float32).astype(case.fixture.dtype)
+    out[case.layout.segment("dg").offset] += 1.0
+    return out
+
+
+def _redraw_words(text: str) -> list[str]:
+    """The arguments of the command the failure ``text`` gives, after ``gdn-layout``."""
+    (line,) = [line for line in text.splitlines() if line.startswith("  redraw: gdn-layout ")]
+    return shlex.split(line.removeprefix("  redraw: gdn-layout "))
+
+
+def test_check_names_the_fixture_file_and_the_command_that_redraws_it(tmp_path: Path) -> None:
+    made = make_case(GdnBackwardLayout(1, 6, 2, 4), regime="mild", seed=2)
+    path = save_fixture(tmp_path / "case.safetensors", made.fixture)
+    case = Case("case", load_fixture(path))
+    with pytest.raises(AssertionError) as raised:
+        case.check(_failing(case))
+    text = str(raised.value)
+    assert f"  fixture: {path}" in text.splitlines()
+    words = _redraw_words(text)
+    assert words == ["compare", "--plot", "PICTURE.png", "OUTPUT.npy", str(path)]
+    assert "pytest --gdn-save DIR keeps it" in text
+    # The command is the comparison's: with the output where the placeholder says, it fails
+    # as the check did, and draws the picture.
+    np.save(tmp_path / "OUTPUT.npy", _failing(case))
+    drawn = run(*words, cwd=tmp_path)
+    assert drawn.returncode == 1, drawn.stderr
+    assert "compare FAILED (dg)" in drawn.stdout
+    assert (tmp_path / "PICTURE.png").stat().st_size > 0
+    # The judging asked of check is the command's too.
+    with pytest.raises(AssertionError) as raised:
+        case.check(_failing(case), rtol={"dg": 1e-3}, atol=0.5, precision="tf32")
+    words = _redraw_words(str(raised.value))
+    assert words[3:-2] == ["--precision", "tf32", "--rtol", "dg=0.001", "--atol", "0.5"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_check_keeps_the_output_the_fixture_and_the_picture_whole_in_save_as(
+    tmp_path: Path, dtype: str
+) -> None:
+    made = make_case(GdnBackwardLayout(1, 6, 2, 4), regime="mild", seed=2, dtype=dtype)
+    case = dataclasses.replace(made, save_as=tmp_path / "kept" / "test_one")
+    out = _failing(case)
+    with pytest.raises(AssertionError) as raised:
+        case.check(out)
+    text = str(raised.value)
+    kept = sorted(p.name for p in (tmp_path / "kept").iterdir())  # nothing half-written beside
+    suffix = "npy" if dtype == "float32" else "safetensors"  # .npy cannot say bfloat16
+    assert kept == ["test_one-fixture.safetensors", f"test_one-output.{suffix}", "test_one.png"]
+    for name in kept:
+        assert f"  kept: {tmp_path / 'kept' / name} (" in text
+    assert "fixture: " not in text  # a case made now has no file of its own
+    words = _redraw_words(text)
+    picture, output, fixture = (str(tmp_path / "kept" / name) for name in reversed(kept))
+    assert words == ["compare", "--plot", picture, "--force", output, fixture]
+    assert "OUTPUT.npy" not in text
+    # The kept files are the kernel's output and the case: the command judges them as check did.
+    assert load_fixture(fixture).packed.tobytes() == case.expected.tobytes()
+    drawn = run(*words)
+    assert drawn.returncode == 1, drawn.stderr
+    assert f"wrote {picture}" in drawn.stdout
+
+
+def test_check_without_a_file_or_save_as_says_how_to_keep_one() -> None:
+    case = make_case(GdnBackwardLayout(1, 6, 2, 4), regime="mild", seed=2)
+    with pytest.raises(AssertionError) as raised:
+        case.check(_failing(case))
+    lines = str(raised.value).splitlines()
+    assert lines[-2:] == [
+        "",
+        "  pytest --gdn-save DIR keeps the kernel's output, this case's fixture and a picture",
+    ]
+
+
+def test_check_keeps_no_picture_without_matplotlib(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    case = dataclasses.replace(
+        make_case(GdnBackwardLayout(1, 6, 2, 4), regime="mild", seed=2), save_as=tmp_path / "t"
+    )
+    with pytest.raises(AssertionError) as raised:
+        case.check(_failing(case))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t-fixture.safetensors", "t-output.npy"]
+    assert _redraw_words(str(raised.value))[2] == "PICTURE.png"
 
 
 @pytest.mark.slow

@@ -233,7 +233,12 @@ def _fixture_command(commands: _Commands) -> None:
         help="threads to compute a fixture with, processes to make a suite's files with "
         "(default: every core this process may use); the files are the same for every N",
     )
-    fixture.add_argument("--quiet", "-q", action="store_true", help="no progress on stderr")
+    fixture.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (a bar on a terminal; with --suite, lines in a log)",
+    )
     fixture.set_defaults(run=_fixture)
 
 
@@ -405,7 +410,9 @@ def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     if args.suite is not None:
         if given := _given_layout_flags(args):
             raise UsageError(f"--suite writes its own layouts and regimes; drop {', '.join(given)}")
-        progress = Progress(enabled=not args.quiet and stderr_is_terminal(), label="suite")
+        # A bar on a terminal; off one (a CI log), a line at every tenth and every few seconds.
+        terminal = stderr_is_terminal()
+        progress = Progress(enabled=not args.quiet, label="suite", lines=not terminal)
         if args.states is not None:
             raise UsageError("--suite writes no states; drop --states")
         paths = write_suite(

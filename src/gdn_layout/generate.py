@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import multiprocessing
 import os
@@ -28,6 +30,7 @@ from ._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, panel_floors
 from ._version import __version__
 from .files._atomic import atomic_write, write_folder
 from .files._fixture import (
+    FORMAT_VERSION,
     Fixture,
     GdnInputs,
     check_seed,
@@ -665,13 +668,15 @@ class _SuiteCase(NamedTuple):
     since: int
 
 
-def _suite_cases(regimes: Mapping[str, int] = REGIME_SINCE) -> Iterator[_SuiteCase]:
+def _suite_cases(regimes: Mapping[str, int] | None = None) -> Iterator[_SuiteCase]:
     """Every file of the standard suite, in file (and seed) order, for ``regimes`` (each
-    regime's revision, as :data:`~gdn_layout.regimes.REGIME_SINCE`): by the revision that
+    regime's revision; by default :data:`~gdn_layout.regimes.REGIME_SINCE`): by the revision that
     added it, then by shape, gate mode, state mode and regime (in their tables' order).
 
     A regime or a shape added with a new revision adds files after every existing one, so that
     every file keeps its place, and so its seed and its bytes."""
+    if regimes is None:
+        regimes = REGIME_SINCE
     cases = [
         _suite_case(shape, per_channel, carry, regime, max(shape.since, since))
         for shape in _SUITE_SHAPES
@@ -699,6 +704,39 @@ def _suite_case(
         f"-{'state' if carry else 'nostate'}-{regime}.safetensors"
     )
     return _SuiteCase(name, layout, regime, shape.identical_rows, since)
+
+
+def _suite_digest(dtype: np.dtype[Any], seed: int = 0) -> str:
+    """The SHA-256, in hex, of the definition of the suite :func:`write_suite` writes in
+    ``dtype`` from ``seed``: every file's name, layout, regime, revision and seed, the dtype,
+    the precision classes recorded, the chunk sizes of the manifest, the fixture format, and
+    the inputs drawn for each regime on a small probe (so that a regime drawn otherwise, or a
+    change to any input's draw, is another definition). A suite of one digest holds what the
+    code of that digest writes.
+
+    >>> _suite_digest(np.dtype(np.float32)) == _suite_digest(np.dtype(np.float32))
+    True
+    >>> _suite_digest(np.dtype(np.float32)) == _suite_digest(np.dtype(np.float64))
+    False
+    """
+    cases = list(_suite_cases())
+    definition = {
+        "format_version": FORMAT_VERSION,
+        "dtype": dtype_code(dtype, "write_suite"),
+        "seed": seed,
+        "precisions": precisions_of(dtype, "all"),
+        "chunk_sizes": CHUNK_SIZES,
+        "cases": [
+            [case.name, case.layout.to_dict(), case.regime, case.identical_rows, case.since]
+            for case in cases
+        ],
+    }
+    digest = hashlib.sha256(json.dumps(definition, sort_keys=True).encode())
+    probe = GdnBackwardLayout(1, 3, 2, 2, gate_per_channel=True, carry_state=True)
+    for regime in dict.fromkeys(case.regime for case in cases):
+        for array in draw_inputs(probe, regime=regime, seed=seed, dtype=np.float64):
+            digest.update(b"" if array is None else array.tobytes())
+    return digest.hexdigest()
 
 
 def _identical_rows_fixture(

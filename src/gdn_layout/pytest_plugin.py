@@ -18,23 +18,28 @@ runs over the cases of:
     matrix products take TF32 operands); by default the class of the cases' dtype.
 
 With neither, a test that takes ``gdn_case`` runs over the standard suite, written once into
-pytest's cache folder (``.pytest_cache/d/gdn-layout``, one per gdn-layout version and dtype,
-verified against its manifest on reuse and written again when it is not intact; under
-pytest-xdist by the first worker that needs it): ``pytest test_my_kernel.py`` is the whole
-first run. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel test
-is then::
+pytest's cache folder (``.pytest_cache/d/gdn-layout``, one per gdn-layout version and digest
+of the suite's definition, which the dtype is part of; verified against its manifest on reuse
+and written again when it is not intact; under pytest-xdist by the first worker that needs
+it): ``pytest test_my_kernel.py`` is the whole first run. The process that writes it says so
+on stderr, past pytest's capture, and shows its progress: a bar on a terminal, a line at every
+tenth in a log. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel
+test is then::
 
     def test_my_kernel(gdn_case):
         gdn_case.check(my_backward(*gdn_case.inputs))
 
 Each option has a configuration key of the same name in ``pytest.ini`` (``[tool.pytest.
 ini_options]`` of ``pyproject.toml``): ``gdn_suite`` (a folder, relative to the configuration
-file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``; an option given on the command line
-wins.
+file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``, ``gdn_save`` (relative to the
+configuration file); an option given on the command line wins.
 
 :meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
-and the coordinates of its worst element; the criterion is the calibrated one unless
-tolerances are passed to it.
+and the coordinates of its worst element, the case's fixture file and the ``gdn-layout
+compare --plot`` command that draws it; the criterion is the calibrated one unless
+tolerances are passed to it. ``--gdn-save DIR`` keeps each failure's kernel output and
+picture in ``DIR`` (:attr:`~gdn_layout.suites.Case.save_as`, named after the test), and the
+command names them.
 
 Under pytest-xdist the controller, which runs no test, only checks the options (and the
 suite's manifest); each worker makes the cases, and a problem it finds then (a suite's file
@@ -48,7 +53,10 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import re
 import shutil
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -118,10 +126,47 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="skip the tests that take gdn_case when no suite or layout is given, instead of "
         "running them over the standard suite made in pytest's cache",
     )
+    group.addoption(
+        "--gdn-save",
+        metavar="DIR",
+        help="keep each failing case's kernel output (.npy) and its picture (.png) in DIR",
+    )
     parser.addini("gdn_suite", "as --gdn-suite, relative to this file")
     parser.addini("gdn_dtype", "as --gdn-dtype, and the cached suite's dtype", default="float32")
     parser.addini("gdn_precision", "as --gdn-precision")
     parser.addini("gdn_skip", "as --gdn-skip", type="bool", default=False)
+    parser.addini("gdn_save", "as --gdn-save, relative to this file")
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Where ``--gdn-save`` keeps failures, and once, that it keeps no picture without
+    matplotlib."""
+    folder = _save_folder(config)
+    if folder is None:
+        return []
+    from ._checks import PLOT_HINT, require_matplotlib
+
+    try:
+        require_matplotlib()
+    except ImportError:
+        return [
+            f"gdn-layout: failing cases are kept in {folder}, without pictures: matplotlib "
+            f"is not installed ({PLOT_HINT})"
+        ]
+    return [f"gdn-layout: failing cases are kept in {folder}"]
+
+
+def _save_folder(config: pytest.Config) -> Path | None:
+    """The folder of ``--gdn-save`` (from where pytest was run), else of ``gdn_save`` (from
+    the configuration file); None when neither is given."""
+    given = config.getoption("gdn_save", None)
+    if given is not None:
+        return Path(config.invocation_params.dir, given)
+    setting = str(config.getini("gdn_save")).strip()
+    if not setting:
+        return None
+    base = config.inipath.parent if config.inipath is not None else config.rootpath
+    return base / setting
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -233,9 +278,10 @@ def _precision(config: pytest.Config, dtypes: Iterable[Any]) -> str | None:
 
 def _cached_cases(config: pytest.Config) -> list[Case]:
     """The standard suite in pytest's cache folder: written once per gdn-layout version and
-    dtype (by the first process that needs it, under a lock), verified on reuse, and written
-    again, whole, when it is not intact (the folder is the plugin's own); writing it removes
-    the suites of other versions."""
+    digest of the suite's definition (:func:`~gdn_layout.generate._suite_digest`: shapes,
+    regimes, seeds, dtype, file format), by the first process that needs it, under a lock,
+    saying so on stderr; verified on reuse, and written again, whole, when it is not intact
+    (the folder is the plugin's own). Writing it removes the suites of other keys."""
     instead = "give --gdn-suite DIR or --gdn-layout B,S,H,N, or --gdn-skip to skip such tests"
     cache = getattr(config, "cache", None)
     if cache is None:
@@ -244,19 +290,19 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
             f"(-p no:cacheprovider): {instead}",
             pytrace=False,
         )
-    from ._version import __version__
     from .files._fixture import FixtureError
-    from .generate import write_suite
     from .suites import load_suite, verify_suite
 
     try:
         dtype = dtype_arg(str(_setting(config, "gdn_dtype") or "float32"))
     except argparse.ArgumentTypeError as err:
         raise pytest.UsageError(f"gdn-layout: gdn_dtype: {err}") from None
+    with _usage_errors("gdn_dtype: "):  # bfloat16 without its extra
+        name = _cache_key(dtype)
     try:
         root = Path(cache.mkdir("gdn-layout"))
-        folder = root / f"suite-{__version__}-{dtype}"
-        with open(root / f"{folder.name}.lock", "w") as lock:
+        folder = root / name
+        with open(root / f"{name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read it
             try:
                 intact = (folder / "manifest.json").exists() and not verify_suite(folder)
@@ -264,15 +310,14 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
                 intact = False
             if not intact:
                 shutil.rmtree(folder, ignore_errors=True)
-                write_suite(folder, dtype=dtype)
-                # The suites of other gdn-layout versions are the past: 71 MiB each.
-                for old in root.glob("suite-*"):
-                    if old.name.startswith(f"suite-{__version__}-"):
-                        continue
-                    if old.is_dir():
-                        shutil.rmtree(old, ignore_errors=True)
-                    else:
-                        old.unlink()
+                _write_cached_suite(config, folder, dtype)
+                # The suites of other keys are the past: tens of MiB each.
+                for old in root.iterdir():
+                    if _stale(old.name, name, dtype):
+                        if old.is_dir():
+                            shutil.rmtree(old, ignore_errors=True)
+                        else:
+                            old.unlink()
             cases = load_suite(
                 folder,
                 min_seq=config.getoption("gdn_min_seq"),
@@ -285,6 +330,64 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
             pytrace=False,
         )
     return _judged_in(config, cases)
+
+
+def _cache_key(dtype: str) -> str:
+    """The name of the cached standard suite's folder in ``dtype``: gdn-layout's version, the
+    dtype, and the start of the digest of the suite's definition."""
+    from ._dtypes import resolve
+    from ._version import __version__
+    from .generate import _suite_digest
+
+    digest = _suite_digest(resolve(dtype, "gdn_dtype"))
+    return f"suite-{__version__}-{dtype}-{digest[:16]}"
+
+
+def _stale(entry: str, current: str, dtype: str) -> bool:
+    """Whether ``entry`` of the cache folder is a suite (or its lock) of the past: of another
+    version, or of this version and ``dtype`` but another definition than ``current``'s. The
+    current suites of other dtypes stay."""
+    from ._version import __version__
+
+    suite = entry.removesuffix(".lock")
+    if not suite.startswith("suite-") or suite == current:
+        return False
+    ours = f"suite-{__version__}-"
+    if not suite.startswith(ours):
+        return True
+    other = suite.removeprefix(ours)
+    return other == dtype or other.startswith(f"{dtype}-") or "-" not in other
+
+
+def _write_cached_suite(config: pytest.Config, folder: Path, dtype: str) -> None:
+    """Write the standard suite into ``folder``, saying on stderr, past pytest's capture, what
+    is made, where, and how far it is: a bar on a terminal, a line at every tenth and every
+    few seconds in a log."""
+    from ._progress import Progress, stderr_is_terminal
+    from .generate import _suite_cases, write_suite
+
+    capture = config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+        terminal = stderr_is_terminal()
+        count = len(list(_suite_cases()))
+        start = time.monotonic()
+        _say(
+            ("\n" if terminal else "")  # past pytest's "collecting ..."
+            + f"gdn-layout: making the standard suite for gdn_case, once: {count} fixtures in "
+            f"{dtype}, in {folder} (later runs reuse it)"
+        )
+        progress = Progress(enabled=True, label="gdn-layout: standard suite", lines=not terminal)
+        write_suite(folder, dtype=dtype, progress=progress.update)
+        progress.done()
+        _say(f"gdn-layout: made the standard suite in {time.monotonic() - start:.0f} s")
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (AttributeError, OSError, ValueError):  # no stderr: the work goes on, unsaid
+        pass
 
 
 def _layout_cases(config: pytest.Config, spec: str) -> Callable[[], list[Case]]:
@@ -354,4 +457,12 @@ def gdn_case(request: pytest.FixtureRequest) -> Any:
     ``expected``, ``layout`` and ``check``."""
     if not hasattr(request, "param"):
         pytest.skip("gdn_case is skipped without --gdn-suite DIR or --gdn-layout (--gdn-skip)")
-    return request.param
+    case: Case = request.param
+    folder = _save_folder(request.config)
+    if folder is None:
+        return case
+    # A failure's files are named after the test, which a case can serve more than once.
+    stem = re.sub(r"[^\w.-]+", "-", request.node.nodeid.replace(".py::", "-")).strip("-")
+    kept = dataclasses.replace(case, save_as=folder / stem)
+    object.__setattr__(kept, "_states", case._states)  # the states computed, shared
+    return kept

@@ -21,6 +21,7 @@ True
 from __future__ import annotations
 
 import os
+import shlex
 import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,14 +31,23 @@ from typing import Any, Final, Unpack
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
-from ._arrays import as_framework, device_of
-from ._checks import integer
+from ._arrays import as_framework, as_packed, device_of
+from ._checks import integer, require_matplotlib
 from ._floors import Floors
 from .check import compare, compare_tensor
 from .check._compare import Judging
 from .check._records import Comparison, GradComparison, failure_message, read_from
-from .files._fixture import Fixture, FixtureError, GdnInputs, load_checked, tensor_shape
+from .files._atomic import atomic_write
+from .files._fixture import (
+    Fixture,
+    FixtureError,
+    GdnInputs,
+    load_checked,
+    save_fixture,
+    tensor_shape,
+)
 from .files._manifest import MANIFEST, NotASuite, read_manifest
+from .files._safetensors import write as write_safetensors
 from .generate import correct_forms_floors, make_fixture, precisions_of, reference_outputs
 from .layout import GdnBackwardLayout, layout_caption
 from .regimes import REGIMES
@@ -84,6 +94,12 @@ class Case:
     #: The precision class :meth:`compare` and :meth:`check` judge in when not told (None:
     #: the buffers'); ``pytest --gdn-precision`` sets it.
     precision: str | None = None
+    #: Where :meth:`check` keeps what a failure needs to be seen again (None: nowhere): a
+    #: path without suffix, ``STEM``, whose ``STEM-output.npy`` gets the kernel's packed output
+    #: (``STEM-output.safetensors`` for bfloat16, which ``.npy`` cannot hold), ``STEM.png``
+    #: its picture when matplotlib is installed, and ``STEM-fixture.safetensors`` the case's
+    #: fixture when it has no file; ``pytest --gdn-save DIR`` sets it for each test.
+    save_as: Path | None = None
     #: The reference outputs computed for this case's states, by chunk length.
     _states: _Outputs = field(default_factory=dict, repr=False, init=False)
 
@@ -192,6 +208,11 @@ class Case:
         """:meth:`compare`, raising AssertionError with the table and the worst element of
         each failing gradient; returns the comparison when every gradient passes.
 
+        The message names the case's fixture file, when it has one, and gives the
+        ``gdn-layout compare --plot`` command that draws the comparison again: with the files
+        :attr:`save_as` names, written whole before the error is raised, or with a placeholder
+        for the kernel's output.
+
         Raises
         ------
         AssertionError
@@ -203,7 +224,8 @@ class Case:
         result = self.compare(actual, **judging)
         if not result.passed:
             heading = f"case {self.name}: gradient(s) {', '.join(result.failed)} differ"
-            raise AssertionError(failure_message(heading, result, table=True))
+            notes = ["", *_redraw(self, actual, result, judging)]
+            raise AssertionError(failure_message(heading, result, table=True, notes=notes))
         return result
 
     def check_states(
@@ -367,6 +389,87 @@ def _state_reference(
     expected = (stored if stored is not None else truth[tensor].astype(fixture.dtype)).view()
     expected.flags.writeable = False  # a view: the fixture's own array is left as it is
     return expected, measured
+
+
+def _redraw(case: Case, actual: object, result: Comparison, judging: Judging) -> list[str]:
+    """The lines of a failure that lead to its picture: the files kept in ``case.save_as``
+    (written whole) and the command that draws the comparison from them."""
+    fixture = None if case.path is None else str(case.path)
+    kept: list[str] = []
+    output = picture = None
+    if case.save_as is not None:
+        stem = Path(case.save_as)
+        try:
+            stem.parent.mkdir(parents=True, exist_ok=True)
+            output, fixture, picture = _keep(case, stem, actual, result, kept)
+        except OSError as err:  # a full disk, say: the failure still shows
+            kept.append(f"  nothing more kept in {stem.parent}: {err}")
+    if fixture is None:  # nothing on disk to draw from
+        return kept or [
+            "  pytest --gdn-save DIR keeps the kernel's output, this case's fixture and a picture"
+        ]
+    words = ["gdn-layout", "compare", "--plot", picture or "PICTURE.png"]
+    if picture is not None:
+        words.append("--force")  # the picture is there: the command draws it again
+    if (precision := judging.get("precision") or case.precision) is not None:
+        words += ["--precision", precision]
+    tolerances = {
+        "--rtol": judging.get("rtol"),
+        "--atol": judging.get("atol"),
+        "--max-rms-ratio": judging.get("max_rms_ratio"),
+    }
+    for flag, value in tolerances.items():
+        if value is not None:
+            text = (
+                ",".join(f"{k}={float(v)!r}" for k, v in value.items())
+                if isinstance(value, Mapping)
+                else repr(float(value))
+            )
+            words += [flag, text]
+    words += [output or "OUTPUT.npy", str(fixture)]
+    lines = [] if case.path is None else [f"  fixture: {case.path}"]
+    lines += [*kept, f"  redraw: {shlex.join(words)}"]
+    if output is None and case.save_as is None:
+        lines.append(
+            "  (OUTPUT.npy: the kernel's packed output, numpy.save'd; "
+            "pytest --gdn-save DIR keeps it and its picture)"
+        )
+    return lines
+
+
+def _keep(
+    case: Case, stem: Path, actual: object, result: Comparison, kept: list[str]
+) -> tuple[str, str, str | None]:
+    """Write the kernel's output, the case's fixture (when it has no file) and the picture
+    next to ``stem``, each whole; their paths (the picture's None when matplotlib is not
+    installed), each also named in ``kept``."""
+    packed = as_packed(actual, "actual", "check")
+    if packed.dtype.kind == "V" or packed.dtype.name == "bfloat16":  # .npy loses bfloat16
+        output = stem.with_name(f"{stem.name}-output.safetensors")
+        atomic_write(
+            output, lambda out: write_safetensors(out, {"packed": packed}, {}), overwrite=True
+        )
+    else:
+        output = stem.with_name(f"{stem.name}-output.npy")
+        atomic_write(output, lambda out: np.save(out, packed), overwrite=True)
+    kept.append(f"  kept: {output} (the kernel's packed output)")
+    fixture = case.path
+    if fixture is None:
+        fixture = save_fixture(stem.with_name(f"{stem.name}-fixture.safetensors"), case.fixture,
+                               overwrite=True)  # fmt: skip
+        kept.append(f"  kept: {fixture} (the case's fixture)")
+    picture = None
+    try:
+        require_matplotlib()
+    except ImportError:
+        pass  # said once by whoever set save_as (the pytest plugin, in its header)
+    else:
+        from .plot import plot_errors
+
+        picture = stem.with_name(f"{stem.name}.png")
+        plot_errors(result, path=picture)
+        kept.append(f"  kept: {picture} (its picture)")
+    return str(output), str(fixture), None if picture is None else str(picture)
 
 
 def make_case(
