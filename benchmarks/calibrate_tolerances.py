@@ -318,10 +318,11 @@ class Margin:
         }
 
 
-def margins_data(margins: dict[str, Margin]) -> dict[str, Any]:
-    """docs/tables/margins.json's figures, by class."""
+def margins_data(margins: dict[str, Margin], cases: int) -> dict[str, Any]:
+    """docs/tables/margins.json's figures, by class, of a run over ``cases`` of each suite."""
     return {
         "date": datetime.date.today().isoformat(),
+        "cases": cases,
         "classes": {name: margin.row() for name, margin in margins.items()},
     }
 
@@ -402,7 +403,7 @@ def main() -> None:
                 f"{least_caught:.3g} (K = {K[precision]:g})"
             )
     if args.write is not None:
-        print(f"wrote {tables.write('margins', margins_data(margins), args.write)}")
+        print(f"wrote {tables.write('margins', margins_data(margins, len(fixtures)), args.write)}")
         for page in tables.render_pages():
             print(f"rendered {page}")
 

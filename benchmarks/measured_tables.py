@@ -140,6 +140,31 @@ def suite_size_lines(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def misreading_lines(data: Mapping[str, Any]) -> list[str]:
+    """What ``bench_findings.py``'s misreading panel prints: per reading the cases it applies
+    to, those failed, named, offered as the other cause (``or``), and named as another."""
+    lines = [
+        f"{'reading':28s} {'cases':>5s} {'failed':>6s} {'named':>6s} {'rate':>6s} "
+        f"{'or':>6s} {'other':>6s}"
+    ]
+    for label, c in data["rows"].items():
+        rate = c["named"] / c["failed"] if c["failed"] else float("nan")
+        lines.append(
+            f"{label:28s} {c['cases']:5d} {c['failed']:6d} {c['named']:6d} {rate:6.1%} "
+            f"{c['or']:6d} {c['other']:6d}"
+        )
+    misses = data["misses_by_regime"]
+    lines += [
+        "",
+        f"misreadings neither named nor offered: {sum(misses.values())} (by regime: {misses})",
+    ]
+    return lines
+
+
+def _misreadings(data: Mapping[str, Any]) -> str:
+    return "\n".join(["```", *misreading_lines(data), "```"])
+
+
 def _suite_size(data: Mapping[str, Any]) -> str:
     return "\n".join(["```", *suite_size_lines(data), "```"])
 
@@ -149,6 +174,7 @@ _CALIBRATE = "python benchmarks/calibrate_tolerances.py --write"
 #: their floors) and regimes; the margins on `K` too.
 _SUITE = ("cases", "cases_of_the_first_shapes", "classes", "regimes")
 _MARGINS = ("cases", "cases_per_head_gate", "K", "classes", "regimes")
+_FINDINGS = ("cases", "K", "classes", "regimes")
 TABLES: dict[str, Table] = {
     "margins": Table(
         "docs/tables/margins.json", _CALIBRATE, ("docs/criterion.md",), _margins, _MARGINS
@@ -160,6 +186,16 @@ TABLES: dict[str, Table] = {
         _margins_brief,
         _MARGINS,
     ),
+    **{
+        f"misreadings_{dtype}": Table(
+            f"benchmarks/results/misreadings_{dtype}.json",
+            f"python benchmarks/bench_findings.py --dtype {dtype} --write",
+            ("benchmarks/README.md",),
+            _misreadings,
+            _FINDINGS,
+        )
+        for dtype in ("float32", "bfloat16")
+    },
     "suite_size": Table(
         "benchmarks/results/suite_size.json",
         "python benchmarks/bench_suite.py --write",
@@ -225,13 +261,20 @@ def stale(name: str) -> list[str]:
     """How table ``name``'s data file differs from what the code defines now, each naming the
     script to run; empty when it does not."""
     table = TABLES[name]
-    then, now = load(name)["measured_against"], suite_facts()
-    return [
+    data, now = load(name), suite_facts()
+    then = data["measured_against"]
+    problems = [
         f"{table.data}: measured with {key} = {then.get(key)!r}, the code now defines "
         f"{now[key]!r}: run {table.script}"
         for key in table.against
         if then.get(key) != now[key]
     ]
+    if data.get("cases", now["cases"]) != now["cases"]:  # a run over part of the suite
+        problems.append(
+            f"{table.data}: measured over {data['cases']} cases, the suite has {now['cases']}: "
+            f"run {table.script}"
+        )
+    return problems
 
 
 def broken_rules() -> list[str]:

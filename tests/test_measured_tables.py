@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import bench_findings
 import bench_suite
 import calibrate_tolerances
 import measured_tables
@@ -168,7 +169,7 @@ def test_calibrate_tolerances_writes_the_margins_as_the_pages_show_them(tmp_path
         "state dropped at S//2": (20.9, 221, 240),
         "state dropped at t=48": (16.512, 154, 168),
     }
-    data = calibrate_tolerances.margins_data({"float32": margin})
+    data = calibrate_tolerances.margins_data({"float32": margin}, 48)
     row = data["classes"]["float32"]
     assert row == {
         "suite": "float32",
@@ -198,4 +199,39 @@ def test_bench_suite_writes_what_it_prints(tmp_path: Path) -> None:
     assert lines[0] == "standard suite          264 files    71.0 MiB    9.36 s"
     assert (
         lines[-1] == "targets: 71.0 MiB <= 128 MiB, 9.4 s <= 60 s, one / two processes 1.61 >= 1.6"
+    )
+
+
+@pytest.mark.parametrize("name", [name for name in TABLES if name.startswith("misreadings_")])
+def test_the_misreading_panels_are_of_the_panel_s_readings(name: str) -> None:
+    readings = [f"{r}/{v}" if v else r for r, v in bench_findings.MISREADINGS]
+    assert list(measured_tables.load(name)["rows"]) == readings, f"run {TABLES[name].script}"
+
+
+def test_a_misreading_panel_renders_as_it_prints() -> None:
+    data = {
+        "rows": {
+            "gate_shift": {"cases": 216, "failed": 215, "named": 179, "or": 34, "other": 0},
+            "scale/1": {"cases": 4, "failed": 0, "named": 0, "or": 0, "other": 0},
+        },
+        "misses_by_regime": {"zero": 2, "extreme": 1},
+    }
+    assert measured_tables.misreading_lines(data) == [
+        "reading                      cases failed  named   rate     or  other",
+        "gate_shift                     216    215    179  83.3%     34      0",
+        "scale/1                          4      0      0   nan%      0      0",
+        "",
+        "misreadings neither named nor offered: 3 (by regime: {'zero': 2, 'extreme': 1})",
+    ]
+
+
+@pytest.mark.parametrize("name", [name for name in TABLES if "cases" in measured_tables.load(name)])
+def test_a_run_over_part_of_the_suite_is_stale(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--quick's runs may be written too, to another file; as a table's file they are stale."""
+    data = measured_tables.load(name)
+    monkeypatch.setattr(measured_tables, "load", lambda _: {**data, "cases": 48})
+    (problem,) = measured_tables.stale(name)
+    assert problem == (
+        f"{TABLES[name].data}: measured over 48 cases, the suite has {data['cases']}: "
+        f"run {TABLES[name].script}"
     )
