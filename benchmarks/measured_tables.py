@@ -7,8 +7,8 @@ having no include; ``python benchmarks/measured_tables.py`` renders them into th
 as a script's ``--write`` does, and tests/test_measured_tables.py checks that they are. Each
 data file records what it was measured against, read from the code as it was written (the
 standard suite's case count, `K` per class, the classes, the regimes), so that a change of any
-of them shows as a stale file:
-:func:`stale` names what differs and :func:`broken_rules` the rules the docs state.
+of them shows as a stale file: :func:`stale` names what differs, :func:`broken_rules` the
+rules of `K` the docs state that no longer hold.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Table(NamedTuple):
+    """One measured table: where its figures are kept, what writes them, where it is shown."""
+
     #: The data file, relative to the repository.
     data: str
     #: The command that measures it and writes the data file.
@@ -71,6 +73,7 @@ def write(name: str, data: Mapping[str, Any], path: Path | None = None) -> Path:
 
 
 def load(name: str) -> dict[str, Any]:
+    """Table ``name``'s data file, as written."""
     data: dict[str, Any] = json.loads((ROOT / TABLES[name].data).read_text())
     return data
 
