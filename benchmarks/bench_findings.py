@@ -27,7 +27,10 @@ kernels (the float32 chunked and step-by-step forms, and the float64 truth round
 and to bfloat16), how many cases fail and how many get a structural finding (anything but
 ``rounding``), and the time of a comparison with findings over one without, in the same run.
 
-    python benchmarks/bench_findings.py [--suite DIR] [--quick] [--dtype bfloat16]
+    python benchmarks/bench_findings.py [--suite DIR] [--quick] [--dtype bfloat16] [--write [PATH]]
+
+``--write`` writes the misreading panel to benchmarks/results/misreadings_DTYPE.json (or
+``PATH``), which benchmarks/README.md shows (see ``measured_tables.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ for _name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import datetime  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
@@ -48,6 +52,7 @@ from typing import Any  # noqa: E402
 import numpy as np  # noqa: E402
 from numpy.typing import NDArray  # noqa: E402
 
+import measured_tables as tables  # noqa: E402
 from gdn_layout import Case, GdnBackwardLayout, load_suite, unpack, write_suite  # noqa: E402
 from gdn_layout.reference import backward  # noqa: E402
 
@@ -214,27 +219,25 @@ MISREADINGS = (
 )
 
 
-def misreading_panel(cases: list[Case]) -> None:
-    """Per reading: cases it failed, how often named, how often another reading instead."""
+def misreading_panel(cases: list[Case]) -> dict[str, Any] | None:
+    """Per reading: cases it failed, how often named, how often another reading instead.
+    Prints the table and returns its data (None without torch)."""
     import sys
 
     try:
         import torch  # noqa: F401
     except ImportError:
         print("\nmisreading panel: needs torch (pip install torch)")
-        return
+        return None
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import panel
     from gdn_layout.check._misreadings import READINGS
 
     applies = {r.name: r.applies for r in READINGS}
-    print(
-        f"\n{'reading':28s} {'cases':>5s} {'failed':>6s} {'named':>6s} {'rate':>6s} "
-        f"{'or':>6s} {'other':>6s}"
-    )
+    rows: dict[str, dict[str, int]] = {}
     misses: list[str] = []
     for reading, variant in MISREADINGS:
-        counts = collections.Counter[str]()
+        counts = dict.fromkeys(("cases", "failed", "named", "or", "other"), 0)
         for case in cases:
             layout = case.layout
             if not applies[reading](layout) or layout.seq < 2 or layout.state_size < 2:
@@ -251,19 +254,19 @@ def misreading_panel(cases: list[Case]) -> None:
             counts["other"] += bool(set(named) - {reading})
             if reading not in named and reading not in offered:
                 misses.append(f"{reading}/{variant or '-'} {case.name}: {result.causes()[:2]}")
-        label = f"{reading}{'/' + variant if variant else ''}"
-        rate = counts["named"] / counts["failed"] if counts["failed"] else float("nan")
-        print(
-            f"{label:28s} {counts['cases']:5d} {counts['failed']:6d} {counts['named']:6d} "
-            f"{rate:6.1%} {counts['or']:6d} {counts['other']:6d}"
-        )
+        rows[f"{reading}{'/' + variant if variant else ''}"] = counts
     regimes = collections.Counter(line.split(":")[0].rsplit("-", 1)[1] for line in misses)
-    print(
-        f"\nmisreadings neither named nor offered: {len(misses)} (by regime: {dict(regimes)}), "
-        "the first:"
-    )
+    data = {
+        "date": datetime.date.today().isoformat(),
+        "cases": len(cases),
+        "rows": rows,
+        "misses_by_regime": dict(regimes),
+    }
+    print()
+    print("\n".join(tables.misreading_lines(data)) + ", the first:")
     for line in misses[:8]:
         print(f"  {line}")
+    return data
 
 
 def _dtype(name: str) -> Any:
@@ -280,6 +283,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="every 8th case only")
     parser.add_argument(
         "--dtype", default="float32", help="the suite's dtype when it is written (bfloat16: ...)"
+    )
+    parser.add_argument(
+        "--write",
+        nargs="?",
+        type=Path,
+        const=True,
+        help="write the misreading panel to this data file "
+        "(benchmarks/results/misreadings_DTYPE.json)",
     )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
@@ -358,7 +369,13 @@ def main() -> None:
         print(f"\nstructural findings on correct kernels ({len(structural_texts)}):")
         for line in structural_texts[:10]:
             print(f"  {line}")
-    misreading_panel(cases)
+    panel = misreading_panel(cases)
+    if args.write is not None and panel is not None:
+        name = f"misreadings_{args.dtype}"
+        path = None if args.write is True else args.write
+        print(f"wrote {tables.write(name, panel, path)}")
+        for page in tables.render_pages():
+            print(f"rendered {page}")
 
 
 if __name__ == "__main__":

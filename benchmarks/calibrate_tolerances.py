@@ -18,15 +18,18 @@ Prints per class the largest error/floor of each correct kernel, and of each bug
 cases it fails and its smallest error/floor (where it is caught, and over all cases): the
 margin between the worst correct kernel and the least caught bug is the criterion's quality.
 
-    python benchmarks/calibrate_tolerances.py [--quick]
+    python benchmarks/calibrate_tolerances.py [--quick] [--write [PATH]]
 
 ``--quick`` runs the first 48 cases of each suite. Without PyTorch the panel's kernels are
-left out (said once).
+left out (said once). ``--write`` writes each class's margin (the worst correct kernel, the
+least caught bug, the dropped states caught) to docs/tables/margins.json (or ``PATH``), which
+docs/criterion.md and benchmarks/README.md show (see ``measured_tables.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import sys
 import tempfile
 from collections.abc import Callable
@@ -45,6 +48,7 @@ from gdn_layout.reference import backward
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measured_tables as tables
 from oracle import oracle  # the tests' extended-precision truth
 
 Kernel = Callable[[Fixture], NDArray[Any] | None]
@@ -261,12 +265,82 @@ def _worst(result: Comparison) -> float:
     return max((g.error_floor_ratio or 0.0) for g in result.grads)
 
 
+def _worst_gradient(result: Comparison) -> str:
+    return max(result.grads, key=lambda g: g.error_floor_ratio or 0.0).name
+
+
+#: How the pages name each correct kernel.
+_PHRASES = {
+    "reference chunked": "the reference's chunked form",
+    "reference step-by-step": "the reference's step-by-step form",
+    "torch chunked (float32 products)": "the panel's chunked form",
+    "torch step-by-step": "the panel's step-by-step form",
+    "transformers chunked": "transformers' function",
+    "torch chunked (TF32 products)": "the panel's chunked form on TF32 operands",
+    "torch chunked (bfloat16 products)": "the panel's chunked form on bfloat16 operands",
+    "reference, output rounded": "the reference, its output rounded",
+    "float64 (step by step)": "the step-by-step form in float64",
+    "extended-precision oracle": "the extended-precision oracle",
+}
+
+
+class Margin:
+    """One class's measurement: each correct kernel's worst figure (and where), each bug's
+    least figure where caught and its count of cases failed and counted."""
+
+    def __init__(self, suite: str) -> None:
+        self.suite = suite
+        self.correct: dict[str, tuple[float, str, str]] = {}
+        self.caught: dict[str, tuple[float, int, int]] = {}
+
+    def row(self) -> dict[str, Any]:
+        """The class's row of docs/tables/margins.json, its figures as the pages print them."""
+        worst = tables.figure(max(figure for figure, _, _ in self.correct.values()))
+        reaching = [
+            (label, gradient, case)
+            for label, (figure, gradient, case) in self.correct.items()
+            if tables.figure(figure) == worst
+        ]
+        kernels = ", and ".join(_PHRASES.get(label, label) for label, _, _ in reaching)
+        _, gradient, case = reaching[0]
+        least = tables.figure(min(figure for figure, _, _ in self.caught.values()))
+        dropped = {
+            when: list(self.caught[f"state dropped at {when}"][1:])
+            for when in tables.DROPPED_AT
+            if f"state dropped at {when}" in self.caught
+        }
+        return {
+            "suite": self.suite,
+            "worst_correct": float(worst.replace(",", "")),
+            "worst_kernel": f"{kernels}, `{gradient}`, {case}",
+            "least_caught": float(least.replace(",", "")),
+            "state_dropped": dropped,
+        }
+
+
+def margins_data(margins: dict[str, Margin], cases: int) -> dict[str, Any]:
+    """docs/tables/margins.json's figures, by class, of a run over ``cases`` of each suite."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cases": cases,
+        "classes": {name: margin.row() for name, margin in margins.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first 48 cases of each suite")
+    parser.add_argument(
+        "--write",
+        nargs="?",
+        type=Path,
+        const=tables.ROOT / tables.TABLES["margins"].data,
+        help="write each class's margin to this data file (docs/tables/margins.json)",
+    )
     args = parser.parse_args()
     print(f"K = {K}")
     suites: dict[str, list[Fixture]] = {}
+    margins: dict[str, Margin] = {}
     with tempfile.TemporaryDirectory() as folder:
         for precision, (dtype, correct) in _classes().items():
             if dtype not in suites:
@@ -280,8 +354,11 @@ def main() -> None:
                 f"\n== {precision}: the {dtype} suite, {len(fixtures)} cases, K = {K[precision]:g}"
             )
             worst_correct = 0.0
+            margin = margins[precision] = Margin(dtype)
             for label, kernel in correct.items():
-                ratios, failed, counted = [], 0, 0
+                ratios: list[float] = []
+                failed = counted = 0
+                where = ("", "")
                 for fx in fixtures:
                     out = kernel(fx)
                     if out is None:
@@ -289,8 +366,11 @@ def main() -> None:
                     counted += 1
                     result = _judge(fx, out, precision)
                     failed += not result.passed
+                    if not ratios or _worst(result) > max(ratios):
+                        where = (_worst_gradient(result), fx.path.name if fx.path else "")
                     ratios.append(_worst(result))
                 worst_correct = max(worst_correct, max(ratios))
+                margin.correct[label] = (max(ratios), *where)
                 print(
                     f"correct {label:36s} failed {failed:3d}/{counted}; error/floor "
                     f"median {np.median(ratios):.3g}, max {max(ratios):.3g}"
@@ -313,6 +393,7 @@ def main() -> None:
                         failed += 1
                         least = min(least, ratio)
                 least_caught = min(least_caught, least)
+                margin.caught[label] = (least, failed, counted)
                 print(
                     f"bug {label:40s} failed {failed:3d}/{counted}; smallest error/floor "
                     f"where caught {least:.3g}, over all {least_all:.3g}"
@@ -321,6 +402,10 @@ def main() -> None:
                 f"-> {precision}: worst correct kernel {worst_correct:.3g}, least caught bug "
                 f"{least_caught:.3g} (K = {K[precision]:g})"
             )
+    if args.write is not None:
+        print(f"wrote {tables.write('margins', margins_data(margins, len(fixtures)), args.write)}")
+        for page in tables.render_pages():
+            print(f"rendered {page}")
 
 
 if __name__ == "__main__":

@@ -1048,16 +1048,16 @@ def test_a_shape_appended_keeps_every_file_of_the_suite_its_name_and_seed(
 
 def test_the_suite_s_digest_follows_its_definition(monkeypatch: pytest.MonkeyPatch) -> None:
     float32 = np.dtype(np.float32)
-    today = generate._suite_digest(float32)
-    assert generate._suite_digest(float32) == today  # the same definition, the same digest
+    today = generate.suite_digest(float32)
+    assert generate.suite_digest(float32) == today  # the same definition, the same digest
     digests = {today}
 
     def changed() -> None:
-        digest = generate._suite_digest(float32)
+        digest = generate.suite_digest(float32)
         assert digest not in digests
         digests.add(digest)
         monkeypatch.undo()
-        assert generate._suite_digest(float32) == today
+        assert generate.suite_digest(float32) == today
 
     shapes = generate._SUITE_SHAPES
     revision = max(*REGIME_SINCE.values(), *(shape.since for shape in shapes)) + 1
@@ -1082,7 +1082,7 @@ def test_the_suite_s_digest_follows_its_definition(monkeypatch: pytest.MonkeyPat
     changed()  # one regime's gates drawn otherwise
     monkeypatch.setattr(generate, "FORMAT_VERSION", generate.FORMAT_VERSION + 1)
     changed()  # another file format
-    assert generate._suite_digest(float32, seed=1) not in digests
+    assert generate.suite_digest(float32, seed=1) not in digests
     for dtype in DTYPES:
         if dtype != float32:
-            assert generate._suite_digest(dtype) not in digests
+            assert generate.suite_digest(dtype) not in digests

@@ -383,3 +383,57 @@ def test_pack_reads_gradients_on_a_device_with_one_copy_each() -> None:
     grads: list[Any] = [DeviceArray(np.array(g)) for g in unpack(packed, layout) if g is not None]
     assert np.array_equal(pack(*grads, layout=layout), packed)
     assert all(len(g.copies) == 1 for g in grads)
+
+
+def test_a_wrong_dq_is_named_not_the_gradient_it_makes_look_wrong() -> None:
+    layout = GdnBackwardLayout(2, 5, 3, 4, carry_state=True)
+    grads = _grads(layout)
+    grads[0] = grads[0].swapaxes(1, 2)  # [B, H, S, N]
+    expected = (
+        f"pack: dq has shape (2, 3, 5, 4), expected (2, 5, 3, 4) for {layout!r}, "
+        "the layout of the other gradients"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        pack(*grads)
+
+
+def _wrong_shapes(layout: GdnBackwardLayout, name: str) -> list[tuple[int, ...]]:
+    """Shapes that no layout fitting the other gradients gives ``name``: its axes exchanged, one
+    axis longer, one axis fewer or more."""
+    shape = layout.shape(name)
+    other_gate = GdnBackwardLayout(
+        layout.batch,
+        layout.seq,
+        layout.heads,
+        layout.state_size,
+        gate_per_channel=not layout.gate_per_channel,
+    ).shape("dg")
+    candidates = {(*shape[:i], *shape[i + 1 :]) for i in range(len(shape))}
+    candidates |= {(*shape, 2), (3, *shape)}
+    candidates |= {(*shape[:i], shape[i] + 1, *shape[i + 1 :]) for i in range(len(shape))}
+    candidates |= {
+        (*shape[:i], *shape[i + 1 : i + 2], *shape[i : i + 1], *shape[i + 2 :])
+        for i in range(len(shape) - 1)
+    }
+    candidates.discard(shape)
+    if name == "dg":
+        candidates.discard(other_gate)  # the other gate mode's dg: a layout of its own
+    return sorted(candidates)
+
+
+@given(layouts, st.data())
+def test_a_gradient_of_a_wrong_shape_is_named(
+    layout: GdnBackwardLayout, data: st.DataObject
+) -> None:
+    """Whichever gradient alone has a wrong shape, pack's error names it, with the shape it
+    received and the one expected."""
+    names = list(layout.names)
+    name = data.draw(st.sampled_from(names))
+    wrong = data.draw(st.sampled_from(_wrong_shapes(layout, name)))
+    grads = _grads(layout)
+    grads[names.index(name)] = np.zeros(wrong)
+    with pytest.raises(ValueError, match=f"^pack: {name} ") as raised:
+        pack(*grads)
+    message = str(raised.value)
+    assert str(wrong) in message
+    assert str(layout.shape(name)) in message

@@ -186,6 +186,7 @@ CONCERNS = {
     "same_bits": "fast forms against their plain forms, bit for bit",
     "state_checks": "a kernel's parts, from fixture to verdict to command line",
     "structure": "the modules' layering",
+    "measured_tables": "the measured tables of docs/ and benchmarks/ against the code",
     "views": "the notebook and terminal views of every record",
 }
 

@@ -706,7 +706,12 @@ def _suite_case(
     return _SuiteCase(name, layout, regime, shape.identical_rows, since)
 
 
-def _suite_digest(dtype: np.dtype[Any], seed: int = 0) -> str:
+def suite_size() -> int:
+    """How many fixtures :func:`write_suite` writes: the standard suite's cases."""
+    return sum(1 for _ in _suite_cases())
+
+
+def suite_digest(dtype: np.dtype[Any], seed: int = 0) -> str:
     """The SHA-256, in hex, of the definition of the suite :func:`write_suite` writes in
     ``dtype`` from ``seed``: every file's name, layout, regime, revision and seed, the dtype,
     the precision classes recorded, the chunk sizes of the manifest, the fixture format, and
@@ -714,9 +719,9 @@ def _suite_digest(dtype: np.dtype[Any], seed: int = 0) -> str:
     change to any input's draw, is another definition). A suite of one digest holds what the
     code of that digest writes.
 
-    >>> _suite_digest(np.dtype(np.float32)) == _suite_digest(np.dtype(np.float32))
+    >>> suite_digest(np.dtype(np.float32)) == suite_digest(np.dtype(np.float32))
     True
-    >>> _suite_digest(np.dtype(np.float32)) == _suite_digest(np.dtype(np.float64))
+    >>> suite_digest(np.dtype(np.float32)) == suite_digest(np.dtype(np.float64))
     False
     """
     cases = list(_suite_cases())

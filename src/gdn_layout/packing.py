@@ -225,6 +225,8 @@ def pack(
             try:
                 layout = GdnBackwardLayout.from_grads(*arrays)
             except (TypeError, ValueError) as error:
+                if isinstance(error, ValueError):
+                    _raise_if_dq_alone_is_wrong(arrays)
                 raise type(error)(f"pack: {error}") from None
             if len(_LAYOUTS) >= 64:
                 _LAYOUTS.clear()
@@ -293,6 +295,19 @@ def _raise_shape_error(layout: GdnBackwardLayout, arrays: list[NDArray[Any]]) ->
             raise ValueError(
                 f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
             )
+
+
+def _raise_if_dq_alone_is_wrong(arrays: list[NDArray[Any]]) -> None:
+    """The layout is inferred from ``dq``, so a wrong ``dq`` makes the others look wrong: when
+    the layout that ``dk`` gives fits every gradient but ``dq``, name ``dq``."""
+    try:
+        layout = GdnBackwardLayout.from_grads(arrays[1], *arrays[1:])
+    except (TypeError, ValueError):
+        return  # dk does not fit the others either: the inference's own error says which
+    raise ValueError(
+        f"pack: dq has shape {arrays[0].shape}, expected {layout.shape('dq')} for {layout!r}, "
+        "the layout of the other gradients"
+    )
 
 
 def _may_overlap(arrays: list[NDArray[Any]], out: NDArray[Any]) -> bool:

@@ -278,7 +278,7 @@ def _precision(config: pytest.Config, dtypes: Iterable[Any]) -> str | None:
 
 def _cached_cases(config: pytest.Config) -> list[Case]:
     """The standard suite in pytest's cache folder: written once per gdn-layout version and
-    digest of the suite's definition (:func:`~gdn_layout.generate._suite_digest`: shapes,
+    digest of the suite's definition (:func:`~gdn_layout.generate.suite_digest`: shapes,
     regimes, seeds, dtype, file format), by the first process that needs it, under a lock,
     saying so on stderr; verified on reuse, and written again, whole, when it is not intact
     (the folder is the plugin's own). Writing it removes the suites of other keys."""
@@ -337,9 +337,9 @@ def _cache_key(dtype: str) -> str:
     dtype, and the start of the digest of the suite's definition."""
     from ._dtypes import resolve
     from ._version import __version__
-    from .generate import _suite_digest
+    from .generate import suite_digest
 
-    digest = _suite_digest(resolve(dtype, "gdn_dtype"))
+    digest = suite_digest(resolve(dtype, "gdn_dtype"))
     return f"suite-{__version__}-{dtype}-{digest[:16]}"
 
 
@@ -364,12 +364,12 @@ def _write_cached_suite(config: pytest.Config, folder: Path, dtype: str) -> None
     is made, where, and how far it is: a bar on a terminal, a line at every tenth and every
     few seconds in a log."""
     from ._progress import Progress, stderr_is_terminal
-    from .generate import _suite_cases, write_suite
+    from .generate import suite_size, write_suite
 
     capture = config.pluginmanager.getplugin("capturemanager")
     with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
         terminal = stderr_is_terminal()
-        count = len(list(_suite_cases()))
+        count = suite_size()
         start = time.monotonic()
         _say(
             ("\n" if terminal else "")  # past pytest's "collecting ..."
@@ -463,6 +463,4 @@ def gdn_case(request: pytest.FixtureRequest) -> Any:
         return case
     # A failure's files are named after the test, which a case can serve more than once.
     stem = re.sub(r"[^\w.-]+", "-", request.node.nodeid.replace(".py::", "-")).strip("-")
-    kept = dataclasses.replace(case, save_as=folder / stem)
-    object.__setattr__(kept, "_states", case._states)  # the states computed, shared
-    return kept
+    return dataclasses.replace(case, save_as=folder / stem)

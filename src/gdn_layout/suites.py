@@ -464,10 +464,8 @@ def _keep(
     except ImportError:
         pass  # said once by whoever set save_as (the pytest plugin, in its header)
     else:
-        from .plot import plot_errors
-
         picture = stem.with_name(f"{stem.name}.png")
-        plot_errors(result, path=picture)
+        result.plot(path=picture)
         kept.append(f"  kept: {picture} (its picture)")
     return str(output), str(fixture), None if picture is None else str(picture)
 
