@@ -355,3 +355,58 @@ def gdn_case(request: pytest.FixtureRequest) -> Any:
     if not hasattr(request, "param"):
         pytest.skip("gdn_case is skipped without --gdn-suite DIR or --gdn-layout (--gdn-skip)")
     return request.param
+
+
+# -- the summary across cases, at the end of the session -----------------------------------------
+
+#: The name of the user property that carries a case's result from the process that ran the
+#: test (a pytest-xdist worker) to the one that prints the summary: a JSON string.
+RESULT_PROPERTY = "gdn_case_result"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """After a test that takes ``gdn_case``, the result of its last comparison, as a small
+    JSON record in the report's ``user_properties`` (which pytest-xdist sends on)."""
+    case = getattr(item, "funcargs", {}).get("gdn_case")
+    if not isinstance(case, Case):
+        return (yield)
+    before = case.last_comparison
+    try:
+        return (yield)
+    finally:
+        after = case.last_comparison
+        if after is not None and after is not before:
+            import json
+
+            from .summary import case_result
+
+            record = case_result(case, after).to_dict()
+            item.user_properties.append((RESULT_PROPERTY, json.dumps(record, allow_nan=False)))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One block per test function that judged ``gdn_case``: what failed across its cases
+    (:func:`gdn_layout.summary.summarize`)."""
+    import json
+
+    from .summary import CaseResult, summarize
+
+    by_test: dict[str, list[CaseResult]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for name, value in getattr(report, "user_properties", ()):
+                if name == RESULT_PROPERTY:
+                    test = report.nodeid.split("[", 1)[0]
+                    by_test.setdefault(test, []).append(CaseResult.from_dict(json.loads(value)))
+    if not by_test:
+        return
+    terminalreporter.write_sep("=", "gdn-layout: what failed across the cases")
+    for test, results in sorted(by_test.items()):
+        results.sort(key=lambda r: r.name)  # as run, under pytest-xdist: in no fixed order
+        lines = summarize(results, command="pytest").lines()
+        terminalreporter.write_line(f"{test}: {lines[0]}")
+        for line in lines[1:]:
+            terminalreporter.write_line(line)
