@@ -101,6 +101,7 @@ LAYERS = [
     "check._compare",
     "check",
     "suites",
+    "summary",
     "pytest_plugin",
     "plot",
     "cli",

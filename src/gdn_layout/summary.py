@@ -94,6 +94,10 @@ class GradResult:
     ``passes_as`` names the other precision classes (of those the buffers allow) whose
     calibrated criterion passes the gradient's figures; empty for a gradient that passed or
     was judged by explicit tolerances.
+
+    See Also
+    --------
+    summary.CaseResult : The case's record that holds it.
     """
 
     name: str
@@ -114,8 +118,8 @@ class CaseResult:
 
     See Also
     --------
-    case_result : What makes one.
-    summarize : What reads them.
+    summary.case_result : What makes one.
+    summary.summarize : What reads them.
     """
 
     name: str
@@ -248,7 +252,7 @@ def case_result(case: Case, comparison: Comparison) -> CaseResult:
 
     See Also
     --------
-    summarize : Reads them.
+    summary.summarize : Reads them.
     """
     from .suites import Case
 
@@ -307,7 +311,7 @@ class Summary:
 
     See Also
     --------
-    summarize : What makes one.
+    summary.summarize : What makes one.
     """
 
     #: How many cases were judged.
@@ -388,7 +392,7 @@ def summarize(
 
     See Also
     --------
-    case_result : One case's record.
+    summary.case_result : One case's record.
     suites.Case.compare : What judges a case.
 
     Examples
@@ -528,8 +532,8 @@ def _statements(records: list[CaseResult], fails: Callable[[CaseResult], bool]) 
 
 
 def _causes(failing: list[CaseResult]) -> list[str]:
-    """One line per kind of finding (and gradient), counted over the cases it appears in:
-    the misreadings (verified by a re-run) first, then by count."""
+    """One line per kind of finding (and gradient), counted over the cases it appears in, by
+    count; a misreading's line begins with :data:`_VERIFIED`."""
     cases: Counter[tuple[str, str | None]] = Counter()
     texts: dict[tuple[str, str | None], Counter[str]] = {}
     unexplained = 0
@@ -539,7 +543,7 @@ def _causes(failing: list[CaseResult]) -> list[str]:
         for kind, gradient, text in r.findings:
             texts.setdefault((kind, gradient), Counter())[text] += 1
         unexplained += not r.findings
-    ranked = sorted(cases, key=lambda key: (key[0] != "misreading", -cases[key]))
+    ranked = sorted(cases, key=lambda key: -cases[key])  # the misreadings are split off after
     lines = []
     for key in ranked[:_SHOWN]:
         kind, gradient = key
