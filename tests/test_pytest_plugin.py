@@ -385,6 +385,11 @@ def test_dstate(gdn_case):
 
 def test_no_comparison(gdn_case):
     pass
+
+def test_partly(gdn_case):
+    if gdn_case.regime == "zero":
+        raise RuntimeError("before the comparison")
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
 """
 
 
@@ -398,7 +403,7 @@ def test_plugin_summarises_each_test_function_across_its_cases(
     args = ["-p", "no:cacheprovider", *workers, "--gdn-layout", "1,5,2,4,state"]
     result = pytester.runpytest_subprocess(*args)
     n = len(REGIMES)
-    result.assert_outcomes(passed=2 * n + 1, failed=n - 1)
+    result.assert_outcomes(passed=3 * n, failed=n)
     lines = result.outlines
     start = lines.index(next(line for line in lines if "what failed across the cases" in line))
     block = lines[start + 1 :]
@@ -411,6 +416,10 @@ def test_plugin_summarises_each_test_function_across_its_cases(
     assert block[3].startswith("  never fails under the zero regime")
     assert block[4].startswith(f"  likely cause in {n - 1} cases (dstate, scale): dstate is 2.000")
     assert not any("test_no_comparison" in line for line in block)  # it compared nothing
+    partly = block.index(f"test_kernel.py::test_partly: all {n - 1} cases passed")
+    assert block[partly + 1] == (
+        "  1 more case(s) made no comparison, not counted: b1s5h2n4-scalar-state-zero-seed0"
+    )
 
 
 def test_plugin_prints_no_summary_without_a_comparison(pytester: pytest.Pytester) -> None:

@@ -11,13 +11,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, GdnGrads, unpack
 from gdn_layout.generate import CHUNK_SIZES
 from gdn_layout.layout import GRADIENT_NAMES
 from gdn_layout.reference import backward
 from gdn_layout.suites import Case, make_case
-from gdn_layout.summary import CaseResult, Summary, case_result, summarize
+from gdn_layout.summary import CaseResult, GradResult, Summary, case_result, summarize
 
 #: The longest sequence of the panel: a few steps past a chunk boundary of the suite's.
 LONG = CHUNK_SIZES[2] + 6
@@ -264,6 +266,42 @@ def test_a_case_result_survives_json(panel: list[tuple[Case, Any]]) -> None:
     assert [g.name for g in back.grads] == [g.name for g in record.grads]
     assert np.isnan(back.grads[0].rms_ratio)
     assert str(summarize([back])) == str(summarize([record]))
+
+
+_NAMES = st.text(min_size=1, max_size=8)
+_FIGURES = st.floats(allow_nan=False)
+_GRADS = st.builds(
+    GradResult,
+    name=st.sampled_from(GRADIENT_NAMES),
+    passed=st.booleans(),
+    error_floor_ratio=st.none() | _FIGURES,
+    rms_ratio=_FIGURES,
+    max_abs_error=_FIGURES,
+    precision=st.none() | st.sampled_from(("float32", "tf32")),
+    passes_as=st.lists(st.sampled_from(("tf32", "bfloat16")), max_size=2).map(tuple),
+)
+_RESULTS = st.builds(
+    CaseResult,
+    name=_NAMES,
+    batch=st.integers(0, 9),
+    seq=st.integers(0, 600),
+    heads=st.integers(0, 9),
+    state_size=st.integers(0, 200),
+    per_channel=st.booleans(),
+    carry_state=st.booleans(),
+    regime=st.none() | st.sampled_from(("zero", "mild")),
+    dtype=st.sampled_from(("float32", "float64")),
+    grads=st.lists(_GRADS, max_size=6).map(tuple),
+    findings=st.lists(
+        st.tuples(st.sampled_from(("scale", "rounding")), st.none() | _NAMES, _NAMES), max_size=3
+    ).map(tuple),
+)
+
+
+@given(_RESULTS)
+def test_every_case_result_survives_json(record: CaseResult) -> None:
+    text = json.dumps(record.to_dict(), allow_nan=False)
+    assert CaseResult.from_dict(json.loads(text)) == record
 
 
 def test_bad_input_is_named() -> None:

@@ -533,11 +533,11 @@ def _compare_folder(args: argparse.Namespace) -> int:
     from .suites import load_suite
     from .summary import case_result, summarize
 
-    given = [f for f in ("rtol", "atol", "max_rms_ratio", "tensor", "plot", "chunk")]
-    given = [f for f in given if getattr(args, f) is not None]
+    flags = ("rtol", "atol", "max_rms_ratio", "tensor", "plot", "chunk")
+    given = [f for f in flags if getattr(args, f) is not None]
     if given:
-        flags = ", ".join(_FLAGS.get(f, f"--{f}") for f in given)
-        raise UsageError(f"a folder of outputs is judged against its suite's floors; drop {flags}")
+        named = ", ".join(_FLAGS.get(f, f"--{f}") for f in given)
+        raise UsageError(f"a folder of outputs is judged against its suite's floors; drop {named}")
     if not Path(args.expected).is_dir():
         raise UsageError(
             f"{args.expected}: ACTUAL is a folder of outputs, so EXPECTED must be "
