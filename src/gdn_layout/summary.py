@@ -180,9 +180,11 @@ class CaseResult:
                 GradResult(
                     name=_typed(g["name"], str, "grads[].name"),
                     passed=_typed(g["passed"], bool, "grads[].passed"),
-                    error_floor_ratio=_number(g["error_floor_ratio"], "error_floor_ratio", True),
-                    rms_ratio=_number(g["rms_ratio"], "rms_ratio"),  # type: ignore[arg-type]
-                    max_abs_error=_number(g["max_abs_error"], "max_abs_error"),  # type: ignore[arg-type]
+                    error_floor_ratio=None
+                    if g["error_floor_ratio"] is None
+                    else _number(g["error_floor_ratio"], "error_floor_ratio"),
+                    rms_ratio=_number(g["rms_ratio"], "rms_ratio"),
+                    max_abs_error=_number(g["max_abs_error"], "max_abs_error"),
                     precision=g["precision"],
                     passes_as=tuple(_typed(p, str, "passes_as[]") for p in g["passes_as"]),
                 )
@@ -228,9 +230,7 @@ def _typed(value: Any, kind: type, key: str) -> Any:
     return value
 
 
-def _number(value: Any, key: str, or_none: bool = False) -> float | None:
-    if value is None and or_none:
-        return None
+def _number(value: Any, key: str) -> float:
     if isinstance(value, str) and value in ("inf", "-inf", "nan"):
         return float(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
