@@ -927,3 +927,98 @@ def test_plot_errors_writes_its_file_atomically(
     assert written == [png]
     assert png.read_bytes().startswith(b"\x89PNG")
     assert [p.name for p in tmp_path.iterdir()] == ["errors.png"]
+
+
+# -- compare OUTPUTS/ SUITE/ ----------------------------------------------------------------------
+
+
+def _small_suite(root: Path) -> list[str]:
+    """A suite of a few small cases, written as ``write_suite`` writes one: their names."""
+    from gdn_layout.files._manifest import MANIFEST, manifest_entry, manifest_text
+    from gdn_layout.generate import make_fixture
+
+    root.mkdir()
+    entries, names = [], []
+    for seed, (seq, carry) in enumerate([(1, False), (3, False), (3, True), (5, True)]):
+        layout = GdnBackwardLayout(1, seq, 2, 4, carry_state=carry)
+        name = f"s{seq}-{'state' if carry else 'nostate'}"
+        path = root / f"{name}.safetensors"
+        save_fixture(path, make_fixture(layout, regime="mild", seed=seed, precisions="all"))
+        entries.append(
+            manifest_entry(
+                path.name, path.read_bytes(), layout=layout.to_dict(), regime="mild", seed=seed
+            )
+        )
+        names.append(name)
+    (root / MANIFEST).write_bytes(manifest_text(entries))
+    return names
+
+
+def test_compare_a_folder_of_outputs_with_a_suite(tmp_path: Path) -> None:
+    from gdn_layout.reference import backward
+
+    names = _small_suite(tmp_path / "suite")
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    for name in names:
+        fixture = load_fixture(tmp_path / "suite" / f"{name}.safetensors")
+        out = backward(*fixture.inputs, dtype=np.float32)
+        np.save(outputs / f"{name}.npy", out)
+    correct = run("compare", outputs, tmp_path / "suite")
+    assert (correct.returncode, correct.stderr) == (0, "")
+    assert correct.stdout.splitlines()[0] == f"all {len(names)} cases passed"
+    assert "--dtype float64" in correct.stdout
+    # A bug only with a carried state, one output as a plain safetensors file, one missing.
+    from safetensors.numpy import save_file
+
+    for name in names:
+        fixture = load_fixture(tmp_path / "suite" / f"{name}.safetensors")
+        out = backward(*fixture.inputs, dtype=np.float32)
+        dstate = unpack(out, fixture.layout).dstate
+        if dstate is not None:
+            dstate[...] *= 2
+        np.save(outputs / f"{name}.npy", out)
+    first = outputs / f"{names[0]}.npy"
+    save_file({"packed": np.load(first)}, str(outputs / f"{names[0]}.safetensors"))
+    first.unlink()
+    (outputs / f"{names[1]}.npy").unlink()
+    result = run("compare", outputs, tmp_path / "suite")
+    carried = sum("-state" in n for n in names)
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stderr
+    assert lines[0] == (
+        f"{carried} of {len(names) - 1} cases failed: dstate {carried}; "
+        "dq, dk, dv, dg, dbeta never fail"
+    )
+    assert "  fails only with a carried state" in lines[1:3]
+    assert lines[-1] == f"no output for case {names[1]}"
+    # Every case's output there but one missing: exit 1 all the same.
+    np.save(
+        outputs / f"{names[1]}.npy",
+        backward(
+            *load_fixture(tmp_path / "suite" / f"{names[1]}.safetensors").inputs, dtype=np.float32
+        ),
+    )
+    for name in names:
+        if "-state" in name:
+            (outputs / f"{name}.npy").unlink()
+    passed = run("compare", outputs, tmp_path / "suite")
+    assert passed.returncode == 1
+    assert passed.stdout.splitlines()[0] == f"all {len(names) - carried} cases passed"
+    assert passed.stdout.count("no output for case") == carried
+
+
+def test_compare_a_folder_user_errors(tmp_path: Path) -> None:
+    names = _small_suite(tmp_path / "suite")
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    assert_user_error(
+        run("compare", outputs, tmp_path / "suite" / f"{names[0]}.safetensors"),
+        "EXPECTED must be a suite's folder",
+    )
+    assert_user_error(run("compare", outputs, tmp_path / "suite", "--rtol", "1e-3"), "drop --rtol")
+    np.save(outputs / f"{names[0]}.npy", np.zeros(3, np.float32))
+    assert_user_error(run("compare", outputs, tmp_path / "suite"), "3 elements")
+    np.save(outputs / f"{names[0]}.npz", np.zeros(3, np.float32))
+    assert_user_error(run("compare", outputs, tmp_path / "suite"), "has several outputs")
+    assert_user_error(run("compare", outputs, tmp_path / "nowhere"), "nowhere")

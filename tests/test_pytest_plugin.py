@@ -573,3 +573,67 @@ def test_plugin_under_xdist_reports_a_worker_s_problem_once_per_worker(
     result.assert_outcomes(errors=2)  # a failed collection in each worker, not a crash
     result.stdout.fnmatch_lines([f"*--gdn-dtype bfloat16: the suite {root} holds float32*"])
     assert "crashed" not in result.stdout.str() + result.stderr.str()
+
+
+# -- the summary across cases --------------------------------------------------------------------
+
+
+#: A correct kernel, and one whose dstate is doubled except under the zero regime.
+SUMMARY_TESTS = """
+import numpy as np
+from gdn_layout import unpack
+from gdn_layout.reference import backward
+
+def test_correct(gdn_case):
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+
+def test_dstate(gdn_case):
+    out = backward(*gdn_case.inputs, dtype=np.float32)
+    if gdn_case.regime != "zero":
+        unpack(out, gdn_case.layout).dstate[...] *= 2
+    gdn_case.check(out)
+
+def test_no_comparison(gdn_case):
+    pass
+
+def test_partly(gdn_case):
+    if gdn_case.regime == "zero":
+        raise RuntimeError("before the comparison")
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+"""
+
+
+@pytest.mark.parametrize("workers", [[], pytest.param(["-n", "2"], marks=pytest.mark.slow)])
+def test_plugin_summarises_each_test_function_across_its_cases(
+    pytester: pytest.Pytester, workers: list[str]
+) -> None:
+    if workers:
+        pytest.importorskip("xdist")
+    pytester.makepyfile(test_kernel=SUMMARY_TESTS)
+    args = ["-p", "no:cacheprovider", *workers, "--gdn-layout", "1,5,2,4,state"]
+    result = pytester.runpytest_subprocess(*args)
+    n = len(REGIMES)
+    result.assert_outcomes(passed=3 * n, failed=n)
+    lines = result.outlines
+    start = lines.index(next(line for line in lines if "what failed across the cases" in line))
+    block = lines[start + 1 :]
+    assert block[0] == f"test_kernel.py::test_correct: all {n} cases passed"
+    assert "--gdn-dtype float64" in block[1]
+    assert block[2] == (
+        f"test_kernel.py::test_dstate: {n - 1} of {n} cases failed: dstate {n - 1}; "
+        "dq, dk, dv, dg, dbeta never fail"
+    )
+    assert block[3].startswith("  never fails under the zero regime")
+    assert block[4].startswith(f"  likely cause in {n - 1} cases (dstate, scale): dstate is 2.000")
+    assert not any("test_no_comparison" in line for line in block)  # it compared nothing
+    partly = block.index(f"test_kernel.py::test_partly: all {n - 1} cases passed")
+    assert block[partly + 1] == (
+        "  1 more case(s) made no comparison, not counted: b1s5h2n4-scalar-state-zero-seed0"
+    )
+
+
+def test_plugin_prints_no_summary_without_a_comparison(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernel="def test_nothing(gdn_case):\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-layout", "1,2,1,2")
+    result.assert_outcomes(passed=len(REGIMES))
+    assert "what failed across the cases" not in result.stdout.str()

@@ -176,3 +176,26 @@ def test_the_readme_s_torch_example_runs_as_written(pytester: pytest.Pytester, d
         "-p", "no:cacheprovider", "--gdn-layout", layout, "--gdn-dtype", dtype
     )
     result.assert_outcomes(passed=len(REGIMES))
+
+
+def test_the_summary_the_readme_shows_is_pytest_s(
+    suite: tuple[Path, list[Path]], pytester: pytest.Pytester
+) -> None:
+    text = README.read_text()
+    part = text[text.index("At the end of the session, pytest reads the cases together") :]
+    shown = re.search(r"```text\n(.*?)```", part, re.DOTALL)
+    assert shown is not None
+    # The kernel above, over every case: a case of one head has no heads to swap.
+    kernel = SWAPPED_HEADS.replace("    dv[:", "    if gdn_case.layout.heads > 1:\n        dv[:")
+    assert kernel != SWAPPED_HEADS
+    pytester.makepyfile(test_my_kernel=kernel)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--gdn-suite", str(suite[0]))
+    lines = result.outlines
+    start = next(i for i, line in enumerate(lines) if "what failed across the cases" in line)
+    expected = shown.group(1).splitlines()
+    got = lines[start : start + len(expected)]
+    assert got[0].strip("= ") == expected[0].strip("= ")  # the rule's width is the terminal's
+    # The test's id is from pytest's root folder: here, that of the suite's folder too.
+    assert got[1].endswith(expected[1])
+    assert got[1].split("/")[-1] == expected[1]
+    assert got[2:] == expected[2:]

@@ -102,6 +102,7 @@ LAYERS = [
     "check",
     "generate",
     "suites",
+    "summary",
     "pytest_plugin",
     "plot",
     "cli",

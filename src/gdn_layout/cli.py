@@ -264,7 +264,10 @@ def _compare_command(commands: _Commands) -> None:
         "supplies the layout.",
     )
     compare.add_argument(
-        "actual", metavar="ACTUAL", help="the kernel's packed gradient, as a file of any kind"
+        "actual",
+        metavar="ACTUAL",
+        help="the kernel's packed gradient, as a file of any kind; or a folder of them named "
+        "after the cases of the suite EXPECTED (<case name>.npy, ...)",
     )
     compare.add_argument(
         "expected",
@@ -479,6 +482,8 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    if Path(args.actual).is_dir():
+        return _compare_folder(args)
     if args.tensor is not None:
         return _compare_tensor(args)
     if args.chunk is not None and args.plot is None:
@@ -527,6 +532,53 @@ def _compare(args: argparse.Namespace) -> int:
         plot_errors(result, path=args.plot, chunk=args.chunk)
         print(f"wrote {args.plot}")
     return 0 if result.passed else 1
+
+
+def _compare_folder(args: argparse.Namespace) -> int:
+    """``compare OUTPUTS/ SUITE/``: each case's output, ``<case name>.<any suffix>``, against
+    the case; then what failed across the cases. A case without its output is listed."""
+    from .suites import load_suite
+    from .summary import case_result, summarize
+
+    flags = ("rtol", "atol", "max_rms_ratio", "tensor", "plot", "chunk")
+    given = [f for f in flags if getattr(args, f) is not None]
+    if given:
+        named = ", ".join(_FLAGS.get(f, f"--{f}") for f in given)
+        raise UsageError(f"a folder of outputs is judged against its suite's floors; drop {named}")
+    if not Path(args.expected).is_dir():
+        raise UsageError(
+            f"{args.expected}: ACTUAL is a folder of outputs, so EXPECTED must be "
+            "a suite's folder (gdn-layout fixture --suite DIR)"
+        )
+    outputs: dict[str, list[Path]] = {}
+    for path in sorted(Path(args.actual).iterdir()):
+        if path.is_file():
+            outputs.setdefault(path.name.split(".", 1)[0], []).append(path)
+    results = []
+    missing = []
+    for case in load_suite(args.expected):
+        found = outputs.pop(case.name, [])
+        if len(found) > 1:
+            names = ", ".join(p.name for p in found)
+            raise UsageError(f"{args.actual}: case {case.name} has several outputs: {names}")
+        if not found:
+            missing.append(case.name)
+            continue
+        source = _open(str(found[0]), args.dtype)
+        _unpack(source, case.layout)  # a length that does not fit the case is a usage error
+        with source.unchanged():
+            try:
+                result = case.compare(source.packed, precision=args.precision)
+            except ValueError as error:  # a --precision finer than the buffers
+                raise _usage_error(error) from None
+        results.append(case_result(case, result))
+    if results:
+        print(summarize(results, command="cli"))
+    for name in missing:
+        print(f"no output for case {name}")
+    for name in sorted(outputs):
+        print(f"not a case of the suite: {', '.join(p.name for p in outputs[name])}")
+    return 0 if not missing and all(r.passed for r in results) else 1
 
 
 def _compare_tensor(args: argparse.Namespace) -> int:

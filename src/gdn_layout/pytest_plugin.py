@@ -464,3 +464,74 @@ def gdn_case(request: pytest.FixtureRequest) -> Any:
     # A failure's files are named after the test, which a case can serve more than once.
     stem = re.sub(r"[^\w.-]+", "-", request.node.nodeid.replace(".py::", "-")).strip("-")
     return dataclasses.replace(case, save_as=folder / stem)
+
+
+# -- the summary across cases, at the end of the session -----------------------------------------
+
+#: The name of the user property that carries a case's result from the process that ran the
+#: test (a pytest-xdist worker) to the one that prints the summary: a JSON string.
+RESULT_PROPERTY = "gdn_case_result"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """After a test that takes ``gdn_case``, the result of its last comparison, as a small
+    JSON record in the report's ``user_properties`` (which pytest-xdist sends on); the case's
+    name alone when the test made none (it failed before it compared, say)."""
+    case = getattr(item, "funcargs", {}).get("gdn_case")
+    if not isinstance(case, Case):
+        return (yield)
+    before = case.last_comparison
+    try:
+        return (yield)
+    finally:
+        import json
+
+        from .summary import case_result
+
+        after = case.last_comparison
+        made = after is not None and after is not before
+        record = case_result(case, after).to_dict() if made and after else {"name": case.name}
+        item.user_properties.append((RESULT_PROPERTY, json.dumps(record, allow_nan=False)))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One block per test function that judged ``gdn_case``: what failed across its cases
+    (:func:`gdn_layout.summary.summarize`), and the cases it made no comparison in."""
+    import json
+
+    from .summary import CaseResult, summarize
+
+    by_test: dict[str, tuple[list[CaseResult], list[str]]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) != "call":
+                continue
+            for name, value in getattr(report, "user_properties", ()):
+                if name == RESULT_PROPERTY:
+                    results, unjudged = by_test.setdefault(report.nodeid.split("[", 1)[0], ([], []))
+                    record = json.loads(value)
+                    if "grads" in record:
+                        results.append(CaseResult.from_dict(record))
+                    else:
+                        unjudged.append(record["name"])
+    blocks = {test: judged for test, judged in by_test.items() if judged[0]}
+    if not blocks:
+        return
+    terminalreporter.write_sep("=", "gdn-layout: what failed across the cases")
+    for test, (results, unjudged) in sorted(blocks.items()):
+        results.sort(key=lambda r: r.name)  # as run, under pytest-xdist: in no fixed order
+        lines = summarize(results, command="pytest").lines()
+        terminalreporter.write_line(f"{test}: {lines[0]}")
+        if unjudged:
+            shown = ", ".join(sorted(unjudged)[:_SHOWN])
+            more = f", and {len(unjudged) - _SHOWN} more" if len(unjudged) > _SHOWN else ""
+            terminalreporter.write_line(
+                f"  {len(unjudged)} more case(s) made no comparison, not counted: {shown}{more}"
+            )
+        for line in lines[1:]:
+            terminalreporter.write_line(line)
+
+
+#: The most names of cases without a comparison a summary lists.
+_SHOWN = 6

@@ -102,6 +102,16 @@ class Case:
     save_as: Path | None = None
     #: The reference outputs computed for this case's states, by chunk length.
     _states: _Outputs = field(default_factory=dict, repr=False, init=False)
+    #: The comparison :meth:`compare` made last (none yet: empty), which the pytest plugin
+    #: reads after a test to summarise the session.
+    _last: list[Comparison] = field(default_factory=list, repr=False, init=False)
+
+    @property
+    def last_comparison(self) -> Comparison | None:
+        """The :class:`~gdn_layout.check.Comparison` that :meth:`compare` (or :meth:`check`)
+        made last, None before any: what a test's summary across cases reads
+        (:func:`gdn_layout.summary.case_result`)."""
+        return self._last[-1] if self._last else None
 
     @property
     def layout(self) -> GdnBackwardLayout:
@@ -202,7 +212,9 @@ class Case:
         if judging.get("precision") is None:
             judging["precision"] = self.precision
         with self.fixture.unchanged():  # held from before the comparison reads a page
-            return compare(actual, self.fixture, **judging)  # type: ignore[arg-type]
+            result = compare(actual, self.fixture, **judging)  # type: ignore[arg-type]
+        self._last[:] = [result]
+        return result
 
     def check(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
         """:meth:`compare`, raising AssertionError with the table and the worst element of
