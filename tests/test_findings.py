@@ -304,6 +304,22 @@ def test_boundary_wrong_from_a_step_on(layout: GdnBackwardLayout, name: str) -> 
     assert "wrong from step 4 on" in found.text
 
 
+@pytest.mark.parametrize("carried", [False, True])
+def test_wrong_from_step_1_on_is_a_term_that_reads_the_state_where_none_is_carried(
+    carried: bool,
+) -> None:
+    # Step 0 reads a zero state when none is carried: a wrong term that reads it vanishes
+    # there, and no step of the sequence is named. With a carried state, step 1 is one.
+    layout = GdnBackwardLayout(1, 12, 2, 8, carry_state=carried)
+    e = grads(layout)["dk"]
+    found = only(grad_findings("dk", _noisy(e, np.s_[:, 1:]), e, layout, SCORE), "boundary")
+    if carried:
+        assert (found.details["step"], found.details["side"]) == (1, "from")
+    else:
+        assert (found.details["step"], found.details["side"]) == (None, "zero state")
+        assert "right at step 0 alone, where the state it reads is still zero" in found.text
+
+
 def test_boundary_wrong_before_a_step_and_zeros() -> None:
     layout = LAYOUTS["channel"]
     e = grads(layout)["dk"]

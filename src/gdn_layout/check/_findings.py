@@ -369,6 +369,8 @@ class _Context:
         )
         self._score = score
         self.dtype = dtype
+        #: Whether the first step reads a zero state (none carried): what reads it is right there.
+        self.zero_start = False
 
     @functools.cached_property
     def floor(self) -> float:
@@ -509,6 +511,7 @@ def grad_findings(
         return ()
     whole = a.shape == shape
     ctx = _Context(name, a, e, score, base, layout.state_size, whole, actual.dtype)
+    ctx.zero_start = not layout.carry_state
     found += _tried(ctx, GRADIENTS)
     if not found and base <= ROUNDING_MAX:
         found.append(_rounding(name, base))
@@ -1011,6 +1014,17 @@ def _boundary(ctx: _Context) -> Finding | None:
             continue
         unit, _ = _unit(ctx.name)
         count = f"{'C' if unit == 'chunk' else 'S'}={steps}"
+        if side == "from" and t0 == 1 and unit == "step" and ctx.zero_start:
+            # Step 0 reads a zero state: a wrong term that reads the state vanishes there.
+            # That is no step of the sequence, so none is named.
+            text = (
+                f"{ctx.name} is right at step 0 alone, where the state it reads is still zero "
+                f"(none carried), and wrong from step 1 on ({count}): a term that reads the "
+                "state before the step wrong?"
+            )
+            first: dict[str, object] = {"step": None, "side": "zero state"}
+            first.update(count=int(failing.size), **contrast)
+            return Finding("boundary", ctx.name, text, first)
         if side == "before" and per[t0 - 1] < FALLS * per[t0]:
             # No edge: an error from the first step that fades with the decay, as that of
             # the initial state does. Where it passes under the limit is no boundary.
