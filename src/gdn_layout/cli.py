@@ -328,6 +328,12 @@ def _verify_command(commands: _Commands) -> None:
         metavar="C",
         help="only the cases that cross a boundary of a C-step chunk",
     )
+    verify.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the quick set: the fewest cases that still hold every shape, gate regime "
+        "and pairing of gate and state modes",
+    )
     verify.set_defaults(run=_verify)
 
 
@@ -567,14 +573,14 @@ def _compare_tensor(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     selection = {"min_seq": args.min_seq, "regime": args.regime, "crossing": args.crossing}
-    problems = verify_suite(args.suite, **selection)
+    problems = verify_suite(args.suite, **selection, quick=args.quick)
     if problems:
         print(f"{args.suite}: {len(problems)} file(s) differ from {MANIFEST}:")
         for problem in problems:
             print(f"  {problem}")
         return 1
-    count = len(suite_files(args.suite, **selection))
-    chosen = " selected" if any(value is not None for value in selection.values()) else ""
+    count = len(suite_files(args.suite, **selection, quick=args.quick))
+    chosen = " selected" if args.quick or any(v is not None for v in selection.values()) else ""
     print(f"{args.suite}: {count}{chosen} fixtures match {MANIFEST}")
     return 0
 

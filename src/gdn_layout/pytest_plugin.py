@@ -8,7 +8,9 @@ runs over the cases of:
     (:func:`gdn_layout.suites.load_suite`, which checks the manifest first), with the case's
     name as the test id; ``--gdn-min-seq S``, ``--gdn-regime R`` and ``--gdn-crossing C``
     keep the cases of at least ``S`` steps, of regime ``R``, that cross a ``C``-step chunk's
-    boundary (``-k`` selects by name as usual);
+    boundary (``-k`` selects by name as usual), and ``--gdn-quick`` the fewest of those that
+    still hold every shape, regime and pairing of modes among them (``load_suite(...,
+    quick=True)``);
 ``pytest --gdn-layout B,S,H,N[,channel][,state]``
     the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
     computed by the reference when the session starts, in ``--gdn-dtype``
@@ -21,16 +23,16 @@ With neither, a test that takes ``gdn_case`` runs over the standard suite, writt
 pytest's cache folder (``.pytest_cache/d/gdn-layout``, one per gdn-layout version and dtype,
 verified against its manifest on reuse and written again when it is not intact; under
 pytest-xdist by the first worker that needs it): ``pytest test_my_kernel.py`` is the whole
-first run. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel test
-is then::
+first run, and ``--gdn-quick`` (or ``gdn_quick = true``) runs its quick set: the quick loop.
+``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel test is then::
 
     def test_my_kernel(gdn_case):
         gdn_case.check(my_backward(*gdn_case.inputs))
 
 Each option has a configuration key of the same name in ``pytest.ini`` (``[tool.pytest.
 ini_options]`` of ``pyproject.toml``): ``gdn_suite`` (a folder, relative to the configuration
-file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``; an option given on the command line
-wins.
+file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``, ``gdn_quick``; an option given on the
+command line wins.
 
 :meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
 and the coordinates of its worst element; the criterion is the calibrated one unless
@@ -98,6 +100,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="only the suite's cases that cross a boundary of a C-step chunk",
     )
     group.addoption(
+        "--gdn-quick",
+        action="store_true",
+        default=None,
+        help="only the suite's quick set: the fewest cases that still hold every shape, gate "
+        "regime and pairing of gate and state modes (every chunk boundary to 256 steps)",
+    )
+    group.addoption(
         "--gdn-dtype",
         type=dtype_arg,
         help="the cases' dtype with --gdn-layout, and the cached standard suite's (float32)",
@@ -122,6 +131,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("gdn_dtype", "as --gdn-dtype, and the cached suite's dtype", default="float32")
     parser.addini("gdn_precision", "as --gdn-precision")
     parser.addini("gdn_skip", "as --gdn-skip", type="bool", default=False)
+    parser.addini("gdn_quick", "as --gdn-quick", type="bool", default=False)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -146,11 +156,13 @@ def pytest_configure(config: pytest.Config) -> None:
         if suite is not None:
             from .suites import suite_files
 
-            selection = {k: config.getoption(f"gdn_{k}") for k in ("min_seq", "regime", "crossing")}
+            selection = _selection(config)
             suite_files(suite, **selection)  # its manifest, and the selection
             _precision(config, ())  # its spelling; its dtype's, once the suite is loaded
             make = functools.partial(_suite_cases, config, suite, selection)
         else:
+            if config.getoption("gdn_quick"):
+                raise ValueError("--gdn-quick selects from a suite; drop it or --gdn-layout")
             make = _layout_cases(config, spec)
     config.stash[_MAKE] = (make, where)
 
@@ -185,6 +197,13 @@ def _usage_errors(where: str) -> Iterator[None]:
         raise pytest.UsageError(f"gdn-layout: {where}{err}") from None
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
+
+
+def _selection(config: pytest.Config) -> dict[str, Any]:
+    """The options that select a suite's cases, as :func:`~gdn_layout.suites.load_suite` takes
+    them."""
+    chosen = {k: config.getoption(f"gdn_{k}") for k in ("min_seq", "regime", "crossing")}
+    return {**chosen, "quick": bool(_setting(config, "gdn_quick"))}
 
 
 def _suite_cases(config: pytest.Config, suite: str, selection: dict[str, Any]) -> list[Case]:
@@ -278,6 +297,7 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
                 min_seq=config.getoption("gdn_min_seq"),
                 regime=config.getoption("gdn_regime"),
                 crossing=config.getoption("gdn_crossing"),
+                quick=bool(_setting(config, "gdn_quick")),
             )
     except OSError as err:  # a read-only project, a full disk
         pytest.fail(
