@@ -24,7 +24,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -619,7 +619,15 @@ def _demo(args: argparse.Namespace) -> int:
         )
         print("\n3. a float32 recomputation against it, judged against the fixture's floors:")
         print(result)
+    print(f"\n{_NEXT_STEP}")
     return 0 if result.passed else 1
+
+
+#: What the demo ends with: the step after it, making the suite and testing a kernel over it.
+_NEXT_STEP: Final = (
+    "Next: gdn-layout fixture --suite suite makes the standard suite; a kernel test taking\n"
+    "gdn_case runs over its quick set: pytest --gdn-suite suite --gdn-quick test_my_kernel.py"
+)
 
 
 def _check_plot_path(path: str, *, force: bool) -> None:

@@ -413,7 +413,7 @@ def verify_suite(
 ) -> list[str]:
     """Check a suite's files against its manifest; return one line per problem (none: intact).
 
-    ``min_seq``, ``regime`` and ``crossing`` check only the cases they select, as
+    ``min_seq``, ``regime``, ``crossing`` and ``quick`` check only the cases they select, as
     :func:`load_suite` does.
 
     Each listed file must be a regular file with the size and SHA-256 the manifest gives, and
@@ -481,7 +481,11 @@ def load_suite(
     Only the cases of at least ``min_seq`` steps, of gate regime ``regime`` and that cross a
     boundary of a ``crossing``-step chunk (a step ``c * crossing`` inside the sequence) are
     loaded, when these are given; a file of the folder that the manifest does not list is
-    still a problem.
+    still a problem. With ``quick``, only the quick set of those: the fewest that still hold
+    every shape, gate regime, and pairing of gate mode and state mode both within one
+    :data:`DEFAULT_CHUNK`-step chunk and across its boundary that they hold (one case per
+    shape of the standard suite, and so every chunk boundary it reaches; ``pytest
+    --gdn-quick`` runs these).
 
     Each file is read once: the fixture of a case holds the very bytes whose SHA-256 matched
     the manifest. Files smaller than :data:`~gdn_layout.files.MAP_THRESHOLD` are held in
