@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import inspect
 import io
 import json
 import os
@@ -32,7 +33,7 @@ import pytest
 import gdn_layout.cli
 import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
-from gdn_layout.cli import _parser, main
+from gdn_layout.cli import _NEXT_STEP, _parser, main
 from gdn_layout.files import load_fixture, save_fixture
 from gdn_layout.files._outputs import FILE_KINDS
 from gdn_layout.regimes import REGIME_SUMMARIES
@@ -118,6 +119,7 @@ def test_readme_console_sessions_print_what_the_readme_shows(tmp_path: Path) -> 
             head = shown.split("3. a float32")[0]
             assert result.stdout.startswith(head), command
             assert "compare passed" in result.stdout
+            assert result.stdout.endswith("\n\n" + shown.rsplit("\n\n", 1)[1]), command
         else:  # "..." stands for what the suite's definitions make, a count or a size
             assert doctest.OutputChecker().check_output(shown, result.stdout, doctest.ELLIPSIS), (
                 command,
@@ -447,8 +449,20 @@ def test_demo_runs_the_main_job(tmp_path: Path) -> None:
     assert "float32 recomputation [" in result.stderr
     assert "reloaded into memory (a file under 64 MiB is read)" in result.stdout
     assert "compare passed" in result.stdout
+    assert result.stdout.endswith(f"ok\n\n{_NEXT_STEP}\n"), "the next step, last"
     assert list(tmp_path.iterdir()) == [], "the demo cleans up after itself"
     assert run("demo", "-S", "4", "--quiet", terminal=True).stderr == ""
+
+
+def test_the_demo_s_next_step_names_commands_that_exist() -> None:
+    pytest_plugin = importlib.import_module("gdn_layout.pytest_plugin")
+    command = re.search(r"gdn-layout (fixture [^;]*?) makes", _NEXT_STEP)
+    assert command is not None
+    assert _parser().parse_args(command.group(1).split()).suite == "suite"
+    options = set(re.findall(r"--gdn-[\w-]+", _NEXT_STEP))
+    assert options == {"--gdn-suite", "--gdn-quick"}
+    assert all(f'"{option}"' in inspect.getsource(pytest_plugin) for option in options)
+    assert "gdn_case" in _NEXT_STEP
 
 
 def test_progress_bar_on_a_terminal_only(tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def test_committed_table_matches_seed(tmp_path: Path) -> None:
     if shutil.which("rustc") is None:
         missing.append("rustc is not on PATH")
     if not seed.is_file():
-        missing.append(f"seed not found at {seed} (set GDN_SEED)")
+        missing.append(f"the seed is not found: {REGENERATE.HOW_TO_GET_THE_SEED}")
     if missing:
         pytest.skip("; ".join(missing))
     build_table: Callable[[Path, Path], dict[str, Any]] = REGENERATE.build_table
@@ -146,3 +146,17 @@ def test_table_covers_the_edge_cases() -> None:
 
     random_cases = [case for case in CASES if case["label"] == "random"]
     assert len(random_cases) == 4 * TABLE["random_configs"] >= 400, "too few random cases"
+
+
+def test_without_the_seed_the_messages_say_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """They name GDN_SEED and the seed's source, never a path outside the project."""
+    monkeypatch.setenv("GDN_SEED", str(tmp_path / "gdn.rs"))
+    assert REGENERATE.main() == 1
+    said = capsys.readouterr().err
+    assert said == f"the seed is not found: {REGENERATE.HOW_TO_GET_THE_SEED}\n"
+    assert "GDN_SEED" in said
+    assert "https://github.com/MIT-RLX/rlx" in said
+    assert str(tmp_path) not in said
+    assert "shared" not in said

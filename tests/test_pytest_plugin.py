@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -424,6 +425,7 @@ def test_plugin_reads_its_settings_from_the_configuration(
         (["--gdn-layout", "1,2,3"], "*--gdn-layout expects B,S,H,N*"),
         (["--gdn-layout", "1,2,x,4"], "*four integers*"),
         (["--gdn-layout", "1,2,1,2", "--gdn-suite", "x"], "*give one of them*"),
+        (["--gdn-layout", "1,2,1,2", "--gdn-quick"], "*--gdn-quick selects from a suite*"),
         (["--gdn-crossing", "0"], "*--gdn-crossing: expected a positive integer, got '0'*"),
         (["--gdn-min-seq", "-1"], "*--gdn-min-seq: expected a non-negative integer, got '-1'*"),
         (["--gdn-seed", "x"], "*--gdn-seed: expected a non-negative integer, got 'x'*"),
@@ -460,6 +462,38 @@ def test_plugin_selects_suite_cases(suite: Suite, pytester: pytest.Pytester) -> 
         "extreme",
     )
     result.assert_outcomes(passed=8)  # S = 300 and 513, in four gate and state modes
+
+
+@pytest.mark.parametrize("given", ["option", "configuration"])
+def test_plugin_runs_the_quick_set(suite: Suite, pytester: pytest.Pytester, given: str) -> None:
+    root, _ = suite
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    args = ["-p", "no:cacheprovider", f"--gdn-suite={root}", "-v"]  # not a path: the ini's
+    if given == "option":
+        args.append("--gdn-quick")
+    else:
+        pytester.makeini("[pytest]\ngdn_quick = true\n")
+    result = pytester.runpytest(*args)
+    quick = [name.removesuffix(".safetensors") for name in suite_files(root, quick=True)]
+    result.assert_outcomes(passed=len(quick))
+    result.stdout.fnmatch_lines([f"*test_correct?{name}? PASSED*" for name in quick])
+
+
+def test_plugin_runs_the_quick_set_of_the_suite_in_its_cache(
+    suite: Suite, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    generate = importlib.import_module("gdn_layout.generate")
+    made: list[Path] = []
+
+    def write_suite(folder: Path, **_: object) -> None:  # the session's suite, not made again
+        made.append(folder)
+        shutil.copytree(suite[0], folder)
+
+    monkeypatch.setattr(generate, "write_suite", write_suite)
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    result = pytester.runpytest_inprocess("--gdn-quick", "--gdn-regime", "qwen")
+    assert len(made) == 1
+    result.assert_outcomes(passed=len(suite_files(suite[0], quick=True, regime="qwen")))
 
 
 # -- what the plugin refuses: one line, exit 4 (a usage error), no INTERNALERROR ---------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import doctest
 import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 
 from gdn_layout import load_fixture, unpack
 from gdn_layout.regimes import REGIMES
-from support import run
+from gdn_layout.suites import suite_files
+from support import Suite, run
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -76,11 +78,32 @@ def test_console_sessions(path: Path, tmp_path: Path) -> None:
             # checked for the verdict, everything before it to the letter.
             assert stdout.startswith(shown.split("3. a float32")[0]), command
             assert "compare passed" in stdout
+            assert stdout.endswith("\n\n" + shown.rsplit("\n\n", 1)[1]), command  # next step
         else:  # "..." stands for what the suite's definitions make, a count or a size
             assert doctest.OutputChecker().check_output(shown, stdout, doctest.ELLIPSIS), (
                 command,
                 stdout,
             )
+
+
+@pytest.mark.slow
+def test_the_quick_set_the_readme_shows_is_pytest_s(
+    suite: Suite, pytester: pytest.Pytester
+) -> None:
+    text = README.read_text()
+    part = text[text.index("**The quick set.**") :]
+    block = re.search(r"```text\n\$ pytest (.*?) test_my_kernel\.py\n(.*?)```", part, re.DOTALL)
+    counts = re.search(r"keeps (\d+) cases of (\d+)", part)
+    assert block is not None
+    assert counts is not None
+    root, paths = suite
+    quick = suite_files(root, quick=True)
+    assert (int(counts.group(1)), int(counts.group(2))) == (len(quick), len(paths))
+    shutil.copytree(root, pytester.path / "suite")  # the README's folder
+    pytester.makepyfile(test_my_kernel="def test_my_kernel(gdn_case):\n    pass\n")
+    result = pytester.runpytest("-p", "no:cacheprovider", *block.group(1).split())
+    printed = "\n".join(result.outlines) + "\n"
+    assert doctest.OutputChecker().check_output(block.group(2), printed, doctest.ELLIPSIS), printed
 
 
 SWAPPED_HEADS = """

@@ -10,19 +10,31 @@ import os
 import shlex
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gdn_layout import GdnBackwardLayout, write_suite
 from gdn_layout.cli import main
 from gdn_layout.files import FixtureError, load_fixture, save_fixture
+from gdn_layout.generate import CHUNK_SIZES, boundaries_crossed
 from gdn_layout.layout import layout_caption
 from gdn_layout.reference import backward, chunk_states
-from gdn_layout.regimes import REGIMES
-from gdn_layout.suites import MANIFEST, Case, load_suite, make_case, verify_suite
+from gdn_layout.regimes import REGIME_SINCE, REGIMES
+from gdn_layout.suites import (
+    DEFAULT_CHUNK,
+    MANIFEST,
+    Case,
+    load_suite,
+    make_case,
+    suite_files,
+    verify_suite,
+)
 from support import DeviceArray, Suite, run
 
 generate = importlib.import_module("gdn_layout.generate")
@@ -270,6 +282,7 @@ def test_load_suite_and_verify_select_by_length_regime_and_boundary(
             ValueError,
             "load_suite: min_seq must be a non-negative integer or None, got -1",
         ),
+        ({"quick": 1}, TypeError, "load_suite: quick must be a bool, got int 1"),
     ],
 )
 def test_load_suite_selection_errors(
@@ -319,3 +332,130 @@ def test_a_manifest_is_read_one_way_by_loading_and_by_replacing(
         verify_suite(root)
     with pytest.raises(FileExistsError, match=rf"suite is not replaced: {why}"):
         write_suite(root, overwrite=True)
+
+
+# -- the quick set ------------------------------------------------------------------------------
+
+suites = importlib.import_module("gdn_layout.suites")
+
+
+def _entries(regimes: Mapping[str, int] = REGIME_SINCE) -> list[dict[str, Any]]:
+    """The manifest entries of the standard suite with ``regimes``, as write_suite lists them
+    (without the files' bytes)."""
+    return [
+        {
+            "file": case.name,
+            "layout": case.layout.to_dict(),
+            "regime": case.regime,
+            "identical_rows": case.identical_rows,
+        }
+        for case in generate._suite_cases(regimes)
+    ]
+
+
+def _covered(entries: Sequence[Mapping[str, Any]]) -> set[tuple[Any, ...]]:
+    """What the quick set must keep, from the suite's definitions: each shape (write_suite's
+    edge shapes), gate mode, state mode and regime, the modes' pairings within and across a
+    DEFAULT_CHUNK boundary, and per chunk size of CHUNK_SIZES its first and second boundary
+    crossed and a sequence ending one step past one and one step short of one."""
+    found: set[tuple[Any, ...]] = set()
+    for entry in entries:
+        layout = GdnBackwardLayout.from_dict(entry["layout"])
+        seq, gate, state = layout.seq, layout.gate_per_channel, layout.carry_state
+        shape = (layout.batch, seq, layout.heads, layout.state_size, entry["identical_rows"])
+        found |= {("shape", shape), ("gate", gate), ("state", state), ("regime", entry["regime"])}
+        found.add(("modes", gate, state, seq > DEFAULT_CHUNK))
+        for size in CHUNK_SIZES:
+            found |= {("crosses", size, n) for n in (1, 2) if boundaries_crossed(seq)[size] >= n}
+            if seq > size and seq % size == 1:
+                found.add(("one past", size))
+            if seq % size == size - 1:
+                found.add(("one short", size))
+    return found
+
+
+#: The standard suite, and one with a regime added after the others (as regimes.py says).
+_SUITES = {
+    "standard": REGIME_SINCE,
+    "a regime added": {**REGIME_SINCE, "later": max(REGIME_SINCE.values()) + 9},
+}
+
+
+@pytest.mark.parametrize("regimes", _SUITES.values(), ids=_SUITES.keys())
+def test_the_quick_set_covers_everything_the_suite_covers(regimes: Mapping[str, int]) -> None:
+    full = _entries(regimes)
+    quick = suites._quick_cover(full)
+    assert _covered(quick) == _covered(full)
+    assert {e["regime"] for e in quick} == set(regimes)
+    layouts = [GdnBackwardLayout.from_dict(e["layout"]) for e in quick]
+    assert {(x.gate_per_channel, x.carry_state) for x in layouts} == {
+        (g, s) for g in (False, True) for s in (False, True)
+    }
+    longest = max(GdnBackwardLayout.from_dict(e["layout"]).seq for e in full)
+    assert max(x.seq for x in layouts) == longest  # every chunk size's boundaries reached
+    assert [e["file"] for e in quick] == [e["file"] for e in full if e in quick]  # in order
+
+
+@pytest.mark.parametrize("regimes", _SUITES.values(), ids=_SUITES.keys())
+def test_the_quick_set_is_the_fewest(regimes: Mapping[str, int]) -> None:
+    full = _entries(regimes)
+    quick = suites._quick_cover(full)
+    # Each case has one shape, one regime and one pairing of modes: no cover has fewer cases
+    # than there are of any of them.
+    bound = max(
+        len({p for p in _covered(full) if p[0] == kind}) for kind in ("shape", "regime", "modes")
+    )
+    assert len(quick) == bound < len(full)
+
+
+@pytest.mark.parametrize("regimes", _SUITES.values(), ids=_SUITES.keys())
+def test_no_case_of_the_quick_set_can_be_left_out(regimes: Mapping[str, int]) -> None:
+    full = _entries(regimes)
+    quick = suites._quick_cover(full)
+    for i in range(len(quick)):
+        assert _covered(quick[:i] + quick[i + 1 :]) < _covered(full), quick[i]["file"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sets(st.sampled_from([e["file"] for e in _entries()]), min_size=1))
+def test_the_quick_set_of_any_part_of_the_suite_covers_that_part(chosen: set[str]) -> None:
+    part = [e for e in _entries() if e["file"] in chosen]
+    quick = suites._quick_cover(part)
+    assert all(e in part for e in quick)
+    assert _covered(quick) == _covered(part)
+    for i in range(len(quick)):
+        assert _covered(quick[:i] + quick[i + 1 :]) < _covered(part)
+
+
+def test_batch_rows_of_identical_inputs_make_a_shape_of_their_own() -> None:
+    one = _entries()[0]
+    twin = {**one, "file": "twin", "identical_rows": True}
+    assert suites._quick_cover([one, twin]) == [one, twin]
+
+
+def test_an_entry_the_quick_set_cannot_read_is_kept_for_checking() -> None:
+    broken = [{"file": "a", "layout": {"seq": "x"}}, {"file": "b", "regime": ["zero"]}]
+    entries = _entries()[:3] + broken
+    assert suites._quick_cover(entries)[-2:] == broken
+
+
+@pytest.mark.slow
+def test_load_suite_verify_and_the_command_line_select_the_quick_set(
+    suite: Suite, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = suite
+    entries = json.loads((root / MANIFEST).read_text())["fixtures"]
+    names = [e["file"] for e in suites._quick_cover(entries)]
+    assert [e["file"] for e in suites._quick_cover(_entries())] == names  # what write_suite lists
+    assert [c.name + ".safetensors" for c in load_suite(root, quick=True)] == names
+    assert suite_files(root, quick=True) == names
+    assert verify_suite(root, quick=True) == []
+    assert main(["verify", str(root), "--quick"]) == 0
+    assert (
+        capsys.readouterr().out == f"{root}: {len(names)} selected fixtures match manifest.json\n"
+    )
+    # After the other selections: the fewest of the mild cases that hold what they hold.
+    mild = load_suite(root, quick=True, regime="mild")
+    kept = [e for e in entries if e["regime"] == "mild"]
+    assert [c.name + ".safetensors" for c in mild] == [e["file"] for e in suites._quick_cover(kept)]
+    assert len(mild) < len(kept)

@@ -24,7 +24,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -336,6 +336,12 @@ def _verify_command(commands: _Commands) -> None:
         metavar="C",
         help="only the cases that cross a boundary of a C-step chunk",
     )
+    verify.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the quick set: the fewest cases that still hold every shape, gate regime "
+        "and pairing of gate and state modes",
+    )
     verify.set_defaults(run=_verify)
 
 
@@ -626,14 +632,14 @@ def _compare_tensor(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     selection = {"min_seq": args.min_seq, "regime": args.regime, "crossing": args.crossing}
-    problems = verify_suite(args.suite, **selection)
+    problems = verify_suite(args.suite, **selection, quick=args.quick)
     if problems:
         print(f"{args.suite}: {len(problems)} file(s) differ from {MANIFEST}:")
         for problem in problems:
             print(f"  {problem}")
         return 1
-    count = len(suite_files(args.suite, **selection))
-    chosen = " selected" if any(value is not None for value in selection.values()) else ""
+    count = len(suite_files(args.suite, **selection, quick=args.quick))
+    chosen = " selected" if args.quick or any(v is not None for v in selection.values()) else ""
     print(f"{args.suite}: {count}{chosen} fixtures match {MANIFEST}")
     return 0
 
@@ -672,7 +678,15 @@ def _demo(args: argparse.Namespace) -> int:
         )
         print("\n3. a float32 recomputation against it, judged against the fixture's floors:")
         print(result)
+    print(f"\n{_NEXT_STEP}")
     return 0 if result.passed else 1
+
+
+#: What the demo ends with: the step after it, making the suite and testing a kernel over it.
+_NEXT_STEP: Final = (
+    "Next: gdn-layout fixture --suite suite makes the standard suite; a kernel test taking\n"
+    "gdn_case runs over its quick set: pytest --gdn-suite suite --gdn-quick test_my_kernel.py"
+)
 
 
 def _check_plot_path(path: str, *, force: bool) -> None:

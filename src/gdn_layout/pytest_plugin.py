@@ -8,7 +8,9 @@ runs over the cases of:
     (:func:`gdn_layout.suites.load_suite`, which checks the manifest first), with the case's
     name as the test id; ``--gdn-min-seq S``, ``--gdn-regime R`` and ``--gdn-crossing C``
     keep the cases of at least ``S`` steps, of regime ``R``, that cross a ``C``-step chunk's
-    boundary (``-k`` selects by name as usual);
+    boundary (``-k`` selects by name as usual), and ``--gdn-quick`` the fewest of those that
+    still hold every shape, regime and pairing of modes among them (``load_suite(...,
+    quick=True)``);
 ``pytest --gdn-layout B,S,H,N[,channel][,state]``
     the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
     computed by the reference when the session starts, in ``--gdn-dtype``
@@ -23,7 +25,8 @@ of the suite's definition, which the dtype is part of; verified against its mani
 and written again when it is not intact; under pytest-xdist by the first worker that needs
 it): ``pytest test_my_kernel.py`` is the whole first run. The process that writes it says so
 on stderr, past pytest's capture, and shows its progress: a bar on a terminal, a line at every
-tenth in a log. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel
+tenth in a log. ``--gdn-quick`` (or ``gdn_quick = true``) runs its quick set: the
+quick loop. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel
 test is then::
 
     def test_my_kernel(gdn_case):
@@ -31,8 +34,8 @@ test is then::
 
 Each option has a configuration key of the same name in ``pytest.ini`` (``[tool.pytest.
 ini_options]`` of ``pyproject.toml``): ``gdn_suite`` (a folder, relative to the configuration
-file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``, ``gdn_save`` (relative to the
-configuration file); an option given on the command line wins.
+file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``, ``gdn_quick``, ``gdn_save``
+(relative to the configuration file); an option given on the command line wins.
 
 :meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
 and the coordinates of its worst element, the case's fixture file and the ``gdn-layout
@@ -106,6 +109,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="only the suite's cases that cross a boundary of a C-step chunk",
     )
     group.addoption(
+        "--gdn-quick",
+        action="store_true",
+        default=None,
+        help="only the suite's quick set: the fewest cases that still hold every shape, gate "
+        "regime and pairing of gate and state modes (every chunk boundary to 256 steps)",
+    )
+    group.addoption(
         "--gdn-dtype",
         type=dtype_arg,
         help="the cases' dtype with --gdn-layout, and the cached standard suite's (float32)",
@@ -135,6 +145,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("gdn_dtype", "as --gdn-dtype, and the cached suite's dtype", default="float32")
     parser.addini("gdn_precision", "as --gdn-precision")
     parser.addini("gdn_skip", "as --gdn-skip", type="bool", default=False)
+    parser.addini("gdn_quick", "as --gdn-quick", type="bool", default=False)
     parser.addini("gdn_save", "as --gdn-save, relative to this file")
 
 
@@ -191,11 +202,13 @@ def pytest_configure(config: pytest.Config) -> None:
         if suite is not None:
             from .suites import suite_files
 
-            selection = {k: config.getoption(f"gdn_{k}") for k in ("min_seq", "regime", "crossing")}
+            selection = _selection(config)
             suite_files(suite, **selection)  # its manifest, and the selection
             _precision(config, ())  # its spelling; its dtype's, once the suite is loaded
             make = functools.partial(_suite_cases, config, suite, selection)
         else:
+            if config.getoption("gdn_quick"):
+                raise ValueError("--gdn-quick selects from a suite; drop it or --gdn-layout")
             make = _layout_cases(config, spec)
     config.stash[_MAKE] = (make, where)
 
@@ -230,6 +243,13 @@ def _usage_errors(where: str) -> Iterator[None]:
         raise pytest.UsageError(f"gdn-layout: {where}{err}") from None
     except MemoryError as err:  # past the estimate: still the user's layout, not a crash
         raise pytest.UsageError(f"gdn-layout: out of memory: {err}") from None
+
+
+def _selection(config: pytest.Config) -> dict[str, Any]:
+    """The options that select a suite's cases, as :func:`~gdn_layout.suites.load_suite` takes
+    them."""
+    chosen = {k: config.getoption(f"gdn_{k}") for k in ("min_seq", "regime", "crossing")}
+    return {**chosen, "quick": bool(_setting(config, "gdn_quick"))}
 
 
 def _suite_cases(config: pytest.Config, suite: str, selection: dict[str, Any]) -> list[Case]:
@@ -323,6 +343,7 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
                 min_seq=config.getoption("gdn_min_seq"),
                 regime=config.getoption("gdn_regime"),
                 crossing=config.getoption("gdn_crossing"),
+                quick=bool(_setting(config, "gdn_quick")),
             )
     except OSError as err:  # a read-only project, a full disk
         pytest.fail(

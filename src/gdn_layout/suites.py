@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import shlex
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Unpack
@@ -32,7 +32,7 @@ import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from ._arrays import as_framework, as_packed, device_of
-from ._checks import integer, require_matplotlib
+from ._checks import flag, integer, require_matplotlib
 from ._floors import Floors
 from .check import compare, compare_tensor
 from .check._compare import Judging
@@ -430,14 +430,14 @@ def _redraw(case: Case, actual: object, result: Comparison, judging: Judging) ->
         "--atol": judging.get("atol"),
         "--max-rms-ratio": judging.get("max_rms_ratio"),
     }
-    for flag, value in tolerances.items():
+    for option, value in tolerances.items():
         if value is not None:
             text = (
                 ",".join(f"{k}={float(v)!r}" for k, v in value.items())
                 if isinstance(value, Mapping)
                 else repr(float(value))
             )
-            words += [flag, text]
+            words += [option, text]
     words += [output or "OUTPUT.npy", str(fixture)]
     lines = [] if case.path is None else [f"  fixture: {case.path}"]
     lines += [*kept, f"  redraw: {shlex.join(words)}"]
@@ -515,10 +515,11 @@ def verify_suite(
     min_seq: int | None = None,
     regime: str | None = None,
     crossing: int | None = None,
+    quick: bool = False,
 ) -> list[str]:
     """Check a suite's files against its manifest; return one line per problem (none: intact).
 
-    ``min_seq``, ``regime`` and ``crossing`` check only the cases they select, as
+    ``min_seq``, ``regime``, ``crossing`` and ``quick`` check only the cases they select, as
     :func:`load_suite` does.
 
     Each listed file must be a regular file with the size and SHA-256 the manifest gives, and
@@ -540,7 +541,7 @@ def verify_suite(
     suites.suite_files : The files listed.
     write_suite : The writer.
     """
-    select = _selection(min_seq, regime, crossing, "verify_suite")
+    select = _selection(min_seq, regime, crossing, quick, "verify_suite")
     return _examine(Path(directory), keep=False, select=select)[0]
 
 
@@ -550,6 +551,7 @@ def suite_files(
     min_seq: int | None = None,
     regime: str | None = None,
     crossing: int | None = None,
+    quick: bool = False,
 ) -> list[str]:
     """The names of the fixture files that the manifest of the suite in ``directory`` lists,
     in its order, those selected as by :func:`load_suite` (nothing is checked against them:
@@ -565,8 +567,10 @@ def suite_files(
     load_suite : The cases those files hold.
     verify_suite : Check them.
     """
-    select = _selection(min_seq, regime, crossing, "suite_files")
-    return [entry["file"] for entry in read_manifest(Path(directory)) if select(entry)]
+    select = _selection(min_seq, regime, crossing, quick, "suite_files")
+    entries = read_manifest(Path(directory))
+    chosen = select(entries)
+    return [entry["file"] for entry in entries if entry["file"] in chosen]
 
 
 def load_suite(
@@ -575,6 +579,7 @@ def load_suite(
     min_seq: int | None = None,
     regime: str | None = None,
     crossing: int | None = None,
+    quick: bool = False,
 ) -> list[Case]:
     """The cases of the suite in ``directory``, in the manifest's order, after checking every
     file against the manifest as :func:`verify_suite` does.
@@ -582,7 +587,11 @@ def load_suite(
     Only the cases of at least ``min_seq`` steps, of gate regime ``regime`` and that cross a
     boundary of a ``crossing``-step chunk (a step ``c * crossing`` inside the sequence) are
     loaded, when these are given; a file of the folder that the manifest does not list is
-    still a problem.
+    still a problem. With ``quick``, only the quick set of those: the fewest that still hold
+    every shape, gate regime, and pairing of gate mode and state mode both within one
+    :data:`DEFAULT_CHUNK`-step chunk and across its boundary that they hold (one case per
+    shape of the standard suite, and so every chunk boundary it reaches; ``pytest
+    --gdn-quick`` runs these).
 
     Each file is read once: the fixture of a case holds the very bytes whose SHA-256 matched
     the manifest. Files smaller than :data:`~gdn_layout.files.MAP_THRESHOLD` are held in
@@ -603,7 +612,7 @@ def load_suite(
     Case : One case.
     """
     root = Path(directory)
-    select = _selection(min_seq, regime, crossing, "load_suite")
+    select = _selection(min_seq, regime, crossing, quick, "load_suite")
     problems, cases = _examine(root, keep=True, select=select)
     if problems:
         raise FixtureError(
@@ -613,16 +622,17 @@ def load_suite(
 
 
 def _selection(
-    min_seq: int | None, regime: str | None, crossing: int | None, func: str
-) -> Callable[[Mapping[str, Any]], bool]:
-    """Whether a manifest entry is selected; an entry whose layout cannot be read is, so that
-    checking it reports the problem."""
+    min_seq: int | None, regime: str | None, crossing: int | None, quick: bool, func: str
+) -> _Select:
+    """The names of the selected entries of a manifest; an entry whose layout cannot be read
+    is selected, so that checking it reports the problem."""
     if min_seq is not None:
         min_seq = integer(min_seq, f"{func}: min_seq", or_none=True)
     if crossing is not None:
         crossing = integer(crossing, f"{func}: crossing", least=1, or_none=True)
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"{func}: regime must be one of {REGIMES}, got {regime!r}")
+    quick = flag(f"{func}: quick", quick)
 
     def selected(entry: Mapping[str, Any]) -> bool:
         seq = entry.get("layout", {}).get("seq") if isinstance(entry.get("layout"), dict) else None
@@ -634,12 +644,74 @@ def _selection(
             and (crossing is None or seq > crossing)
         )
 
-    return selected
+    def chosen(entries: Sequence[Mapping[str, Any]]) -> set[str]:
+        kept = [entry for entry in entries if selected(entry)]
+        return {entry["file"] for entry in (_quick_cover(kept) if quick else kept)}
+
+    return chosen
 
 
-def _examine(
-    root: Path, *, keep: bool, select: Callable[[Mapping[str, Any]], bool]
-) -> tuple[list[str], list[Case]]:
+#: What a selection makes of a manifest's entries: the names of the files it keeps.
+_Select = Callable[[Sequence[Mapping[str, Any]]], set[str]]
+
+
+def _quick_cover(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The quick set of a suite's manifest entries: the fewest of them that still hold every
+    shape, gate regime and pairing of modes they hold together, in their order
+    (``load_suite(..., quick=True)`` loads these).
+
+    Each shape of the standard suite is one of its edge shapes
+    (:func:`~gdn_layout.generate.write_suite`), so keeping every shape keeps every chunk
+    boundary of :data:`~gdn_layout.generate.CHUNK_SIZES` the suite reaches. The set is a greedy
+    set cover over what each entry holds (:func:`_holds`: the entry that holds the most not yet
+    held first, the earlier on a tie), after which every entry the others cover is dropped, so
+    that none can be left out without losing something. Every entry holds one shape, one
+    pairing and one regime, so no cover has fewer entries than there are of any of them;
+    greedy meets that bound on the standard suite (one case per shape), and on any manifest
+    it is within a factor ``H(3) = 11/6`` of the fewest (the bound of greedy set cover when
+    each entry holds three things). An entry whose layout cannot be read holds
+    nothing and is kept, so that checking it reports it.
+    """
+    holds = [_holds(entry) for entry in entries]
+    unread = [i for i, held in enumerate(holds) if held is None]
+    read = {i: held for i, held in enumerate(holds) if held is not None}
+    left = set().union(*read.values())
+    chosen: list[int] = []
+    while left:
+        best = max(read, key=lambda i: len(read[i] & left))  # the first of the best
+        chosen.append(best)
+        left -= read[best]
+    for i in reversed(list(chosen)):  # the earliest picks are the likeliest to be redundant
+        if read[i] <= set().union(*(read[j] for j in chosen if j != i)):
+            chosen.remove(i)
+    return [entries[i] for i in sorted(chosen + unread)]
+
+
+def _holds(entry: Mapping[str, Any]) -> frozenset[tuple[Any, ...]] | None:
+    """What the case of a manifest entry holds, for :func:`_quick_cover`: its shape, its gate
+    mode and state mode as a pair within one :data:`DEFAULT_CHUNK`-step chunk or across its
+    boundary (a per-channel gate decays a carried state's rows, and a chunked kernel hands the
+    state over at the boundary: paths of their own), and its regime; None when its layout
+    cannot be read."""
+    try:
+        layout = GdnBackwardLayout.from_dict(entry.get("layout"))
+    except (ValueError, TypeError):
+        return None
+    regime = entry.get("regime")
+    if regime is not None and not isinstance(regime, str):
+        return None
+    seq = layout.seq
+    rows = entry.get("identical_rows", False) is True
+    return frozenset(
+        {
+            ("shape", layout.batch, seq, layout.heads, layout.state_size, rows),
+            ("modes", layout.gate_per_channel, layout.carry_state, seq > DEFAULT_CHUNK),
+            ("regime", regime),
+        }
+    )
+
+
+def _examine(root: Path, *, keep: bool, select: _Select) -> tuple[list[str], list[Case]]:
     """The problems of the selected cases of the suite at ``root``, and those cases when
     ``keep`` (else none).
 
@@ -681,18 +753,17 @@ def _identity(what: Path | os.stat_result) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _examine_in(
-    root: Path, fd: int, keep: bool, select: Callable[[Mapping[str, Any]], bool]
-) -> tuple[list[str], list[Case]]:
+def _examine_in(root: Path, fd: int, keep: bool, select: _Select) -> tuple[list[str], list[Case]]:
     """:func:`_examine` of the suite in the open folder ``fd``, named ``root``."""
     entries = read_manifest(root, dir_fd=fd)
     problems: list[str] = []
     cases: list[Case] = []
     listed = set()
+    chosen = select(entries)
     for entry in entries:
         name = entry["file"]
         listed.add(name)
-        if not select(entry):
+        if name not in chosen:
             continue
         fixture, problem = _check_entry(root, entry, fd)
         if problem is not None:

@@ -3,7 +3,8 @@
 Run as a script to rewrite the committed table; tests import :func:`build_table` to check that
 the committed table still matches what the seed computes.
 
-The seed defaults to ``<project root>/../shared/seed/gdn.rs``; set ``GDN_SEED`` to override it.
+The seed is ``src/gdn.rs`` of the ``rlx-ir`` crate, in the RLX repository
+(https://github.com/MIT-RLX/rlx): set ``GDN_SEED`` to the path of a copy of it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,15 @@ GENERATOR = GOLDEN_DIR / "gen_golden.rs"
 TABLE = GOLDEN_DIR / "layout_golden.json"
 
 
+#: Where to get the seed, for the messages that find none.
+HOW_TO_GET_THE_SEED = (
+    "set GDN_SEED to a copy of rlx-ir's src/gdn.rs, from the RLX repository "
+    "(https://github.com/MIT-RLX/rlx)"
+)
+
+
 def default_seed_path() -> Path:
-    """The seed this project mirrors: ``$GDN_SEED``, else the shared checkout beside it."""
+    """The seed this project mirrors: ``$GDN_SEED``, else a copy kept beside the project."""
     override = os.environ.get("GDN_SEED")
     if override:
         return Path(override)
@@ -74,7 +82,7 @@ def render(table: dict[str, Any]) -> str:
 def main() -> int:
     seed = default_seed_path()
     if not seed.is_file():
-        print(f"seed not found at {seed}; set GDN_SEED", file=sys.stderr)
+        print(f"the seed is not found: {HOW_TO_GET_THE_SEED}", file=sys.stderr)
         return 1
     if shutil.which("rustc") is None:
         print("rustc is not on PATH", file=sys.stderr)
