@@ -88,6 +88,29 @@ def test_a_large_state_is_compared_in_bounded_memory(tmp_path: Path) -> None:
     assert peak <= 2 * nbytes + ALLOWANCE, f"peak RSS {peak / MiB:.0f} MiB"
 
 
+@pytest.mark.slow
+def test_a_failing_large_state_is_explained_in_bounded_memory(tmp_path: Path) -> None:
+    # One wrong dstate element of N * N = 16.8 M: the explanations (the scan for unwritten
+    # and non-finite values, the cause maps) read it in pieces, as the comparison does.
+    n = 4096
+    layout = GdnBackwardLayout(1, 1, 1, n, carry_state=True)
+    nbytes = layout.nbytes(np.float32)
+    if shutil.disk_usage(tmp_path).free < 4 * nbytes:
+        pytest.skip("not enough disk space for two files")
+    expected = _sparse(tmp_path / "expected.bin", nbytes)
+    wrong = np.zeros(layout.total_elems, np.float32)
+    dstate = unpack(wrong, layout).dstate
+    assert dstate is not None
+    dstate[0, 0, 5, 7] = 1.0
+    actual = tmp_path / "actual.bin"
+    wrong.tofile(actual)
+    del wrong, dstate
+    flags = ["--dtype", "float32", "-B", "1", "-S", "1", "-H", "1", "-N", str(n), "--carry-state"]
+    peak, code = _peak_rss("compare", str(actual), str(expected), *flags)
+    assert code == 1
+    assert peak <= 2 * nbytes + ALLOWANCE, f"peak RSS {peak / MiB:.0f} MiB"
+
+
 def _empty_fixture(layout: GdnBackwardLayout) -> Fixture:
     names = ["q", "k", "v", "g", "beta", "dy", "y"] + ["state"] * layout.carry_state
     arrays: dict[str, Any] = {

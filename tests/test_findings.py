@@ -320,6 +320,24 @@ def test_wrong_from_step_1_on_is_a_term_that_reads_the_state_where_none_is_carri
         assert "right at step 0 alone, where the state it reads is still zero" in found.text
 
 
+@pytest.mark.parametrize("name", ["dstate", "dq"])
+def test_a_step_larger_than_a_scan_block_is_scanned_in_pieces(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What is found of a step (a batch element of dstate) is the same read whole or in pieces.
+    layout = LAYOUTS["head-state"]
+    e = grads(layout)[name]
+    a = e.copy()
+    a.reshape(-1)[[3, 40, 41, 90]] = np.nan
+    whole = grad_findings(name, a, e, layout, SCORE)
+    monkeypatch.setattr(findings, "_SCAN_ELEMENTS", 7)  # fewer than a step holds
+    pieces = grad_findings(name, a, e, layout, SCORE)
+    assert [(f.kind, f.text, f.details) for f in pieces] == [
+        (f.kind, f.text, f.details) for f in whole
+    ]
+    assert [f.kind for f in whole] == ["nonfinite"]
+
+
 def test_boundary_wrong_before_a_step_and_zeros() -> None:
     layout = LAYOUTS["channel"]
     e = grads(layout)["dk"]

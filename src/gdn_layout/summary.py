@@ -333,7 +333,7 @@ class Summary:
     precision_hint: str | None
     #: The precision class that passes them all, if one does.
     precision_class: str | None = None
-    #: The line said when every case passed (the float64 suite's note among it), else None.
+    #: What the line said when every case passed adds (the float64 suite's note), else None.
     note: str | None = None
 
     @property
@@ -345,7 +345,7 @@ class Summary:
         """The summary's lines: the counts, the statements, the verified causes, the
         precision hint, the other causes, then the failing cases."""
         if self.passed:
-            return [f"all {self.total} cases passed", *([self.note] if self.note else [])]
+            return [f"all {self.total} cases passed" + (f"; {self.note}" if self.note else "")]
         counts = ", ".join(f"{name} {n}" for name, n in self.failures.items())
         never = f"; {', '.join(self.never)} never fail" if self.never else ""
         head = f"{len(self.failed)} of {self.total} cases failed: {counts}{never}"
@@ -404,8 +404,7 @@ def summarize(
     >>> cases = [make_case(GdnBackwardLayout(1, 3, 2, 4), regime=r) for r in ("zero", "mild")]
     >>> summary = summarize([(c, c.compare(backward(*c.inputs, dtype=np.float32))) for c in cases])
     >>> print(summary)  # doctest: +ELLIPSIS
-    all 2 cases passed
-    a bug whose effect is below a correct kernel's rounding here ... dtype=np.float64, ...
+    all 2 cases passed; a bug whose effect is below a correct kernel's rounding here ...
     """
     if command not in COMMANDS:
         raise ValueError(

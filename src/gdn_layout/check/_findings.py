@@ -670,14 +670,25 @@ class _Scan:
 
 def _scan(name: str, actual: NDArray[Any], expected: NDArray[Any]) -> _Scan:
     """One pass in float64, a block of steps (for ``dstate`` of batch elements) at a time, each
-    block at most :data:`_SCAN_ELEMENTS` elements unless one step alone is more."""
+    block at most :data:`_SCAN_ELEMENTS` elements; a step (a batch element) of more, in pieces
+    of that many."""
     axis = 0 if _step_axis(name) is None else 1
     scan = _Scan(size=actual.size, dtype=actual.dtype, slab_axis="b" if axis == 0 else "s")
     scan.first_value = float(actual.flat[0])
     count = actual.shape[axis]
-    block = max(1, _SCAN_ELEMENTS // (actual.size // count))
+    slab = actual.size // count
+    block = max(1, _SCAN_ELEMENTS // slab)
     slab_shape = actual.shape[:axis] + actual.shape[axis + 1 :]
     with np.errstate(all="ignore"):
+        if slab > _SCAN_ELEMENTS:  # a dstate of N = 4096: 16.8 M elements a batch element
+            for i in range(count):
+                a_slab = (actual[i] if axis == 0 else actual[:, i]).reshape(-1)
+                e_slab = (expected[i] if axis == 0 else expected[:, i]).reshape(-1)
+                for j0 in range(0, slab, _SCAN_ELEMENTS):
+                    part = slice(j0, j0 + _SCAN_ELEMENTS)
+                    a, e = (np.asarray(t[part], np.float64)[None] for t in (a_slab, e_slab))
+                    _scan_block(scan, a, e, i, axis, slab_shape, j0)
+            return scan
         for i0 in range(0, count, block):
             part = slice(i0, min(i0 + block, count))
             # Each slab a row: [slabs, elements], in the slab's own C order.
@@ -692,10 +703,17 @@ def _scan(name: str, actual: NDArray[Any], expected: NDArray[Any]) -> _Scan:
 
 
 def _scan_block(
-    scan: _Scan, a: _Array, e: _Array, i0: int, axis: int, slab_shape: tuple[int, ...]
+    scan: _Scan,
+    a: _Array,
+    e: _Array,
+    i0: int,
+    axis: int,
+    slab_shape: tuple[int, ...],
+    start: int | None = None,
 ) -> None:
     """Add the slabs ``i0, i0 + 1, ...`` (the rows of ``a`` and ``e``, each of
-    ``slab_shape``) to ``scan``."""
+    ``slab_shape``) to ``scan``; with ``start``, ``a`` and ``e`` are one row, the elements of
+    slab ``i0`` from ``start`` on."""
     fin_a, fin_e = np.isfinite(a), np.isfinite(e)
     rows_finite = fin_e.all(axis=1)
     scan.expected_finite &= bool(rows_finite.all())
@@ -717,10 +735,13 @@ def _scan_block(
     bad = ~fin_a & fin_e
     per_row = np.count_nonzero(bad, axis=1)
     scan.bad += int(per_row.sum())
-    scan.bad_per_slab.extend(int(n) for n in per_row)
+    if start:  # a later piece of the slab before
+        scan.bad_per_slab[-1] += int(per_row[0])
+    else:
+        scan.bad_per_slab.extend(int(n) for n in per_row)
     if scan.bad and len(scan.first_bad) < _SHOWN:
         for row, flat in np.argwhere(bad)[: _SHOWN - len(scan.first_bad)]:
-            full = [int(c) for c in np.unravel_index(int(flat), slab_shape)]
+            full = [int(c) for c in np.unravel_index(int(flat) + (start or 0), slab_shape)]
             full.insert(axis, i0 + int(row))
             scan.first_bad.append(tuple(full))
 

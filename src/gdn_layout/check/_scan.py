@@ -38,21 +38,23 @@ MAP_CELLS: Final = 1 << 20
 MAP_COLUMNS: Final = 1 << 10
 
 
-def element_chunks(shape: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+def element_chunks(shape: tuple[int, ...], chunk: int | None = None) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` flat element ranges covering ``shape`` in C order: whole lines at a
-    time when a line fits in a chunk, else pieces of a single line."""
+    time when a line fits in a chunk (of :data:`CHUNK_ELEMENTS`, or ``chunk``), else pieces
+    of a single line."""
+    chunk = CHUNK_ELEMENTS if chunk is None else chunk
     size = math.prod(shape)
     line = math.prod(shape[3:])
     if size == 0:
         return
-    if line <= CHUNK_ELEMENTS:
-        step = line * (CHUNK_ELEMENTS // line)
+    if line <= chunk:
+        step = line * (chunk // line)
         for start in range(0, size, step):
             yield start, min(start + step, size)
         return
     for begin in range(0, size, line):
-        for start in range(begin, begin + line, CHUNK_ELEMENTS):
-            yield start, min(start + CHUNK_ELEMENTS, begin + line)
+        for start in range(begin, begin + line, chunk):
+            yield start, min(start + chunk, begin + line)
 
 
 def _ceil(a: int, b: int) -> int:
@@ -248,7 +250,8 @@ def cause_maps(
         side = _ceil(n, fold)
         maps = _CauseMap((heads, side, side))
         per_batch = heads * n * n
-        for start, stop in element_chunks(shape):
+        # Each element's cell is worked out apart: a dozen arrays of the chunk's length.
+        for start, stop in element_chunks(shape, CHUNK_ELEMENTS // 8):
             flat = np.arange(start, stop, dtype=np.int64) % per_batch
             head, rest = np.divmod(flat, n * n)
             row, col = np.divmod(rest, n)
