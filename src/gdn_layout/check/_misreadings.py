@@ -56,7 +56,7 @@ from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
 from ._criterion import Criterion
-from ._findings import Finding
+from ._findings import ROUNDING_MAX, Finding
 
 __all__ = ["BUDGET", "READINGS", "Reading", "misreading_findings", "overflow_finding"]
 
@@ -577,6 +577,13 @@ def misreading_findings(
         judged = [n for n in names if grads.get(n) is not None]
         missed = [n for n in judged if passes({n: grads[n]}, None, actual_of) is None]
         if len(missed) != 1 or len(judged) < 3:
+            return None
+        # Formed otherwise, not a near miss: past what rounding reaches against the reading.
+        e, a = (np.asarray(t[missed[0]], np.float64) for t in (grads, actual_of))
+        dq, dk, near = grads.get("dq"), grads.get("dk"), None
+        if missed[0] == "dg" and dq is not None and dk is not None:
+            near = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+        if criterion(missed[0], e, near, None).score(a, e) <= ROUNDING_MAX:
             return None
         rest = {**grads, missed[0]: None}
         shown = [
