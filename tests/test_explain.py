@@ -77,7 +77,7 @@ def test_a_gradient_failing_alone_is_re_run_unless_its_own_values_explain_it(
     out = backward(*fx.inputs, dtype=np.float32)
     dv = unpack(out, layout).dv
     dv[...] = dv[:, :, ::-1].copy()  # dv's heads exchanged: named by its own values
-    ran = _counted(monkeypatch, _misreadings, "_run")
+    ran = _counted(monkeypatch, _misreadings, "step_gradients")
     result = compare(out, fx)
     assert result.failed == ("dv",)
     assert [f.kind for f in result["dv"].findings] == ["heads"]

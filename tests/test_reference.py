@@ -13,6 +13,8 @@ from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
 from gdn_layout.reference import Method, backward, default_checkpoint_every, forward
+from gdn_layout.reference._recurrent import step_gradients
+from oracle import oracle
 
 Array = NDArray[Any]
 Inputs = dict[str, Array]
@@ -562,3 +564,168 @@ def test_work_without_a_state_element_is_zeros_at_once(batch: int, heads: int, s
     grads = unpack(backward(short, short, short, g[:, :7], beta[:, :7], short), layout)
     for name in ("dq", "dk", "dv", "dg", "dbeta"):
         assert np.array_equal(getattr(grads, name), getattr(stepped, name)), name
+
+
+# --------------------------------------------------------------------------------------------
+# The step-by-step form read otherwise (what a misread kernel computes)
+# --------------------------------------------------------------------------------------------
+
+#: How close each option's gradients come to their truth, by computation dtype.
+READ_OTHERWISE_TOLERANCE = {np.float64: 1e-10, np.float32: 1e-4}
+
+
+def plain_loss(x: Inputs, columns: bool) -> Any:
+    """``sum(y * dy)``, plus ``<cot, S_T>`` when ``x`` has ``cot``, of the recurrence written
+    out with the decay factors ``x["a"]`` as they are (or ``exp(x["g"])``), a per-channel one
+    scaling value columns when ``columns``: analytic in every input, so a complex step
+    differentiates it to rounding."""
+    q, k, v, beta, dy = (x[name] for name in ("q", "k", "v", "beta", "dy"))
+    a = x["a"] if "a" in x else np.exp(x["g"])
+    b, s, h, n = q.shape
+    state = x.get("state", np.zeros((b, h, n, n)))
+    total = 0.0
+    for t in range(s):
+        at = a[:, t]
+        if at.ndim == 2:  # one factor per head
+            factor = at[..., None, None]
+        else:
+            factor = at[..., None, :] if columns else at[..., :, None]
+        p = factor * state
+        m = np.einsum("bhi,bhij->bhj", k[:, t], p)
+        u = (v[:, t] - m) * beta[:, t, :, None]
+        state = p + k[:, t, :, :, None] * u[..., None, :]
+        y = np.einsum("bhi,bhij->bhj", q[:, t], state) / np.sqrt(n)
+        total = total + np.sum(y * dy[:, t])
+    if "cot" in x:
+        total = total + np.sum(x["cot"] * state)
+    return total
+
+
+def complex_step(x: Inputs, name: str, columns: bool) -> Array:
+    """The gradient of :func:`plain_loss` with respect to ``x[name]``, by complex steps."""
+    step = 1e-30
+    base = x[name]
+    out = np.empty(base.shape)
+    for index in np.ndindex(base.shape):
+        moved = base.astype(complex)
+        moved[index] += 1j * step
+        out[index] = plain_loss({**x, name: moved}, columns).imag / step
+    return out
+
+
+def read_otherwise(x: Inputs, dtype: Any, **options: Any) -> dict[str, Array]:
+    """:func:`step_gradients` on ``x`` (``a`` passed as the decay), by input name."""
+    decay = x.get("a")
+    grads = step_gradients(
+        x["q"],
+        x["k"],
+        x["v"],
+        x.get("g"),
+        x["beta"],
+        x["dy"],
+        x.get("state"),
+        decay=decay,
+        dtype=dtype,
+        **options,
+    )
+    names = {"dq": "q", "dk": "k", "dv": "v", "dg": "a" if decay is not None else "g"}
+    names |= {"dbeta": "beta", "dstate": "state"}
+    return {names[n]: np.asarray(grad, np.float64) for n, grad in grads._asdict().items()}
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+def test_a_decay_given_as_is_has_its_own_gradient(
+    per_channel: bool, carry: bool, dtype: Any
+) -> None:
+    # The factors of any sign, zero among them (g passed where a decay is taken): their own
+    # gradient, not one through a log.
+    x = make_inputs((2, 5, 2, 3), per_channel=per_channel, carry=carry, seed=21)
+    a = np.random.default_rng(22).uniform(-1.0, 1.2, x["g"].shape)
+    a.flat[::7] = 0.0
+    del x["g"]
+    x["a"] = a
+    got = read_otherwise(x, dtype)
+    for name in (n for n in got if n in x):
+        truth = complex_step(x, name, False)
+        assert_close_to(got[name], truth, READ_OTHERWISE_TOLERANCE[dtype], name)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("given", [False, True], ids=["log_gate", "decay"])
+@pytest.mark.parametrize("carry", [False, True], ids=["no_state", "carry_state"])
+def test_a_per_channel_decay_on_value_columns_scales_the_columns(
+    carry: bool, given: bool, dtype: Any
+) -> None:
+    x = make_inputs((2, 5, 2, 3), per_channel=True, carry=carry, seed=23)
+    if given:
+        x["a"] = np.exp(x.pop("g"))
+    got = read_otherwise(x, dtype, columns=True)
+    rows = read_otherwise(x, dtype)
+    for name in (n for n in got if n in x):
+        truth = complex_step(x, name, True)
+        assert_close_to(got[name], truth, READ_OTHERWISE_TOLERANCE[dtype], name)
+        assert not np.allclose(rows[name], truth, rtol=1e-3), name  # the rows' differ
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+def test_a_cotangent_on_the_final_state_is_that_of_steps_that_read_it(
+    per_channel: bool, carry: bool, dtype: Any
+) -> None:
+    # <C, S_T> is what N more steps that leave the state as it is (k = v = beta = g = 0)
+    # output against dy: step i reads row i of S_T (q = e_i) against C[i] / c. So the
+    # oracle of the longer sequence, cut at S, is the truth with a cotangent C.
+    x = make_inputs((2, 6, 2, 3), per_channel=per_channel, carry=carry, seed=25)
+    q, g = x["q"], x["g"]
+    b, s, h, n = q.shape
+    cot = np.random.default_rng(26).standard_normal((b, h, n, n))
+    reads = np.broadcast_to(np.eye(n)[None, :, None, :], (b, n, h, n))
+    against = np.sqrt(n) * cot.transpose(0, 2, 1, 3)  # [B, i, H, :] = C[b, h, i] / c
+    zeros = np.zeros((b, n, h, n))
+    exact = oracle(
+        np.concatenate([q, reads], axis=1),
+        np.concatenate([x["k"], zeros], axis=1),
+        np.concatenate([x["v"], zeros], axis=1),
+        np.concatenate([g, np.zeros((b, n, h, *g.shape[3:]))], axis=1),
+        np.concatenate([x["beta"], np.zeros((b, n, h))], axis=1),
+        np.concatenate([x["dy"], against], axis=1),
+        x.get("state"),
+    )
+    got = read_otherwise(x, dtype, cotangent=cot)
+    for name in ("q", "k", "v", "g", "beta"):
+        truth = np.asarray(getattr(exact, "d" + name)[:, :s], np.float64)
+        assert_close_to(got[name], truth, READ_OTHERWISE_TOLERANCE[dtype], name)
+    dstate = np.asarray(exact.dstates[:, 0], np.float64)  # that of a zero state without one
+    assert_close_to(got["state"], dstate, READ_OTHERWISE_TOLERANCE[dtype], "state")
+    # with no step at all, the initial state is the final one: dstate is the cotangent
+    empty = {name: t[:, :0] for name, t in x.items() if name != "state"}
+    none = read_otherwise({**empty, "state": np.zeros((b, h, n, n))}, dtype, cotangent=cot)
+    assert np.array_equal(none["state"], cot.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize(("per_channel", "carry"), MODES)
+def test_read_as_the_op_the_step_form_is_the_recurrent_backward_bit_for_bit(
+    per_channel: bool, carry: bool, dtype: Any
+) -> None:
+    x = make_inputs((2, 7, 2, 3), per_channel=per_channel, carry=carry, seed=27)
+    layout = GdnBackwardLayout.from_inputs(x["q"], x["g"], x.get("state"))
+    flat = run_backward(x, dtype=dtype, method="recurrent", checkpoint_every=2)
+    got = read_otherwise(x, dtype, checkpoint_every=3)
+    for name, want in zip(layout.names, unpack(flat, layout), strict=False):
+        assert want is not None
+        assert got[name.removeprefix("d")].tobytes() == want.astype(np.float64).tobytes(), name
+    b, _, h, n = x["q"].shape
+    assert got["state"].shape == (b, h, n, n)  # given without a state too
+
+
+def test_the_step_form_takes_a_log_gate_or_a_decay() -> None:
+    x = make_inputs((1, 2, 1, 2), per_channel=False, carry=False)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["dy"])
+    with pytest.raises(ValueError, match="not both"):
+        step_gradients(*args, decay=np.exp(x["g"]))
+    with pytest.raises(ValueError, match="not both"):
+        step_gradients(*args[:3], None, *args[4:])
+    with pytest.raises(ValueError, match="cotangent must have shape"):
+        step_gradients(*args, cotangent=np.zeros((1, 1, 2, 3)))

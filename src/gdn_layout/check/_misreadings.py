@@ -55,6 +55,7 @@ from .._floors import term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
+from ..reference._recurrent import step_gradients
 from ._criterion import Criterion
 from ._findings import ROUNDING_MAX, Finding
 
@@ -112,13 +113,13 @@ def _step_form(
     cotangent: _Array | None = None,
     fold: bool = False,
 ) -> dict[str, _Array]:
-    """The op's step-by-step form (the spec's steps), or its fused chunked form when
+    """The op's step-by-step form (the reference's), or its fused chunked form when
     ``x.chunked``, with the log-gate ``gate`` (``g`` by default) or a decay ``decay`` given
     directly, scaling value columns when ``columns``; a cotangent ``cotangent`` on the final
     state; the batch rows as one sequence when ``fold``. Returns ``dq, dk, dv, dbeta``,
-    ``dstate`` and ``dg``, the log-gate's gradient, or with ``decay`` ``da``, the decay's.
-    Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``; where the
-    chunked form overflows, its values are NaN."""
+    ``dstate`` and ``dg``, the gradient of the gate read: the log-gate's, or with ``decay``
+    the decay's. Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``;
+    where either form overflows, its values are not finite."""
     q = x.q if q is None else q
     k = x.k if k is None else k
     g = x.g if gate is None else gate
@@ -137,10 +138,20 @@ def _step_form(
             raise _NoForm
         grads = _fused_form(q, k, v, g, b, dy, s0, cotangent)
     else:
-        a = np.exp(g) if decay is None else decay
-        grads = _run(q, k, v, a, b, dy, s0, columns, cotangent)
-        if decay is None:
-            grads["dg"] = grads.pop("da") * a  # the gradient of the log-gate read
+        grads = step_gradients(
+            q,
+            k,
+            v,
+            g if decay is None else None,
+            b,
+            dy,
+            s0,
+            decay=decay,
+            columns=columns,
+            cotangent=cotangent,
+            dtype=q.dtype,
+            checkpoint_every=_CHECKPOINT,
+        )._asdict()
     if fold:
         for name in grads.keys() - {"dstate"}:
             grads[name] = grads[name].reshape(rows, seq, *grads[name].shape[2:])
@@ -194,80 +205,6 @@ def _fused_form(
     return out
 
 
-def _run(
-    q: _Array,
-    k: _Array,
-    v: _Array,
-    a: _Array,
-    beta: _Array,
-    dy: _Array,
-    state: _Array | None,
-    columns: bool,
-    cotangent: _Array | None,
-) -> dict[str, _Array]:
-    """The forward and backward sweeps, vectorised over batch rows and heads."""
-    rows, seq, heads, n = q.shape
-    c = 1.0 / math.sqrt(n)
-    per_channel = a.ndim == 4
-    # [B, H, S, ...]: a step is one index of axis 2
-    q, k, v, dy = (np.ascontiguousarray(t.transpose(0, 2, 1, 3)) for t in (q, k, v, dy))
-    a = np.ascontiguousarray(np.moveaxis(a, 2, 1))
-    beta = np.ascontiguousarray(beta.transpose(0, 2, 1))
-
-    def scaled(s: _Array, t: int) -> _Array:
-        at = a[:, :, t]
-        if not per_channel:
-            return s * at[..., None, None]
-        return s * (at[..., None, :] if columns else at[..., :, None])
-
-    def step(s: _Array, t: int) -> tuple[_Array, _Array, _Array, _Array]:
-        p = scaled(s, t)
-        m = np.matmul(k[:, :, t, None, :], p)[:, :, 0]
-        u = (v[:, :, t] - m) * beta[:, :, t, None]
-        return p + k[:, :, t, :, None] * u[:, :, None, :], p, m, u
-
-    dtype = q.dtype
-    s = np.zeros((rows, heads, n, n), dtype) if state is None else state.copy()
-    kept = {}
-    for t in range(seq):
-        if t % _CHECKPOINT == 0:
-            kept[t] = s
-        s = step(s, t)[0]
-    dq, dk, dv = (np.zeros((rows, heads, seq, n), dtype) for _ in range(3))
-    da = np.zeros(a.shape, dtype)
-    dbeta = np.zeros((rows, heads, seq), dtype)
-    ds = np.zeros((rows, heads, n, n), dtype) if cotangent is None else cotangent.astype(dtype)
-    for start in range(_CHECKPOINT * ((seq - 1) // _CHECKPOINT), -1, -_CHECKPOINT):
-        states = [kept[start]]
-        for t in range(start, min(start + _CHECKPOINT, seq)):
-            states.append(step(states[-1], t)[0])
-        for t in range(min(start + _CHECKPOINT, seq) - 1, start - 1, -1):
-            prev = states[t - start]
-            new, p, m, u = step(prev, t)
-            dq[:, :, t] = c * np.matmul(new, dy[:, :, t, :, None])[..., 0]
-            ds = ds + c * q[:, :, t, :, None] * dy[:, :, t, None, :]
-            du = np.matmul(k[:, :, t, None, :], ds)[:, :, 0]
-            dk[:, :, t] = np.matmul(ds, u[..., None])[..., 0]
-            dv[:, :, t] = beta[:, :, t, None] * du
-            dbeta[:, :, t] = np.sum((v[:, :, t] - m) * du, axis=-1)
-            dm = -beta[:, :, t, None] * du
-            dk[:, :, t] += np.matmul(p, dm[..., None])[..., 0]
-            ds = ds + k[:, :, t, :, None] * dm[:, :, None, :]
-            terms = prev * ds
-            if not per_channel:
-                da[:, :, t] = terms.sum(axis=(-1, -2))
-            else:
-                da[:, :, t] = terms.sum(axis=-2 if columns else -1)
-            ds = scaled(ds, t)
-    back = {name: g.transpose(0, 2, 1, 3) for name, g in (("dq", dq), ("dk", dk), ("dv", dv))}
-    return {
-        **back,
-        "da": np.moveaxis(da, 1, 2),
-        "dbeta": dbeta.transpose(0, 2, 1),
-        "dstate": ds,
-    }
-
-
 # -- the readings ------------------------------------------------------------------------
 
 
@@ -305,9 +242,7 @@ def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
 
 
 def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    grads: _Grads = dict(_step_form(x, decay=x.g))
-    grads["dg"] = grads.pop("da")  # the decay read is g itself
-    yield "", grads
+    yield "", dict(_step_form(x, decay=x.g))  # its dg: that of the decay read, g itself
 
 
 def _gate_exp_twice(x: _Case) -> Iterator[tuple[str, _Grads]]:

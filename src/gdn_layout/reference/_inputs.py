@@ -65,10 +65,15 @@ def _expect_shape(name: str, array: _Array, expected: tuple[int, ...], what: str
         raise ValueError(f"{name} must have shape {what} = {expected}, got {array.shape}")
 
 
-def _converted(name: str, array: _Array, dtype: np.dtype[Any], axes: tuple[int, ...]) -> _Array:
-    """A C-ordered copy of ``array`` in ``dtype`` with its axes permuted, checked finite."""
+def _converted(
+    name: str, array: _Array, dtype: np.dtype[Any], axes: tuple[int, ...], checked: bool = True
+) -> _Array:
+    """A C-ordered copy of ``array`` in ``dtype`` with its axes permuted, checked finite unless
+    not ``checked``."""
     with np.errstate(over="ignore"):  # an overflow is reported below as a non-finite value
         converted = np.array(array.transpose(axes), dtype=dtype, order="C", copy=True)
+    if not checked:
+        return converted
     finite = np.isfinite(converted)
     if not finite.all():
         bad = np.argwhere(~finite.transpose(np.argsort(axes)))[0]
@@ -88,8 +93,10 @@ def validate(
     dy: ArrayLike | None,
     dtype: DTypeLike,
     threads: int = 1,
+    finite: bool = True,
 ) -> Inputs:
-    """The inputs checked and converted, on up to ``threads`` threads."""
+    """The inputs checked and converted, on up to ``threads`` threads; their values checked
+    finite unless not ``finite`` (an op read otherwise may step through infinities)."""
     compute = _computation_dtype(dtype)
     named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
     if state is not None:
@@ -121,7 +128,9 @@ def validate(
         zip(
             order,
             mapped(
-                lambda name: _converted(name, arrays[name], compute, axes[name]), order, threads
+                lambda name: _converted(name, arrays[name], compute, axes[name], finite),
+                order,
+                threads,
             ),
             strict=True,
         )

@@ -7,6 +7,10 @@ buffers allocated once, with the decay factors of a whole interval taken in one 
 ``m``, ``v - m`` and ``u`` kept from the backward's recomputation of an interval instead of
 formed again.
 
+:func:`step_gradients` runs the same steps on the op's inputs read another way (a
+:class:`Variant`: the decay given as is, a per-channel decay on value columns, a cotangent on
+the final state): what a misread kernel computes. The op's own path takes none of it.
+
 An outer product ``outer(a, b)`` is a matrix product of ``[a, 0]`` (``N x 2``) with
 ``[b; 0]`` (``2 x N``): each element is the one product ``a_i * b_j``, rounded once, plus
 ``0 * 0``, as exact as broadcasting and several times faster for NumPy. The two differ only
@@ -21,10 +25,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
-from numpy.typing import NDArray
+from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-from ..packing import GdnGrads
-from ._inputs import Inputs
+from ..packing import GdnGrads, empty
+from ._inputs import Inputs, validate
 
 _Array = NDArray[Any]
 
@@ -51,6 +55,23 @@ class Boundaries(NamedTuple):
         """Those of the batch elements ``batch`` and heads ``heads``, as views."""
         dh = None if self.dh is None else self.dh[batch, :, heads]
         return Boundaries(self.h[batch, :, heads], dh, self.final[batch, heads])
+
+
+class Variant(NamedTuple):
+    """How a step-by-step run reads the op otherwise; the defaults are the op.
+
+    ``decay``: the gate input holds the decay factors themselves, not log-gates, and its
+    gradient is theirs. ``columns``: a per-channel decay scales the state's value columns, not
+    its key rows. ``cotangent``: ``[B, H, N, N]``, a cotangent on the final state, where the
+    backward sweep starts.
+    """
+
+    decay: bool = False
+    columns: bool = False
+    cotangent: _Array | None = None
+
+
+_OP = Variant()
 
 
 def row_scale(a: _Array) -> _Array:
@@ -99,10 +120,13 @@ class _Outer:
 class _Interval:
     """What the steps ``t0 .. t1-1`` read, taken for all of them at once."""
 
-    def __init__(self, x: Inputs, t0: int, t1: int) -> None:
+    def __init__(self, x: Inputs, t0: int, t1: int, variant: Variant) -> None:
         self.t0 = t0
         span = slice(t0, t1)
-        self.decay = np.exp(x.g[:, :, span])  # [B, H, T, Ng]
+        gates = x.g[:, :, span]
+        self.decay = gates if variant.decay else np.exp(gates)  # [B, H, T, Ng]
+        # shaped to scale [B, H, N, N] states, step t at index t - t0 of axis 2
+        self.factors = self.decay[..., None, :] if variant.columns else row_scale(self.decay)
         self.k_cols = _padded(x.k[:, :, span], -1)  # [B, H, T, N, 2]
         self.k_clear = x.q.shape[3] > 1 and _clear_of_zero(x.k[:, :, span])
 
@@ -110,10 +134,10 @@ class _Interval:
 class _Stepper:
     """Buffers for stepping ``[B, H, N, N]`` states, reused from step to step."""
 
-    def __init__(self, x: Inputs) -> None:
+    def __init__(self, x: Inputs, variant: Variant = _OP) -> None:
         b, h, _, n = x.q.shape
         dtype = x.q.dtype
-        self.x = x
+        self.x, self.variant = x, variant
         self.outer = _Outer((b, h, n), dtype)
         self.update = np.empty((b, h, n, n), dtype)  # an outer product
         self.m = np.empty((b, h, 1, n), dtype)
@@ -138,7 +162,7 @@ class _Stepper:
         r = self.r if r is None else r
         u_rows = self.u_rows if u_rows is None else u_rows
         u = u_rows[..., 0, :]
-        np.multiply(prev, row_scale(span.decay[:, :, i]), out=state)  # P
+        np.multiply(prev, span.factors[:, :, i], out=state)  # P
         np.matmul(x.k[:, :, t, None, :], state, out=m)
         np.subtract(x.v[:, :, t], m[..., 0, :], out=r)
         np.multiply(r, x.beta[:, :, t, None], out=u)
@@ -171,7 +195,7 @@ def forward_steps(
         return
     stepper = _Stepper(x) if stepper is None else stepper
     for start in range(t0, t1, _SPAN):
-        span = _Interval(x, start, min(start + _SPAN, t1))
+        span = _Interval(x, start, min(start + _SPAN, t1), stepper.variant)
         for t in range(start, min(start + _SPAN, t1)):
             stepper.step(span, t, state, state)
             if y is not None:
@@ -202,13 +226,15 @@ def backward(
     tick: Callable[[], None],
     record: Boundaries | None = None,
     y: _Array | None = None,
+    variant: Variant = _OP,
 ) -> None:
     """The spec's backward, step by step, from checkpoints taken every ``every`` steps.
 
     With ``record``, the checkpoints are kept in ``record.h``, and the state's cotangent at
     each checkpoint and the final state are written to ``record``. With ``y`` ``[B, S, H,
     N]``, the forward sweep writes the outputs there too: the steps are the forward's own, so
-    ``y`` is :func:`forward_steps`' bit for bit, whatever ``every``.
+    ``y`` is :func:`forward_steps`' bit for bit, whatever ``every``. ``variant``: the op read
+    otherwise (:class:`Variant`).
     """
     assert x.dy is not None
     b, h, s, n = x.q.shape
@@ -220,7 +246,7 @@ def backward(
         if record is None
         else np.moveaxis(record.h, 1, 0)  # a view: the checkpoints are written to h
     )
-    stepper = _Stepper(x)
+    stepper = _Stepper(x, variant)
     for index, t0 in enumerate(starts):
         checkpoints[index] = state
         forward_steps(x, state, t0, min(t0 + every, s), y=y, stepper=stepper)
@@ -240,6 +266,67 @@ def backward(
         grads.dstate[...] = back.d_state
 
 
+def step_gradients(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike | None,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    decay: ArrayLike | None = None,
+    columns: bool = False,
+    cotangent: ArrayLike | None = None,
+    dtype: DTypeLike = np.float64,
+    checkpoint_every: int | None = None,
+) -> GdnGrads:
+    """The step-by-step backward of the op read otherwise, in the op's shapes.
+
+    With the defaults it is ``backward(..., method="recurrent")`` unpacked, bit for bit.
+    ``decay`` ``[B, S, H]`` or ``[B, S, H, N]``, given instead of ``g`` (None then): the
+    decay factors themselves, any sign, in place of ``exp(g)``; ``dg`` is then their
+    gradient. ``columns``: a per-channel decay scales the state's value columns instead of its
+    key rows (a per-head one scales both alike). ``cotangent`` ``[B, H, N, N]``: a cotangent
+    on the final state, where the backward sweep starts. ``dstate`` is always given, that of
+    a zero initial state when ``state`` is None.
+
+    Nothing is checked finite: where a reading's recurrence overflows, its values are not
+    finite.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dy = (rng.standard_normal((1, 6, 2, 4)) for _ in range(4))
+    >>> g, beta = -rng.random((1, 6, 2)), rng.random((1, 6, 2))
+    >>> as_log = step_gradients(q, k, v, g, beta, dy)
+    >>> as_decay = step_gradients(q, k, v, None, beta, dy, decay=np.exp(g))
+    >>> bool(np.allclose(as_decay.dg * np.exp(g), as_log.dg, rtol=1e-12, atol=0))
+    True
+    """
+    if (g is None) == (decay is None):
+        raise ValueError("step_gradients: give the log-gate g or the decay, not both")
+    gate = decay if g is None else g
+    assert gate is not None
+    b, _, h, n = np.shape(q)
+    start = np.zeros((b, h, n, n)) if state is None else state
+    x = validate(q, k, v, gate, beta, start, dy, dtype, finite=False)
+    flat, grads = empty(x.layout, x.q.dtype)
+    if b * h * n == 0:  # no state element: every gradient is zeros
+        flat[...] = 0
+        return grads
+    if cotangent is not None:
+        cotangent = np.asarray(cotangent)
+        if cotangent.shape != (b, h, n, n):
+            raise ValueError(f"cotangent must have shape {(b, h, n, n)}, got {cotangent.shape}")
+    variant = Variant(decay is not None, columns, cotangent)
+    every = default_checkpoint_every(x.layout.seq) if checkpoint_every is None else checkpoint_every
+    with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
+        backward(x, grads, every, lambda: None, variant=variant)
+    return grads
+
+
 class _Backward:
     """The backward sweep's buffers and steps; ``d_state`` is the gradient reaching ``S_t``
     from later steps."""
@@ -249,7 +336,14 @@ class _Backward:
         dtype = x.q.dtype
         assert x.dy is not None
         self.x, self.grads, self.stepper, self.dy = x, grads, stepper, x.dy
-        self.d_state = np.zeros((b, h, n, n), dtype)
+        cotangent = stepper.variant.cotangent
+        if cotangent is None:
+            self.d_state = np.zeros((b, h, n, n), dtype)
+        else:
+            self.d_state = np.array(cotangent, dtype, order="C", copy=True)
+        # the gradient of the decay itself, not of its log; summed over value columns, or rows
+        self.given = stepper.variant.decay
+        self.axis = -2 if stepper.variant.columns else -1
         self.states = np.empty((every + 1, b, h, n, n), dtype)
         # What the recomputation keeps of each step: m, v - m and u (row 0 of u_rows).
         self.m = np.empty((every, b, h, 1, n), dtype)
@@ -266,7 +360,7 @@ class _Backward:
 
     def interval(self, checkpoint: _Array, t0: int, t1: int) -> None:
         x, states = self.x, self.states
-        span = _Interval(x, t0, t1)
+        span = _Interval(x, t0, t1, self.stepper.variant)
         states[0] = checkpoint
         for t in range(t0, t1):
             i = t - t0
@@ -297,6 +391,7 @@ class _Backward:
         i = t - span.t0
         s_prev = self.states[i]
         a = span.decay[:, :, i]  # [B, H, Ng]
+        scale = span.factors[:, :, i]  # a, shaped to scale the state
         kt, bt = x.k[:, :, t], x.beta[:, :, t, None]
 
         outer(self.stepper.update, q_cols[:, :, i], dy_rows[:, :, i], q_clear)
@@ -314,13 +409,18 @@ class _Backward:
         np.add(d_state, self.stepper.update, out=d_state)  # now dP
         np.multiply(s_prev, d_state, out=self.prod)
         # P = a * S_{t-1} after the product above, which brought S_{t-1} into cache
-        p = np.multiply(row_scale(a), s_prev, out=self.p)
+        p = np.multiply(scale, s_prev, out=self.p)
         np.matmul(p, dm[..., None], out=self.vec)
         np.add(self.dk[..., 0], self.vec[..., 0], out=grads.dk[:, t])
-        np.sum(self.prod, axis=-1, out=self.small)
-        if x.layout.gate_per_channel:
+        np.sum(self.prod, axis=self.axis, out=self.small)
+        if self.given:  # d/da of a * S_prev: no factor a
+            if x.layout.gate_per_channel:
+                grads.dg[:, t] = self.small
+            else:
+                np.sum(self.small, axis=-1, out=grads.dg[:, t])
+        elif x.layout.gate_per_channel:
             np.multiply(a, self.small, out=grads.dg[:, t])
         else:
             np.multiply(a, self.small, out=self.dg)
             np.sum(self.dg, axis=-1, out=grads.dg[:, t])
-        np.multiply(d_state, row_scale(a), out=d_state)
+        np.multiply(d_state, scale, out=d_state)
