@@ -186,9 +186,11 @@ def handed_back_wrong(fx: Fixture, step: int, factor: float = 0.5) -> NDArray[An
     return _packed(fx, leaves, t.stack(outputs, 1))
 
 
-def transformers_chunked(fx: Fixture) -> NDArray[Any]:
+def transformers_chunked(fx: Fixture, mapping: str = "") -> NDArray[Any]:
     """transformers' ``torch_chunk_gated_delta_rule`` (chunk 64) under autograd: the
-    undecorated PyTorch function, as the installed package defines it."""
+    undecorated PyTorch function, as the installed package defines it. ``mapping`` is a port's
+    glue inside autograd, its gradients taken back to the tensors passed: ``"qk_swapped"``,
+    ``"gate_exp_twice"`` (``exp(g)`` passed as the log-gate) or ``"g_beta_swapped"``."""
     import importlib
     import inspect
 
@@ -198,8 +200,19 @@ def transformers_chunked(fx: Fixture) -> NDArray[Any]:
         forward = type(function).forward
         function = inspect.unwrap(inspect.getclosurevars(forward).nonlocals["func"])
     leaves = _leaves(fx)
+    q, k, v, g, beta = (leaves[n] for n in ("q", "k", "v", "g", "beta"))
+    if mapping == "qk_swapped":
+        q, k = k, q
+    elif mapping == "gate_exp_twice":
+        g = g.exp()
+    elif mapping == "g_beta_swapped":
+        g, beta = beta, g
     y, _ = function(
-        *(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+        q,
+        k,
+        v,
+        g,
+        beta,
         chunk_size=64,
         initial_state=leaves.get("state"),
         output_final_state=False,

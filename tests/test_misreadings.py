@@ -96,6 +96,22 @@ def test_a_reading_is_named_whichever_way_its_gradients_come_back(
         assert all(not g.findings for g in result.grads)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("mapping", ["qk_swapped", "gate_exp_twice", "g_beta_swapped"])
+def test_a_public_kernel_called_through_autograd_with_a_port_s_mapping_is_named(
+    mapping: str,
+) -> None:
+    # transformers' chunked function, its gradients by autograd back to what the user passed.
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("transformers")
+    layout = GdnBackwardLayout(2, 70, 2, 8, carry_state=True)  # across a 64-step chunk
+    fx = make_fixture(layout, regime="mixed", seed=7)
+    assert compare(panel.transformers_chunked(fx), fx).passed
+    result = compare(panel.transformers_chunked(fx, mapping), fx)
+    assert _named(result.findings) == [mapping], [f.text for f in result.findings]
+    assert result.findings[0].details["variant"] == _misreadings._CHAINED
+
+
 def test_a_reading_in_the_update_but_not_in_dg_is_named_but_dg() -> None:
     # The per-channel decay on value columns in the state update, but dg formed as the op
     # forms it for key rows: every gradient but dg matches the reading.
