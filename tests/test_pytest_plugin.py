@@ -634,6 +634,10 @@ def test_partly(gdn_case):
     if gdn_case.regime == "zero":
         raise RuntimeError("before the comparison")
     gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+
+def test_cast(gdn_case):
+    out = backward(*gdn_case.inputs, dtype=np.float32)
+    gdn_case.check(out.astype(np.float16))  # a stray cast: refused before any comparison
 """
 
 
@@ -647,26 +651,37 @@ def test_plugin_summarises_each_test_function_across_its_cases(
     args = ["-p", "no:cacheprovider", *workers, "--gdn-layout", "1,5,2,4,state"]
     result = pytester.runpytest_subprocess(*args)
     n = len(REGIMES)
-    result.assert_outcomes(passed=3 * n, failed=n)
+    result.assert_outcomes(passed=3 * n, failed=2 * n)
     lines = result.outlines
     start = lines.index(next(line for line in lines if "what failed across the cases" in line))
     block = lines[start + 1 :]
-    assert block[0].startswith(f"test_kernel.py::test_correct: all {n} cases passed; ")
-    assert "--gdn-dtype float64" in block[0]
-    assert block[1] == (
+
+    def at(prefix: str) -> int:
+        return next(i for i, line in enumerate(block) if line.startswith(prefix))
+
+    # A stray cast is refused in every case: the block says what each raised.
+    cast = at("test_kernel.py::test_cast: ")
+    assert block[cast] == f"test_kernel.py::test_cast: no comparison was made in {n} case(s)"
+    assert block[cast + 1].startswith(
+        f"  {n} case(s) raised ValueError: compare: the fixture is float32, so the kernel is "
+        "judged as float32, but its output is float16, coarser: a stray cast?"
+    )
+    correct = at("test_kernel.py::test_correct: ")
+    assert block[correct].startswith(f"test_kernel.py::test_correct: all {n} cases passed; ")
+    assert "--gdn-dtype float64" in block[correct]
+    assert block[correct + 1] == (
         f"test_kernel.py::test_dstate: {n - 1} of {n} cases failed: dstate {n - 1}; "
         "dq, dk, dv, dg, dbeta never fail"
     )
-    assert block[2].startswith("  never fails under the zero regime")
-    assert block[3].startswith(f"  likely cause in {n - 1} cases (dstate, scale): dstate is 2.000")
-    assert not any("test_no_comparison" in line for line in block)  # it compared nothing
-    partly = next(
-        i
-        for i, line in enumerate(block)
-        if line.startswith(f"test_kernel.py::test_partly: all {n - 1} cases passed")
+    assert block[correct + 2].startswith("  never fails under the zero regime")
+    assert block[correct + 3].startswith(
+        f"  likely cause in {n - 1} cases (dstate, scale): dstate is 2.000"
     )
+    assert not any("test_no_comparison" in line for line in block)  # it compared nothing
+    partly = at(f"test_kernel.py::test_partly: all {n - 1} cases passed")
     assert block[partly + 1] == (
-        "  1 more case(s) made no comparison, not counted: b1s5h2n4-scalar-state-zero-seed0"
+        "  1 more case(s) raised RuntimeError: before the comparison, not counted: "
+        "b1s5h2n4-scalar-state-zero-seed0"
     )
 
 

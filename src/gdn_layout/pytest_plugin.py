@@ -498,32 +498,42 @@ RESULT_PROPERTY = "gdn_case_result"
 def pytest_runtest_call(item: pytest.Item) -> Any:
     """After a test that takes ``gdn_case``, the result of its last comparison, as a small
     JSON record in the report's ``user_properties`` (which pytest-xdist sends on); the case's
-    name alone when the test made none (it failed before it compared, say)."""
+    name alone when the test made none (it failed before it compared, say), with the first
+    line of what it raised."""
     case = getattr(item, "funcargs", {}).get("gdn_case")
     if not isinstance(case, Case):
         return (yield)
     before = case.last_comparison
+    raised: Exception | None = None
     try:
         return (yield)
+    except Exception as error:  # not a skip or an exit: those are outcomes
+        raised = error
+        raise
     finally:
         import json
 
         from .summary import case_result
 
         after = case.last_comparison
-        made = after is not None and after is not before
-        record = case_result(case, after).to_dict() if made and after else {"name": case.name}
+        record: dict[str, Any] = {"name": case.name}
+        if after is not None and after is not before:
+            record = case_result(case, after).to_dict()
+        elif raised is not None:
+            lines = str(raised).strip().splitlines()
+            record["raised"] = f"{type(raised).__name__}: {lines[0] if lines else ''}".strip()
         item.user_properties.append((RESULT_PROPERTY, json.dumps(record, allow_nan=False)))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """One block per test function that judged ``gdn_case``: what failed across its cases
-    (:func:`gdn_layout.summary.summarize`), and the cases it made no comparison in."""
+    (:func:`gdn_layout.summary.summarize`), and the cases it made no comparison in, those that
+    raised counted by what they raised."""
     import json
 
     from .summary import CaseResult, summarize
 
-    by_test: dict[str, tuple[list[CaseResult], list[str]]] = {}
+    by_test: dict[str, tuple[list[CaseResult], list[dict[str, str]]]] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             if getattr(report, "when", None) != "call":
@@ -535,23 +545,44 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
                     if "grads" in record:
                         results.append(CaseResult.from_dict(record))
                     else:
-                        unjudged.append(record["name"])
-    blocks = {test: judged for test, judged in by_test.items() if judged[0]}
+                        unjudged.append(record)
+    # A test that compared nothing is summarised only where some case raised: a comparison
+    # refused (an output of a coarser class, say) is a verdict on every case.
+    blocks = {
+        test: judged
+        for test, judged in by_test.items()
+        if judged[0] or any("raised" in r for r in judged[1])
+    }
     if not blocks:
         return
     terminalreporter.write_sep("=", "gdn-layout: what failed across the cases")
     for test, (results, unjudged) in sorted(blocks.items()):
         results.sort(key=lambda r: r.name)  # as run, under pytest-xdist: in no fixed order
-        lines = summarize(results, command="pytest").lines()
-        terminalreporter.write_line(f"{test}: {lines[0]}")
-        if unjudged:
-            shown = ", ".join(sorted(unjudged)[:_SHOWN])
-            more = f", and {len(unjudged) - _SHOWN} more" if len(unjudged) > _SHOWN else ""
-            terminalreporter.write_line(
-                f"  {len(unjudged)} more case(s) made no comparison, not counted: {shown}{more}"
-            )
+        lines = summarize(results, command="pytest").lines() if results else []
+        head = lines[0] if lines else f"no comparison was made in {len(unjudged)} case(s)"
+        terminalreporter.write_line(f"{test}: {head}")
+        for line in _unjudged_lines(unjudged, counted=bool(results)):
+            terminalreporter.write_line(line)
         for line in lines[1:]:
             terminalreporter.write_line(line)
+
+
+def _unjudged_lines(unjudged: list[dict[str, str]], *, counted: bool) -> list[str]:
+    """The cases without a comparison: those that raised, by what they raised, then the
+    others, by name."""
+    lines = []
+    by_error: dict[str, list[str]] = {}
+    for record in unjudged:
+        by_error.setdefault(record.get("raised", ""), []).append(record["name"])
+    for error, names in sorted(by_error.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(sorted(names)[:_SHOWN])
+        more = f", and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+        what = f"raised {error}" if error else "made no comparison"
+        tail = ", not counted" if counted else ""
+        lines.append(
+            f"  {len(names)} {'more ' if counted else ''}case(s) {what}{tail}: {shown}{more}"
+        )
+    return lines
 
 
 #: The most names of cases without a comparison a summary lists.
