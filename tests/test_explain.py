@@ -65,8 +65,11 @@ def test_the_verdict_is_stored_in_the_records() -> None:
     assert {"passed", "error_floor_ratio"} <= stored
     assert (result.passed, result.failed) == (False, ("dk",))
     dk = result["dk"]
-    # Figures replaced by hand do not change a verdict given once, when it was measured.
-    assert not dataclasses.replace(dk, rms_ratio=0.0, max_abs_error=0.0, mismatches=0).passed
+    assert "passed" in vars(dk)  # stored, not a property each reader runs
+    # A record made anew is judged anew: its verdict is always its criterion's.
+    fixed = dataclasses.replace(dk, rms_ratio=0.0, max_abs_error=0.0, mismatches=0)
+    assert fixed.passed
+    assert fixed.error_floor_ratio == 0.0
 
 
 def test_a_gradient_failing_alone_is_re_run_unless_its_own_values_explain_it(
@@ -129,7 +132,16 @@ def test_rows_of_identical_inputs_whose_gradients_differ_are_named() -> None:
     unpack(row_bug, layout).dv[1] *= 1.5  # only the second row is wrong
     rows = [f for f in compare(row_bug, fx).findings if f.kind == "rows"]
     assert [f.details["rows"] for f in rows] == [(1,)]
-    assert rows[0].text.startswith("batch rows hold identical inputs, but the gradients of row")
+    assert rows[0].text.endswith("fail where the others pass: a bug in the rows after the first?")
+    first = good.copy()
+    unpack(first, layout).dv[0] *= 1.5  # only the first row is wrong: it is named, not row 1
+    rows = [f for f in compare(first, fx).findings if f.kind == "rows"]
+    assert [f.details["rows"] for f in rows] == [(0,)]
+    nudged = good.copy()  # rows a bit apart within the criterion, and every row wrong alike
+    dk = unpack(nudged, layout).dk
+    dk[1:] = np.nextafter(dk[1:], np.float32(np.inf))
+    unpack(nudged, layout).dv[...] *= 1.5
+    assert not any(f.kind == "rows" for f in compare(nudged, fx).findings)
     everywhere = good.copy()
     unpack(everywhere, layout).dv[...] *= 1.5  # every row wrong alike
     assert not any(f.kind == "rows" for f in compare(everywhere, fx).findings)
@@ -157,6 +169,21 @@ def test_a_wrong_hand_over_in_the_backward_is_worded_for_the_backward(per_channe
         assert finding.details["step"] == 24
         assert "handed back across step 24 in the backward sweep" in finding.text
         assert "not carried" not in finding.text
+
+
+def test_a_step_wrong_from_on_where_dq_passes_is_not_said_to_be_handed_back() -> None:
+    # dk wrong from step 24 on: a cotangent handed back across step 24 would make the steps
+    # before it wrong, not those after.
+    layout = GdnBackwardLayout(1, 40, 2, 8)
+    fx = make_fixture(layout, regime="mild", seed=2)
+    out = backward(*fx.inputs, dtype=np.float32)
+    part = unpack(out, layout).dk[:, 24:]
+    part += 0.1 * np.abs(part).mean() * np.random.default_rng(0).standard_normal(part.shape)
+    result = compare(out, fx)
+    assert result["dq"].passed
+    found = [f for f in result["dk"].findings if f.kind == "boundary"]
+    assert [f.details["side"] for f in found] == ["from"]
+    assert "backward sweep" not in found[0].text
 
 
 def test_a_step_found_where_dq_fails_keeps_the_forward_s_words() -> None:

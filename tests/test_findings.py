@@ -361,6 +361,12 @@ def test_an_error_from_the_first_step_that_fades_names_no_step() -> None:
     a = e * (1 + fade[None, :, None, None])
     found = only(grad_findings("dq", a, e, layout, SCORE), "boundary")
     assert (found.details["step"], found.details["side"]) == (None, "fades")
+    assert "initial state" not in found.text  # none is carried here
+    carried = GdnBackwardLayout(1, 24, 2, 8, carry_state=True)
+    e_state = grads(carried)["dq"]
+    a_state = e_state * (1 + fade[None, :, None, None])
+    with_state = only(grad_findings("dq", a_state, e_state, carried, SCORE), "boundary")
+    assert "the initial state, or how it is read, wrong?" in with_state.text
     cut = found.details["until"]
     assert isinstance(cut, int)
     assert cut > 1

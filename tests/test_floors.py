@@ -1,4 +1,4 @@
-"""``check._floors``: the calibrated criterion's floors, measured at fixture time, stored,
+"""``_floors``: the calibrated criterion's floors, measured at fixture time, stored,
 and judged against."""
 
 from __future__ import annotations

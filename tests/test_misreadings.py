@@ -136,6 +136,7 @@ def test_a_reading_in_the_update_but_not_in_dg_is_named_but_dg() -> None:
     assert finding.text.startswith(
         "every gradient but dg matches the op with the per-channel decay on value columns"
     )
+    assert finding.text.endswith("dg is the op's, formed as for the inputs as given")
     # dg, as the op forms it, is the op's: nothing else is wrong with it
     assert result["dg"].passed
     grads.dg[...] = np.asarray(axis["dg"], np.float32)  # the reading everywhere: named whole

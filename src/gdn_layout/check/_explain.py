@@ -204,16 +204,7 @@ def _handed_back(evidence: Evidence, so_far: Explained) -> Explained:
     backward sweep's, not a state the forward failed to carry: the cotangent ``dS`` handed
     to the chunk before. ``dstate`` failing alone with nothing found is the same sweep's
     end."""
-    grads = dict(so_far.grads)
-    for name, found in so_far.grads.items():
-        reworded = []
-        for f in found:
-            step = f.details.get("step")
-            if f.kind == "boundary" and isinstance(step, int):
-                what = f.text.split(";")[0].split(": ")[0]
-                f = Finding(f.kind, f.gradient, f"{what}: {_HANDED.format(step=step)}", f.details)
-            reworded.append(f)
-        grads[name] = tuple(reworded)
+    grads = {name: tuple(_backward_words(f) for f in found) for name, found in so_far.grads.items()}
     if [r.name for r in evidence.failing] == ["dstate"] and not grads.get("dstate"):
         text = (
             "only dstate fails, and dq passes (the forward's states are right): the state's "
@@ -225,14 +216,36 @@ def _handed_back(evidence: Evidence, so_far: Explained) -> Explained:
     return Explained(grads, so_far.whole)
 
 
+def _backward_words(finding: Finding) -> Finding:
+    """``finding`` worded for the backward sweep where it is the backward's: wrong before a
+    step (a run of steps ending at one) is what a wrong cotangent handed back across it does;
+    an error fading from the first step is the initial state as the backward reads it."""
+    details = finding.details
+    step, side, last = details.get("step"), details.get("side"), details.get("last")
+    ends = side == "window" and isinstance(last, int) and step == last + 1
+    handed = isinstance(step, int) and (side == "before" or ends)
+    if finding.kind != "boundary" or not (handed or side == "fades"):
+        return finding
+    what = finding.text.split(";")[0].split(": ")[0]
+    if handed:
+        why = _HANDED.format(step=step)
+    else:
+        why = (
+            "the initial state as the backward sweep reads it (the states it recomputes) "
+            "wrong? (dq passes: the forward's states are right)"
+        )
+    return Finding(finding.kind, finding.gradient, f"{what}: {why}", details)
+
+
 def _layout(evidence: Evidence, so_far: Explained) -> Explained:
     found = buffer_findings(evidence.actual, evidence.expected, evidence.layout, evidence.score)
     return dataclasses.replace(so_far, whole=(*so_far.whole, *found))
 
 
 def _rows(evidence: Evidence, so_far: Explained) -> Explained:
-    """Where every batch row holds the same inputs, the rows whose gradients differ from the
-    first row's: a kernel wrong only past the first row."""
+    """Where every batch row holds the same inputs, and some rows of a failing gradient pass
+    its criterion while others fail: the rows that fail, a kernel wrong in those rows alone
+    (past the first, or in the first)."""
     assert evidence.inputs is not None
     batch = evidence.layout.batch
     same = all(
@@ -241,25 +254,22 @@ def _rows(evidence: Evidence, so_far: Explained) -> Explained:
     )
     if batch < 2 or not same:
         return so_far
-    differ = tuple(
-        b
-        for b in range(1, batch)
-        if any(g is not None and not _same(g[b], g[0]) for g in evidence.mine)
-    )
-    if not differ:
+    failing = set()
+    for record in evidence.failing:
+        a, e = (np.asarray(g, np.float64) for g in _pair(evidence, record.name))
+        failing |= {b for b in range(batch) if record.criterion.score(a[b], e[b]) > 1.0}
+    if not failing or len(failing) == batch:
         return so_far
+    rows = tuple(sorted(failing))
+    where = "the rows after the first" if 0 not in rows else "those rows"
     finding = Finding(
         "rows",
         None,
-        f"batch rows hold identical inputs, but the gradients of row(s) "
-        f"{', '.join(map(str, differ))} differ from row 0's: a bug in the rows after the first?",
-        {"rows": differ},
+        f"batch rows hold identical inputs, but row(s) {', '.join(map(str, rows))} fail where "
+        f"the others pass: a bug in {where}?",
+        {"rows": rows},
     )
     return dataclasses.replace(so_far, whole=(*so_far.whole, finding))
-
-
-def _same(a: NDArray[Any], b: NDArray[Any]) -> bool:
-    return bool(np.array_equal(a, b, equal_nan=True))
 
 
 def _always(evidence: Evidence, so_far: Explained) -> bool:

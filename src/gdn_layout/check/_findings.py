@@ -47,8 +47,8 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     :func:`size_findings` names the layouts of the same ``B, S, H, N`` a wrong length fits.
 ``rows``
     (:mod:`~gdn_layout.check._explain`, with a fixture's inputs) the batch rows hold identical
-    inputs, but the gradients of some rows differ from row 0's: a bug in the rows after the
-    first.
+    inputs, but some rows of a failing gradient fail its criterion where the others pass: a
+    bug in the rows after the first (or in the first).
 ``axes``
     the gradient holds the expected values written in another axis order (``[B, H, S, N]``
     for ``[B, S, H, N]``...): the buffer reshaped to that order and transposed back explains it.
@@ -1049,10 +1049,14 @@ def _boundary(ctx: _Context) -> Finding | None:
         if side == "before" and per[t0 - 1] < FALLS * per[t0]:
             # No edge: an error from the first step that fades with the decay, as that of
             # the initial state does. Where it passes under the limit is no boundary.
+            why = (
+                ": the initial state, or how it is read, wrong? (its effect fades with the decay)"
+                if not ctx.zero_start
+                else ", as one made in the first steps does with the decay"
+            )
             text = (
                 f"{ctx.name} is wrong from the first {unit} on and its error fades, within the "
-                f"limit from {unit} {t0} on ({count}): the initial state, or how it is read, "
-                "wrong? (its effect fades with the decay)"
+                f"limit from {unit} {t0} on ({count}){why}"
             )
             fades: dict[str, object] = {"step": None, "side": "fades", "until": t0}
             fades.update(count=int(failing.size), **contrast)

@@ -528,6 +528,10 @@ def misreading_findings(
         ]
         return missed[0] if len(shown) >= 2 and holds(rest, None) else None
 
+    def op_s(name: str) -> bool:
+        """Whether the kernel's ``name`` is the op's: formed as for the op as given."""
+        return passes({name: theirs[name]}, None, actual_of) is not None
+
     found: list[Finding] = []
     partial: Finding | None = None
     for reading in READINGS:
@@ -556,7 +560,7 @@ def misreading_findings(
                     found.append(_finding(reading, words))
                     break
                 if partial is None and rerun and (missed := but_one(grads)) is not None:
-                    partial = _finding(reading, words, but=missed)
+                    partial = _finding(reading, words, but=missed, op_s=op_s(missed))
     return tuple(found) if found or partial is None else (partial,)
 
 
@@ -624,14 +628,19 @@ def _stored_figures(e: _Array, dtype: np.dtype[Any]) -> tuple[float, float]:
     return _figures(np.where(normal, kept, e), e)  # what underflows is not excused
 
 
-def _finding(reading: Reading, variant: str, but: str | None = None) -> Finding:
+def _finding(reading: Reading, variant: str, but: str | None = None, op_s: bool = False) -> Finding:
     what = "; ".join(part for part in (reading.computes, variant) if part)
     if but is None:
         text = f"every gradient matches the op with {what}"
+    elif op_s:
+        text = (
+            f"every gradient but {but} matches the op with {what}; {but} is the op's, "
+            "formed as for the inputs as given"
+        )
     else:
         text = (
-            f"every gradient but {but} matches the op with {what}; {but} is formed otherwise "
-            "(as for the op as given?)"
+            f"every gradient but {but} matches the op with {what}; {but} matches neither: "
+            "formed otherwise"
         )
     details: dict[str, object] = {"reading": reading.name, "variant": variant or None}
     if but is not None:

@@ -22,10 +22,9 @@ if TYPE_CHECKING:
 __all__ = ["Comparison", "GradComparison", "failure_message"]
 
 
-#: ``field`` metadata of what ``to_dict`` leaves out: the maps, which are for plots.
+#: ``field`` metadata of what ``to_dict`` leaves out of its loop over the fields: the maps,
+#: which are for plots, and the verdict, which it says last.
 _NOT_JSON: Final = {"json": False}
-#: ``field`` metadata of the verdict, which ``to_dict`` puts last, after ``axes``.
-_VERDICT: Final = {"json": False}
 
 
 @dataclass(frozen=True)
@@ -77,8 +76,8 @@ class GradComparison:
     worst_actual, worst_expected
         The two values there.
     passed
-        Whether the gradient meets its criterion: the verdict, given once when the gradient
-        is measured.
+        Whether the gradient meets its criterion: the verdict, worked out once when the
+        record is made (``dataclasses.replace`` makes a record, and its verdict, anew).
     error_floor_ratio
         The calibrated criterion's figure: the larger of the RMS error and the largest error,
         each over its floor as an error; None when the gradient was judged by explicit
@@ -158,8 +157,9 @@ class GradComparison:
     worst: tuple[int, ...] | None
     worst_actual: float | None
     worst_expected: float | None
-    passed: bool = field(metadata=_VERDICT)
-    error_floor_ratio: float | None = field(metadata=_VERDICT)
+    #: The verdict, given once when the record is made (``to_dict`` says it last).
+    passed: bool = field(init=False, metadata=_NOT_JSON)
+    error_floor_ratio: float | None = field(init=False, metadata=_NOT_JSON)
     error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
     batch_error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
     mismatch_map: NDArray[np.int64] = field(compare=False, repr=False, metadata=_NOT_JSON)
@@ -174,6 +174,13 @@ class GradComparison:
     ratio_map: NDArray[np.float64] | None = field(
         default=None, compare=False, repr=False, metadata=_NOT_JSON
     )
+
+    def __post_init__(self) -> None:
+        c = self.criterion  # the frozen record's verdict, set once
+        verdict = c.passes(self.rms_ratio, self.max_abs_error, self.mismatches,
+                           self.nonfinite_mismatches)  # fmt: skip
+        object.__setattr__(self, "passed", verdict)
+        object.__setattr__(self, "error_floor_ratio", c.ratio(self.rms_ratio, self.max_abs_error))
 
     @property
     def axes(self) -> tuple[str, ...]:

@@ -221,8 +221,6 @@ def scan(
         worst=worst,
         worst_actual=None if worst is None else worst_a,
         worst_expected=None if worst is None else worst_e,
-        passed=criterion.passes(rms_ratio, max_abs, mismatches, bad_count),
-        error_floor_ratio=criterion.ratio(rms_ratio, max_abs),
         error_map=_read_only(batch_cells.max(axis=0, initial=0.0)),
         batch_error_map=_read_only(batch_cells),
         mismatch_map=_read_only(counts),
