@@ -197,3 +197,26 @@ def assert_same_fixture(a: Fixture, b: Fixture) -> None:
     for name in ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed"):
         assert same_bits(getattr(a, name), getattr(b, name)), name
     assert (a.regime, a.seed, a.compute_dtype) == (b.regime, b.seed, b.compute_dtype)
+
+
+def on_a_terminal(argv: list[str], cwd: Path, *, stdout: bool = True) -> tuple[int, str]:
+    """Run ``argv`` with stderr (and ``stdout``, unless False) on a pseudo-terminal, as in an
+    interactive shell: its exit code and what the terminal showed."""
+    import pty
+
+    leader, follower = pty.openpty()
+    out = follower if stdout else subprocess.DEVNULL
+    with subprocess.Popen(argv, stdout=out, stderr=follower, cwd=cwd) as process:
+        os.close(follower)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the terminal closed with the process
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        code = process.wait(timeout=300)
+    os.close(leader)
+    return code, b"".join(chunks).decode()

@@ -37,7 +37,7 @@ from gdn_layout.cli import _NEXT_STEP, _parser, main
 from gdn_layout.files import load_fixture, save_fixture
 from gdn_layout.files._outputs import FILE_KINDS
 from gdn_layout.regimes import REGIME_SUMMARIES
-from support import assert_user_error, run, suite_with_huge_integer
+from support import assert_user_error, on_a_terminal, run, suite_with_huge_integer
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 limits = importlib.import_module("gdn_layout._limits")
@@ -509,30 +509,10 @@ def test_a_suite_s_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(
 @pytest.mark.slow
 def test_a_real_terminal_gets_the_progress_bar(tmp_path: Path) -> None:
     # End to end, once: stderr on a pseudo-terminal, as in an interactive shell.
-    import pty
-
-    leader, follower = pty.openpty()
     argv = ["fixture", "-B", "1", "-S", "8", "-H", "1", "-N", "2", "-o", "x.safetensors"]
-    with subprocess.Popen(
-        [sys.executable, "-m", "gdn_layout", *argv],
-        stdout=subprocess.DEVNULL,
-        stderr=follower,
-        cwd=tmp_path,
-    ) as process:
-        os.close(follower)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 4096)
-            except OSError:  # the terminal closed with the process
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        code = process.wait(timeout=300)
-    os.close(leader)
+    code, shown = on_a_terminal([sys.executable, "-m", "gdn_layout", *argv], tmp_path, stdout=False)
     assert code == 0
-    assert "reference backward [" in b"".join(chunks).decode()
+    assert "reference backward [" in shown
 
 
 def _await_temporary(process: subprocess.Popen[Any], folder: Path, why: str) -> None:

@@ -159,7 +159,7 @@ def test_a_wrong_hand_over_in_the_backward_is_worded_for_the_backward(per_channe
     layout = GdnBackwardLayout(1, 40, 2, 8, gate_per_channel=per_channel, carry_state=True)
     fx = make_fixture(layout, regime="mild", seed=2)
     assert compare(panel.step_by_step(fx), fx).passed  # the panel's kernel, right
-    result = compare(panel.handed_back_wrong(fx, 24), fx)
+    result = compare(panel.step_by_step(fx, handed_back=(24, 0.5)), fx)
     assert result["dq"].passed  # the forward is right
     steps = [
         f for g in result.grads for f in g.findings if f.kind == "boundary" and f.gradient != "dq"

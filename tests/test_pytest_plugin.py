@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,7 +21,7 @@ from gdn_layout.check._findings import _IDENTIFIED
 from gdn_layout.pytest_plugin import _cache_key
 from gdn_layout.regimes import REGIMES
 from gdn_layout.suites import suite_files
-from support import Suite, run, suite_with_huge_integer
+from support import Suite, on_a_terminal, run, suite_with_huge_integer
 
 
 @pytest.fixture(scope="module")
@@ -238,30 +236,9 @@ def test_plugin_says_what_it_makes_and_how_far_in_a_log(pytester: pytest.Pyteste
 
 @pytest.mark.slow
 def test_plugin_draws_a_bar_on_a_terminal(pytester: pytest.Pytester) -> None:
-    import pty
-
     pytester.makeconftest(FIRST_SHAPE)
     pytester.makepyfile(test_kernel=CORRECT_KERNEL)
-    leader, follower = pty.openpty()
-    with subprocess.Popen(
-        [sys.executable, "-m", "pytest"],
-        stdout=follower,
-        stderr=follower,
-        cwd=pytester.path,
-    ) as process:
-        os.close(follower)
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(leader, 4096)
-            except OSError:  # the terminal closed with the process
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        code = process.wait(timeout=300)
-    os.close(leader)
-    shown = b"".join(chunks).decode()
+    code, shown = on_a_terminal([sys.executable, "-m", "pytest"], pytester.path)
     assert code == 0, shown
     folder = _cached_folder(pytester)
     assert _said(folder, len(suite_files(folder))) in shown

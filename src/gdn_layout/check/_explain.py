@@ -71,8 +71,9 @@ class Evidence:
     floors: Floors | None
     judged: Precision
 
-    @property
+    @functools.cached_property
     def failing(self) -> tuple[GradComparison, ...]:
+        """The records that failed, in packing order."""
         return tuple(r for r in self.records if not r.passed)
 
     @functools.cached_property

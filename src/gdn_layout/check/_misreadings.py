@@ -444,6 +444,14 @@ def misreading_findings(
 
     op_term = term_scales(x.q, x.k, theirs["dq"], theirs["dk"], per_channel=x.per_channel)["dg"]
 
+    def dg_term(grads: _Grads) -> float:
+        """The scale of the terms ``grads``' ``dg`` is formed from: its own ``dq`` and ``dk``'s,
+        or, for a gradient judged alone, the op's."""
+        dq, dk = grads.get("dq"), grads.get("dk")
+        if dq is None or dk is None or grads is theirs:
+            return op_term
+        return term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+
     def passes(
         grads: _Grads,
         rounded: tuple[_Grads, ...] | None,
@@ -456,10 +464,7 @@ def misreading_findings(
         worst of their rounding. ``stored``: the floors are at least the rounding of
         ``grads``' own values to the kernel's dtype (the fixture's are its op's)."""
         judged = [n for n in names if grads.get(n) is not None]
-        dq, dk = grads.get("dq"), grads.get("dk")
-        term = op_term  # a gradient alone: the terms of the op's own dg
-        if dq is not None and dk is not None and grads is not theirs:
-            term = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+        term = dg_term(grads)
         verified = 0  # values compared: those an overflow leaves are free
         for name in judged:
             e = np.asarray(grads[name], np.float64)
@@ -515,9 +520,7 @@ def misreading_findings(
             return None
         # Formed otherwise, not a near miss: past what rounding reaches against the reading.
         e, a = (np.asarray(t[missed[0]], np.float64) for t in (grads, actual_of))
-        dq, dk, near = grads.get("dq"), grads.get("dk"), None
-        if missed[0] == "dg" and dq is not None and dk is not None:
-            near = term_scales(x.q, x.k, dq, dk, per_channel=x.per_channel)["dg"]
+        near = dg_term(grads) if missed[0] == "dg" else None
         if criterion(missed[0], e, near, None).score(a, e) <= ROUNDING_MAX:
             return None
         rest = {**grads, missed[0]: None}
