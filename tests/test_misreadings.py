@@ -19,6 +19,7 @@ from gdn_layout.check._findings import KINDS, Finding
 from gdn_layout.files import Fixture
 from gdn_layout.reference import backward
 from gdn_layout.reference._fused import fused_backward
+from gdn_layout.reference._recurrent import step_gradients
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -467,3 +468,109 @@ def test_a_reading_that_shows_in_one_gradient_alone_is_named(
     result = compare(kernel.astype(BF16), fixture)
     assert result.failed == ("dg",)
     assert [dict(f.details)["reading"] for f in result.findings] == ["state_transposed"]
+
+
+#: A sequence the screen runs on (_misreadings.ruled_out): its two ends of _ENDS steps each are
+#: run first, and a reading the kernel misses there by more than any floors allow is not re-run.
+_SCREENED_SEQ = 8 * _misreadings._ENDS + 40
+
+
+@pytest.fixture(scope="module", params=["scalar", "channel"])
+def long_fixture(request: pytest.FixtureRequest) -> Fixture:
+    layout = GdnBackwardLayout(
+        2, _SCREENED_SEQ, 2, 8, gate_per_channel=request.param == "channel", carry_state=True
+    )
+    return make_fixture(layout, regime="mixed", seed=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("reading", "variant"), PANEL, ids=lambda v: str(v) or "-")
+def test_the_screen_leaves_an_independent_kernel_s_misreading_named(
+    long_fixture: Fixture, reading: str, variant: str
+) -> None:
+    panel = pytest.importorskip("panel")
+    pytest.importorskip("torch")
+    fx = long_fixture
+    if not next(r for r in _misreadings.READINGS if r.name == reading).applies(fx.layout):
+        pytest.skip(f"{reading} cannot change this layout")
+    result = compare(panel.misread(fx, reading, variant), fx)
+    assert _named(result.findings) == [reading], [f.text for f in result.findings]
+
+
+def test_the_screen_leaves_the_reference_on_misread_inputs_named() -> None:
+    fx = make_fixture(
+        GdnBackwardLayout(2, _SCREENED_SEQ, 2, 4, carry_state=True), regime="mild", seed=1
+    )
+    q, k, _, g, beta, _, state = fx.inputs
+    assert state is not None
+    late = np.zeros_like(g)
+    late[:, 1:] = g[:, :-1]
+    cases = {
+        "state_transposed": _read(fx, state=state.swapaxes(-1, -2)),
+        "gate_shift": _read(fx, g=late),
+        "beta_missing": _read(fx, beta=np.ones_like(beta)),
+        "qk_swapped": _read(fx, q=k, k=q),
+    }
+    for reading, kernel in cases.items():
+        assert _named(compare(kernel, fx).findings) == [reading], reading
+
+
+def _noisy(fx: Fixture, names: tuple[str, ...]) -> NDArray[Any]:
+    """The fixture's gradients with noise of a thousandth of their RMS on ``names``: failing
+    where nothing explains them."""
+    out = np.array(fx.packed, np.float32)
+    grads = unpack(out, fx.layout)
+    rng = np.random.default_rng(0)
+    for name in names:
+        part = getattr(grads, name)
+        part += (1e-3 * np.sqrt(np.mean(part**2)) * rng.standard_normal(part.shape)).astype(
+            part.dtype
+        )
+    return out
+
+
+def test_the_screen_spares_re_runs_and_changes_no_finding(
+    long_fixture: Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # dk and dg fail, dv passes: most readings change dq on the first steps and dv on the
+    # last, where the kernel is the op's; their re-runs are not made, and what compare says
+    # is what it says with every reading re-run.
+    fx = long_fixture
+    kernel = _noisy(fx, ("dk", "dg"))
+    runs: list[object] = []
+    run = step_gradients
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append(args)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(_misreadings, "step_gradients", counted)
+    screened = compare(kernel, fx)
+    spared = len(runs)
+    assert screened["dv"].passed
+    assert not screened["dk"].passed
+    monkeypatch.setattr(_misreadings, "_misses", lambda *args: set())
+    runs.clear()
+    every = compare(kernel, fx)
+    assert spared < len(runs)
+    assert screened.causes() == every.causes()
+    assert [g.findings for g in screened.grads] == [g.findings for g in every.grads]
+
+
+def test_a_reading_found_stops_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The first reading verified is the cause shown: no reading after it is re-run.
+    fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")
+    assert fx.state is not None
+    tried: list[str] = []
+
+    def logged(reading: _misreadings.Reading) -> _misreadings.Reading:
+        def truths(x: Any) -> Any:
+            tried.append(reading.name)
+            return reading.truths(x)
+
+        return reading._replace(truths=truths)
+
+    monkeypatch.setattr(_misreadings, "READINGS", tuple(map(logged, _misreadings.READINGS)))
+    result = compare(_read(fx, state=fx.state.swapaxes(-1, -2)), fx)
+    assert _named(result.findings) == ["state_transposed"]
+    assert set(tried) == {"state_transposed"}

@@ -729,3 +729,34 @@ def test_the_step_form_takes_a_log_gate_or_a_decay() -> None:
         step_gradients(*args[:3], None, *args[4:])
     with pytest.raises(ValueError, match="cotangent must have shape"):
         step_gradients(*args, cotangent=np.zeros((1, 1, 2, 3)))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("variant", ["op", "decay", "columns", "cotangent"])
+def test_step_ends_are_the_full_run_s_values_at_its_ends(variant: str, dtype: Any) -> None:
+    # What a screen reads of a re-run: dq on the first steps and dv on the last, equal to the
+    # full run's there (the same steps on the same values), NaN elsewhere.
+    from gdn_layout.reference._recurrent import step_ends
+
+    rng = np.random.default_rng(4)
+    b, s, h, n = 2, 37, 2, 5
+    q, k, v, dy = (rng.standard_normal((b, s, h, n)) for _ in range(4))
+    g: NDArray[Any] | None = -rng.random((b, s, h, n) if variant == "columns" else (b, s, h))
+    beta, state = rng.random((b, s, h)), rng.standard_normal((b, h, n, n))
+    options: dict[str, Any] = {"dtype": dtype}
+    if variant == "decay":
+        assert g is not None
+        options["decay"], g = np.exp(g) * rng.choice([-1.5, 1.0], g.shape), None
+    elif variant == "columns":
+        options["columns"] = True
+    elif variant == "cotangent":
+        options["cotangent"] = rng.standard_normal((b, h, n, n))
+    full = step_gradients(q, k, v, g, beta, dy, state, checkpoint_every=6, **options)
+    for steps in (1, 7, s + 3):
+        ends = step_ends(q, k, v, g, beta, dy, state, steps=steps, **options)
+        first, last = min(steps, s), s - min(steps, s)
+        assert np.array_equal(ends.dq[:, :first], full.dq[:, :first])
+        assert np.array_equal(ends.dv[:, last:], full.dv[:, last:])
+        assert np.isnan(ends.dq[:, first:]).all()
+        assert np.isnan(ends.dv[:, :last]).all()
+        assert all(np.isnan(getattr(ends, name)).all() for name in ("dk", "dg", "dbeta", "dstate"))

@@ -24,11 +24,17 @@ checked to agree with it.
 stepped (``rows * heads * S * N**2``; at least one head), from the head where most gradients
 come nearest their largest error, its states kept at every 64th step and recomputed in
 between. It runs only when the kernel fails on that slice, once per reading and variant (a
-scale is the truth times a factor). Where a reading's op grows (its gradients a thousand
-times the op's, or not finite), or the kernel misses it by less than it misses the op, it
-runs again in float32, step by step and, where that form can compute it, in the fused
-kernels' chunked form: as the fixture's floors for the op, the worst rounding of the two
-then raises the floors, and the step-by-step run's overflow frees the kernel's values there.
+scale is the truth times a factor), and the first reading verified ends the search. On a long
+sequence each reading's run is screened first by its two ends alone (``dq`` on the first 16
+steps, ``dv`` on the last: their values are the full run's): a variant is not re-run where the
+kernel misses it there by more than any floors the full check may use allow, in as many
+gradients as leave it neither named nor named but one (:func:`_misses` argues the bound; a
+reading's own float32 rounding raises those gradients' floors by at most :func:`_cap`).
+Where a reading's op grows (its gradients a thousand times the op's, or not finite), or the
+kernel misses it by less than it misses the op, it runs again in float32, step by step and,
+where that form can compute it, in the fused kernels' chunked form: as the fixture's floors
+for the op, the worst rounding of the two then raises the floors, and the step-by-step run's
+overflow frees the kernel's values there.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, make_fixture, compare
@@ -43,6 +49,7 @@ the kernel reads the state as [V, K]
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Final, NamedTuple
@@ -55,7 +62,7 @@ from .._floors import term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
-from ..reference._recurrent import step_gradients
+from ..reference._recurrent import step_ends, step_gradients
 from ._criterion import Criterion
 from ._findings import ROUNDING_MAX, Finding
 
@@ -68,6 +75,7 @@ _Grads = dict[str, _Array | None]
 #: The most state elements a re-run steps through (``rows * heads * S * N**2``).
 BUDGET: Final = 1 << 24
 _CHECKPOINT: Final = 64  # steps between the states a re-run keeps
+_ENDS: Final = 16  # steps at each end a screen runs (_misses)
 #: The least values a reading is verified on (when overflow frees some), and shown on: those
 #: of the gradients where it differs from the op.
 _VERIFIED: Final = 16
@@ -94,6 +102,8 @@ class _Case(NamedTuple):
     state: _Array | None
     per_channel: bool
     chunked: bool = False
+    ends: bool = False  # dq on the first _ENDS steps and dv on the last alone (step_ends)
+    skip: frozenset[str] = frozenset()  # variants ruled out: their runs are not made
 
 
 class _NoForm(Exception):
@@ -138,7 +148,7 @@ def _step_form(
             raise _NoForm
         grads = _fused_form(q, k, v, g, b, dy, s0, cotangent)
     else:
-        grads = step_gradients(
+        grads = (step_ends if x.ends else step_gradients)(
             q,
             k,
             v,
@@ -150,7 +160,7 @@ def _step_form(
             columns=columns,
             cotangent=cotangent,
             dtype=q.dtype,
-            checkpoint_every=_CHECKPOINT,
+            **({"steps": _ENDS} if x.ends else {"checkpoint_every": _CHECKPOINT}),
         )._asdict()
     if fold:
         for name in grads.keys() - {"dstate"}:
@@ -262,6 +272,14 @@ def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
             g[:, :-1] = x.g[:, 1:]
         if np.array_equal(g, x.g):  # a constant gate reads the same either way: only a
             continue  # dg stored a step off would differ, which is a shift, not a reading
+        words = "g[t - 1] at step t (the gate read one step late)"
+        if not late:
+            words = "g[t + 1] at step t (the gate read one step early)"
+        used, own = (
+            f"{words}, dg[t] the gradient of {w}" for w in ("the gate step t used", "g[t]")
+        )
+        if {used, own} <= x.skip:
+            continue
         grads: _Grads = dict(_step_form(x, gate=g))
         dg = grads["dg"]
         assert dg is not None
@@ -270,11 +288,8 @@ def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
             moved[:, :-1] = dg[:, 1:]
         else:
             moved[:, 1:] = dg[:, :-1]
-        words = "g[t - 1] at step t (the gate read one step late)"
-        if not late:
-            words = "g[t + 1] at step t (the gate read one step early)"
-        yield f"{words}, dg[t] the gradient of the gate step t used", grads
-        yield f"{words}, dg[t] the gradient of g[t]", {**grads, "dg": moved}
+        yield used, grads
+        yield own, {**grads, "dg": moved}
 
 
 def _gate_axis(x: _Case) -> Iterator[tuple[str, _Grads]]:
@@ -287,17 +302,21 @@ def _g_beta_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
     yield _CHAINED, {**grads, "dg": grads["dbeta"], "dbeta": grads["dg"]}
 
 
+_WITHOUT: Final = "dv formed without beta (dv = du, not beta * du)"
+
+
 def _beta_missing(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    yield (
-        "beta = 1 in the update (dbeta not judged)",
-        {**_step_form(x, beta=np.ones_like(x.beta)), "dbeta": None},
-    )
+    ones = "beta = 1 in the update (dbeta not judged)"
+    if ones not in x.skip:
+        yield ones, {**_step_form(x, beta=np.ones_like(x.beta)), "dbeta": None}
+    if _WITHOUT in x.skip:
+        return
     truth = _step_form(x)
     dv = truth["dv"]
     assert dv is not None
     with np.errstate(divide="ignore", invalid="ignore"):
         without = np.where(x.beta[..., None] != 0, dv / x.beta[..., None], 0.0)
-    yield "dv formed without beta (dv = du, not beta * du)", {**truth, "dv": without}
+    yield _WITHOUT, {**truth, "dv": without}
 
 
 def _unit(t: _Array) -> tuple[_Array, _Array]:
@@ -444,6 +463,11 @@ def misreading_findings(
 
     op_term = term_scales(x.q, x.k, theirs["dq"], theirs["dk"], per_channel=x.per_channel)["dg"]
 
+    @functools.cache
+    def limit(name: str) -> float:
+        """``K`` of the class gradient ``name`` is judged in; NaN for explicit tolerances."""
+        return criterion(name, np.ones(1), None, None).limit
+
     def dg_term(grads: _Grads) -> float:
         """The scale of the terms ``grads``' ``dg`` is formed from: its own ``dq`` and ``dk``'s,
         or, for a gradient judged alone, the op's."""
@@ -480,7 +504,11 @@ def misreading_findings(
                 e, a = e[~free], a[~free]
                 verified += e.size
                 forms = (np.asarray(form[name], np.float64)[~free] for form in rounded)
-                figures += [_figures(o, e) for o in forms if np.isfinite(o).all()]
+                cap = _cap(limit(name)) if name in _SCREENED else (math.inf, math.inf)
+                figures += [
+                    (min(rms, cap[0]), min(peak, cap[1]))
+                    for rms, peak in (_figures(o, e) for o in forms if np.isfinite(o).all())
+                ]
             if stored:
                 figures.append(_stored_figures(e, actual_of[name].dtype))
             if not np.isfinite(e).all():
@@ -535,36 +563,137 @@ def misreading_findings(
         """Whether the kernel's ``name`` is the op's: formed as for the op as given."""
         return passes({name: theirs[name]}, None, actual_of) is not None
 
-    found: list[Finding] = []
+    kernel64: dict[str, _Array] = {
+        n: np.asarray(actual_of[n], np.float64) for n in _SCREENED if n in actual_of
+    }
+
+    def ruled_out(reading: Reading) -> tuple[frozenset[str], bool]:
+        """The variants of ``reading`` its run's two ends rule out (:func:`_misses`): the
+        kernel misses them there by more than the check allows any floors, in as many
+        gradients as leave no variant named, nor named but one."""
+        ends = reading.truths(x._replace(ends=True))
+        lows = {} if low is None else dict(reading.truths(low._replace(ends=True)))
+        out, every = set(), True
+        for words, grads in ends:
+            judged = [n for n in names if grads.get(n) is not None]
+            missed = _misses(grads, lows.get(words), kernel64, actual_of, criterion, limit)
+            rest = failing - missed  # but_one names one gradient missed, two failing shown
+            if missed and (len(missed) >= 2 or len(judged) < 3 or len(rest) < 2):
+                out.add(words)
+            else:
+                every = False
+        return frozenset(out), every
+
     partial: Finding | None = None
     for reading in READINGS:
         if not reading.applies(layout):
             continue
         variants: Iterator[tuple[str, _Grads]]
+        skip: frozenset[str] = frozenset()
         if reading.name == "scale":
             variants = (
                 (words, {n: factor * t for n, t in theirs.items()})
                 for words, factor in _scales(layout.state_size)
             )
         else:
-            variants = reading.truths(x)
+            with np.errstate(all="ignore"):
+                skip, every = ruled_out(reading) if layout.seq > 8 * _ENDS else (frozenset(), True)
+            if skip and every:  # no variant of it is left to run
+                continue
+            variants = reading.truths(x._replace(skip=skip))
         rounded: dict[str, tuple[_Grads, ...]] | None = None
         with np.errstate(all="ignore"):
             for words, grads in variants:
+                if words in skip:
+                    continue
                 named = holds(grads, None)
                 rerun = reading.name != "scale"  # a scale is the truth times a factor
                 if (not named and rerun and low is not None) and (
                     _grows(grads, theirs, actual_of) or _nearer(grads, theirs, actual_of, failing)
                 ):
                     # its op's own float32 rounding may be what the kernel misses by
-                    rounded = _rounded(reading, low) if rounded is None else rounded
+                    if rounded is None:  # the variants left, as they round in float32
+                        rounded = _rounded(reading, low._replace(skip=skip))
                     named = words in rounded and holds(grads, rounded[words])
-                if named:
-                    found.append(_finding(reading, words))
-                    break
+                if named:  # the first reading verified: the cause is shown
+                    return (_finding(reading, words),)
                 if partial is None and rerun and (missed := but_one(grads)) is not None:
                     partial = _finding(reading, words, but=missed, op_s=op_s(missed))
-    return tuple(found) if found or partial is None else (partial,)
+    return () if partial is None else (partial,)
+
+
+#: The gradients a run's two ends give (dq on the first steps, dv on the last; dk where a
+#: variant takes dq for it): those the screen judges, and whose float32 floors are capped.
+_SCREENED: Final = ("dq", "dk", "dv")
+
+
+def _cap(limit: float) -> tuple[float, float]:
+    """The most a reading's own float32 rounding raises a screened gradient's ``(rms, max)``
+    floors: ``1/(32K)`` and ``1/(8K)`` of its RMS for the class's ``K``. Past that a kernel
+    could miss the reading by an eighth of its values and pass: its float32 runs no longer
+    tell it, and the screen's bound (:func:`_misses`) needs the floors well below ``1/K``."""
+    if not limit > 0:
+        return (math.inf, math.inf)
+    return (1.0 / (32 * limit), 1.0 / (8 * limit))
+
+
+def _misses(
+    grads: _Grads,
+    low: _Grads | None,
+    kernel64: Mapping[str, _Array],
+    kernel: Mapping[str, Any],
+    criterion: CriterionOf,
+    limit: Callable[[str], float],
+) -> set[str]:
+    """The gradients of :data:`_SCREENED` the kernel ``kernel64`` (float64; ``kernel`` as
+    given) fails against a variant ``grads`` of a run's two ends (NaN where not run), under
+    any floors the full check may judge it by: that check then names neither the variant nor
+    the variant but that gradient. ``low``: the same ends in float32, None where no float32
+    run judges the variant.
+
+    Why it holds: each value of the ends is the full run's (``step_ends``), and
+    only values the full check judges count (finite, not past overflow, its float32 run's
+    finite: not freed). The full check's floors are at most ``f = max(fixture's, cap, eps)``
+    (:func:`_cap`; ``eps`` the stored rounding), so a variant passing has ``rms(e) <= max|a| /
+    (1 - K f_rms)`` (``a`` within ``K f_rms rms(e)`` of ``e`` in RMS), and every error at most
+    ``K f_max rms(e)``, or ``K eps max|e| <= K eps (max|a| + error)``. An error on the ends
+    past the larger of the two bounds fails it."""
+    out = set()
+    for name in _SCREENED:
+        e_all, a_all = grads.get(name), kernel64.get(name)
+        if e_all is None or a_all is None:
+            continue
+        dtype = np.asarray(kernel[name]).dtype
+        e = np.asarray(e_all, np.float64)
+        reach = min(_NEAR_OVERFLOW, float(finfo(dtype).max))
+        judged = np.isfinite(e) & np.isfinite(a_all) & (np.abs(e) <= reach)
+        r = None if low is None else low.get(name)
+        if r is not None:
+            judged &= np.isfinite(r)
+        if not judged.any():
+            continue
+        error = np.abs(a_all - e)[judged]
+        eps = float(finfo(dtype).eps)  # a value stored in dtype is within eps/2 of it
+        judge = criterion(
+            name, np.ones(1), None, (max(_cap(limit(name))[0], eps), _cap(limit(name))[1])
+        )
+        if judge.mode != "calibrated":  # explicit tolerances: elementwise, judged alike
+            if judge.counts_elements and (error > judge.allowances(np.abs(e[judged]))).any():
+                out.add(name)
+            continue
+        assert judge.precision is not None
+        assert judge.floor is not None
+        half = judge.precision.unit_roundoff / 2  # the least floor, by rms(expected)
+        k, rms_floor, max_floor = judge.limit, max(judge.floor[0], half), max(judge.floor[1], half)
+        if k * rms_floor >= 1 or k * eps >= 1:
+            continue
+        finite = np.abs(a_all[np.isfinite(a_all)])
+        largest = float(finite.max()) if finite.size else 0.0
+        scale = largest / (1 - k * rms_floor)
+        bound = max(k * max_floor * scale, k * eps * largest / (1 - k * eps))
+        if float(error.max()) > bound * (1 + 1e-9):
+            out.add(name)
+    return out
 
 
 def _rounded(reading: Reading, low: _Case) -> dict[str, tuple[_Grads, ...]]:

@@ -327,6 +327,63 @@ def step_gradients(
     return grads
 
 
+def step_ends(
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike | None,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None = None,
+    *,
+    decay: ArrayLike | None = None,
+    columns: bool = False,
+    cotangent: ArrayLike | None = None,
+    dtype: DTypeLike = np.float64,
+    steps: int = 16,
+) -> GdnGrads:
+    """Of :func:`step_gradients` with the same arguments, ``dq`` on the first ``steps`` steps
+    and ``dv`` on the last ``steps``, every other value NaN: the same steps on the same values,
+    equal to its values (a zero may differ in sign: where an outer product is formed, the
+    module docstring). The first steps read the initial state alone and the last the final
+    cotangent alone: twice ``steps`` steps' work, not the sequence's.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v, dy = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))
+    >>> g, beta = -rng.random((1, 9, 2)), rng.random((1, 9, 2))
+    >>> full = step_gradients(q, k, v, g, beta, dy, checkpoint_every=3)
+    >>> ends = step_ends(q, k, v, g, beta, dy, steps=4)
+    >>> bool((ends.dq[:, :4] == full.dq[:, :4]).all() and (ends.dv[:, 5:] == full.dv[:, 5:]).all())
+    True
+    >>> bool(np.isnan(ends.dq[:, 4:]).all() and np.isnan(ends.dk).all())
+    True
+    """
+    if (g is None) == (decay is None):
+        raise ValueError("step_ends: give the log-gate g or the decay, not both")
+    gate = decay if g is None else g
+    assert gate is not None
+    b, seq, h, n = np.shape(q)
+    start = np.zeros((b, h, n, n)) if state is None else state
+    x = validate(q, k, v, gate, beta, start, dy, dtype, finite=False)
+    flat, grads = empty(x.layout, x.q.dtype)
+    flat[...] = np.nan
+    if b * h * n * seq == 0:
+        return grads
+    if cotangent is not None:
+        cotangent = np.asarray(cotangent)
+    variant = Variant(decay is not None, columns, cotangent)
+    steps = max(1, min(steps, seq))
+    back = _Backward(x, grads, steps, _Stepper(x, variant))
+    assert x.state is not None
+    with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
+        back.recompute(x.state.copy(), 0, steps)
+        back.sweep(_Interval(x, seq - steps, seq, variant), seq - steps, seq, full=False)
+    return grads
+
+
 class _Backward:
     """The backward sweep's buffers and steps; ``d_state`` is the gradient reaching ``S_t``
     from later steps."""
@@ -359,6 +416,11 @@ class _Backward:
         self.dg = np.empty((b, h, n), dtype)
 
     def interval(self, checkpoint: _Array, t0: int, t1: int) -> None:
+        span = self.recompute(checkpoint, t0, t1)
+        self.sweep(span, t0, t1)
+
+    def recompute(self, checkpoint: _Array, t0: int, t1: int) -> _Interval:
+        """The states of steps ``t0 .. t1-1`` from the state entering them, and their dq."""
         x, states = self.x, self.states
         span = _Interval(x, t0, t1, self.stepper.variant)
         states[0] = checkpoint
@@ -369,6 +431,12 @@ class _Backward:
             # dq = c * S_t @ dy while S_t is in cache
             np.matmul(s_t, self.dy[:, :, t, :, None], out=self.vec)
             np.multiply(self.vec[..., 0], x.scale, out=self.grads.dq[:, t])
+        return span
+
+    def sweep(self, span: _Interval, t0: int, t1: int, full: bool = True) -> None:
+        """The backward through steps ``t1-1 .. t0``; unless ``full``, its cotangent alone
+        (dv, and ``d_state`` as the full sweep has it: no state is read)."""
+        x = self.x
         dy = self.dy[:, :, t0:t1]
         c_q = x.scale * x.q[:, :, t0:t1]  # c * q[t], as the spec's c * q[t] * dy[t] rounds it
         q_cols = _padded(c_q, -1)
@@ -376,7 +444,7 @@ class _Backward:
         q_clear = self.stepper.outer.fast and _clear_of_zero(c_q) and _clear_of_zero(dy)
         neg_beta = -x.beta[:, :, t0:t1, None]
         for t in reversed(range(t0, t1)):
-            self.step(span, t, q_cols, dy_rows, q_clear, neg_beta)
+            self.step(span, t, q_cols, dy_rows, q_clear, neg_beta, full)
 
     def step(
         self,
@@ -386,6 +454,7 @@ class _Backward:
         dy_rows: _Array,
         q_clear: bool,
         neg_beta: _Array,
+        full: bool = True,
     ) -> None:
         x, grads, outer, d_state = self.x, self.grads, self.stepper.outer, self.d_state
         i = t - span.t0
@@ -396,17 +465,22 @@ class _Backward:
 
         outer(self.stepper.update, q_cols[:, :, i], dy_rows[:, :, i], q_clear)
         np.add(d_state, self.stepper.update, out=d_state)
-        np.matmul(d_state, self.u_rows[i, :, :, 0, :, None], out=self.dk)
+        if full:
+            np.matmul(d_state, self.u_rows[i, :, :, 0, :, None], out=self.dk)
         np.matmul(kt[..., None, :], d_state, out=self.du)
         du = self.du[..., 0, :]
         np.multiply(bt, du, out=grads.dv[:, t])
-        np.multiply(self.r[i], du, out=self.small)
-        np.sum(self.small, axis=-1, out=grads.dbeta[:, t])
+        if full:
+            np.multiply(self.r[i], du, out=self.small)
+            np.sum(self.small, axis=-1, out=grads.dbeta[:, t])
         dm = self.dm_rows[..., 0, :]
         np.multiply(neg_beta[:, :, i], du, out=dm)
         exact = span.k_clear and outer.clear(dm)
         outer(self.stepper.update, span.k_cols[:, :, i], self.dm_rows, exact)
         np.add(d_state, self.stepper.update, out=d_state)  # now dP
+        if not full:
+            np.multiply(d_state, scale, out=d_state)
+            return
         np.multiply(s_prev, d_state, out=self.prod)
         # P = a * S_{t-1} after the product above, which brought S_{t-1} into cache
         p = np.multiply(scale, s_prev, out=self.p)
