@@ -357,8 +357,7 @@ def empty(
     >>> flat.shape, bool(flat[:64].sum() == 64)
     ((208,), True)
     """
-    flat = np.empty(_total(layout), dtype=resolve(dtype, "empty: dtype"))
-    return flat, unpack(flat, layout)
+    return _buffer(np.empty, layout, dtype, "empty")
 
 
 def zeros(
@@ -366,24 +365,7 @@ def zeros(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """A zeroed packed buffer and its views, for a backward that accumulates in place.
 
-    Parameters
-    ----------
-    layout : GdnBackwardLayout
-        The layout of the buffer.
-    dtype : dtype_like
-        Its dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
-
-    Returns
-    -------
-    flat : numpy.ndarray
-        The zeroed 1-D buffer of ``layout.total_elems`` elements.
-    grads : GdnGrads
-        ``unpack(flat, layout)``.
-
-    Raises
-    ------
-    TypeError
-        ``layout`` is not a :class:`GdnBackwardLayout`, or ``dtype`` is not a dtype.
+    Parameters, returns and raises as for :func:`empty`.
 
     See Also
     --------
@@ -396,14 +378,16 @@ def zeros(
     >>> grads.dstate.shape, float(flat.sum())
     ((1, 2, 8, 8), 0.0)
     """
-    flat = np.zeros(_total(layout), dtype=resolve(dtype, "zeros: dtype"))
-    return flat, unpack(flat, layout)
+    return _buffer(np.zeros, layout, dtype, "zeros")
 
 
-def _total(layout: GdnBackwardLayout) -> int:
+def _buffer(
+    make: Any, layout: GdnBackwardLayout, dtype: DTypeLike, func: str
+) -> tuple[NDArray[Any], GdnGrads]:
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout)
-    return layout.total_elems
+    flat = make(layout.total_elems, dtype=resolve(dtype, f"{func}: dtype"))
+    return flat, unpack(flat, layout)
 
 
 def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:

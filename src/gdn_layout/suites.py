@@ -1,11 +1,7 @@
 """Suites of fixtures as test cases: read a suite's manifest, check it, and judge a kernel.
 
-A suite is a folder written by :func:`gdn_layout.generate.write_suite` (``gdn-layout fixture
---suite DIR``): fixture files and a ``manifest.json`` listing each with its layout, regime,
-seed, size and SHA-256. :func:`load_suite` checks every file against the manifest and returns
-one :class:`Case` per fixture; :meth:`Case.check` compares a kernel's packed output with the
-case's expected gradient and raises an AssertionError with the comparison table when it
-differs. :func:`make_case` builds a case without a suite, from a layout.
+A suite is a folder of fixtures and a ``manifest.json`` (docs/files.md); see README.md's
+quickstart for a kernel's test over one.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout
@@ -63,14 +59,11 @@ __all__ = [
     "verify_suite",
 ]
 
-#: The parts of a kernel besides its gradient that a case can judge, in the order a bisection
-#: compares them: the forward's output, the state entering each chunk, that state's cotangent,
-#: and the state after the last step.
+#: The parts of a kernel besides its gradient a case can judge, in bisection order.
 STATE_TENSORS = ("y", "h", "dh", "final_state")
 #: The chunk length of ``h`` and ``dh`` when a fixture keeps none: the usual kernels' 64.
 DEFAULT_CHUNK = 64
-#: The reference outputs computed for a case and their floors, by the chunk length they were
-#: computed with (None: ``y`` and, when carried, the final state alone).
+#: Reference outputs and floors by chunk length (None: ``y`` and the final state alone).
 _Outputs = dict[int | None, tuple[dict[str, NDArray[Any]], Floors]]
 
 
@@ -78,10 +71,8 @@ _Outputs = dict[int | None, tuple[dict[str, NDArray[Any]], Floors]]
 class Case:
     """One test case of a suite: a fixture and the name a test runner shows for it.
 
-    ``inputs`` are ``q, k, v, g, beta, dy, state`` in the reference's argument order (so
-    ``backward(*case.inputs)`` works); :attr:`rlx_inputs` puts ``state`` before ``dy``, as RLX's
-    op takes them, and :meth:`inputs_as` gives them as torch or JAX tensors. ``expected`` is
-    the packed float64-reference gradient, in the fixture's dtype.
+    ``inputs`` are in the reference's argument order, :attr:`rlx_inputs` in RLX's;
+    ``expected`` is the packed reference gradient, in the fixture's dtype.
 
     See Also
     --------
@@ -94,23 +85,17 @@ class Case:
     #: The precision class :meth:`compare` and :meth:`check` judge in when not told (None:
     #: the buffers'); ``pytest --gdn-precision`` sets it.
     precision: str | None = None
-    #: Where :meth:`check` keeps what a failure needs to be seen again (None: nowhere): a
-    #: path without suffix, ``STEM``, whose ``STEM-output.npy`` gets the kernel's packed output
-    #: (``STEM-output.safetensors`` for bfloat16, which ``.npy`` cannot hold), ``STEM.png``
-    #: its picture when matplotlib is installed, and ``STEM-fixture.safetensors`` the case's
-    #: fixture when it has no file; ``pytest --gdn-save DIR`` sets it for each test.
+    #: Where :meth:`check` keeps a failure's output, picture and fixture: a path without
+    #: suffix (``STEM-output.npy``, ``STEM.png``...); ``pytest --gdn-save DIR`` sets it.
     save_as: Path | None = None
     #: The reference outputs computed for this case's states, by chunk length.
     _states: _Outputs = field(default_factory=dict, repr=False, init=False)
-    #: The comparison :meth:`compare` made last (none yet: empty), which the pytest plugin
-    #: reads after a test to summarise the session.
+    #: The comparison :meth:`compare` made last, for the pytest plugin's summary.
     _last: list[Comparison] = field(default_factory=list, repr=False, init=False)
 
     @property
     def last_comparison(self) -> Comparison | None:
-        """The :class:`~gdn_layout.check.Comparison` that :meth:`compare` (or :meth:`check`)
-        made last, None before any: what a test's summary across cases reads
-        (:func:`gdn_layout.summary.case_result`)."""
+        """The :class:`~gdn_layout.check.Comparison` :meth:`compare` made last, or None."""
         return self._last[-1] if self._last else None
 
     @property
@@ -141,17 +126,9 @@ class Case:
         device: object = None,
         requires_grad: bool = False,
     ) -> Any:
-        """:attr:`inputs` as new tensors of ``framework``, ``"torch"``, ``"jax"`` or
-        ``"numpy"``, in the framework's ``dtype`` (or its name; default: the fixture's own,
-        bfloat16 included), on ``device``: a :class:`~gdn_layout.files.GdnInputs` of tensors
-        (``state`` None when not carried).
-
-        ``device`` is torch's (``"cuda"``, ``"cuda:1"``, a ``torch.device``; default CPU),
-        JAX's (a ``jax.Device``, or a platform's name, ``"cpu"``, ``"gpu"``, ``"gpu:1"``;
-        default JAX's default device), or None or ``"cpu"`` for NumPy. Each tensor is one
-        writable copy of the fixture's read-only array (:attr:`inputs`, :attr:`rlx_inputs`),
-        made on the device; ``requires_grad`` is torch's. What :meth:`check` is given is read
-        from any device (one copy to host memory), and its report names the device.
+        """:attr:`inputs` as new writable tensors of ``framework`` (``"torch"``, ``"jax"`` or
+        ``"numpy"``), in ``dtype`` (default: the fixture's) on ``device`` (the framework's
+        kind of device or its name; default: its default); ``requires_grad`` is torch's.
 
         >>> from gdn_layout import GdnBackwardLayout
         >>> case = make_case(GdnBackwardLayout(1, 4, 2, 4), regime="mild")
@@ -194,15 +171,9 @@ class Case:
         return self.fixture.path
 
     def compare(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
-        """:func:`~gdn_layout.compare` of ``actual`` (any array: NumPy, torch, anything with
-        ``__dlpack__`` or ``__array__``) with the fixture: against its floors in the
-        precision class of the fixture's dtype (or :attr:`precision`, or ``precision=``) unless
-        tolerances are given. ``judging`` takes :func:`~gdn_layout.compare`'s judging
-        keywords (:class:`~gdn_layout.check._compare.Judging`).
-
-        A fixture memory-mapped from a large file is held unchanged during the comparison
-        (:meth:`Fixture.unchanged`), so that a file truncated or rewritten under the mapping
-        raises :class:`FixtureError` naming it instead of being judged or crashing the process.
+        """:func:`~gdn_layout.compare` of ``actual`` (any array) with the fixture, in
+        :attr:`precision` unless ``precision=`` or tolerances are given; ``judging`` takes
+        compare's judging keywords. A mapped fixture is held unchanged meanwhile.
 
         Raises
         ------
@@ -217,13 +188,8 @@ class Case:
         return result
 
     def check(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
-        """:meth:`compare`, raising AssertionError with the table and the worst element of
-        each failing gradient; returns the comparison when every gradient passes.
-
-        The message names the case's fixture file, when it has one, and gives the
-        ``gdn-layout compare --plot`` command that draws the comparison again: with the files
-        :attr:`save_as` names, written whole before the error is raised, or with a placeholder
-        for the kernel's output.
+        """:meth:`compare`, raising AssertionError with the table, the worst elements and the
+        ``gdn-layout compare --plot`` command that redraws it; returns the comparison.
 
         Raises
         ------
@@ -250,12 +216,8 @@ class Case:
         chunk: int | None = None,
         precision: str | None = None,
     ) -> dict[str, GradComparison]:
-        """Judge the parts of a kernel given (its ``y``, the state ``h`` entering each chunk
-        of ``chunk`` steps, that state's cotangent ``dh``, the ``final_state``) with
-        :func:`compare_states`, and raise AssertionError naming each that differs and its worst
-        element (chunk, batch, head and ``(i, j)`` for a state); return the comparisons when
-        all pass. Compare them in that order to find the first part of a kernel that is wrong.
-        ``precision`` is the class judged in, as for :meth:`compare`.
+        """:func:`compare_states` of each part given, raising AssertionError naming each that
+        differs and its worst element; returns the comparisons when all pass.
 
         Raises
         ------
@@ -297,17 +259,8 @@ def compare_states(
     chunk: int | None = None,
     precision: str | None = None,
 ) -> GradComparison:
-    """A kernel's ``y``, ``h``, ``dh`` or ``final_state`` (``tensor``) judged against
-    ``fixture``'s, as its gradients are: by the calibrated criterion, against floors measured
-    the same way (the step-by-step form in float32), the worst element named in the tensor's
-    axes: ``[b, c, h, i, j]`` (batch, chunk, head, key row, value column) for ``h`` and ``dh``,
-    ``[b, h, i, j]`` for ``final_state``, ``[b, s, h, n]`` for ``y``.
-
-    ``h[b, c]`` is the state entering chunk ``c`` (steps ``c*chunk`` onward), ``dh[b, c]`` the
-    gradient of ``sum(y * dy)`` with respect to it (see
-    :func:`~gdn_layout.reference.chunk_states`). A fixture made with ``states=chunk`` holds
-    them and their floors; for any other (or another ``chunk``) they are computed from the
-    fixture's inputs by the float64 reference, as the fixture would have held them.
+    """A kernel's ``y``, ``h``, ``dh`` or ``final_state`` judged against ``fixture``'s as its
+    gradients are (README.md, *Bisect*); computed from the inputs when the fixture keeps none.
 
     Parameters
     ----------
@@ -379,8 +332,7 @@ def _chunk_for(fixture: Fixture, tensor: str, chunk: object) -> int:
 def _state_reference(
     fixture: Fixture, tensor: str, chunk: object, cache: _Outputs | None = None
 ) -> tuple[NDArray[Any], Floors]:
-    """The expected ``tensor`` of ``fixture`` and its floors: kept in the fixture where it
-    has them, else computed from its inputs (once per chunk length, in ``cache``)."""
+    """The expected ``tensor`` and its floors: the fixture's, else computed (cached by chunk)."""
     size = _chunk_for(fixture, tensor, chunk)
     stored = getattr(fixture, tensor)
     if tensor in ("h", "dh") and size != fixture.states_chunk:
@@ -404,8 +356,7 @@ def _state_reference(
 
 
 def _redraw(case: Case, actual: object, result: Comparison, judging: Judging) -> list[str]:
-    """The lines of a failure that lead to its picture: the files kept in ``case.save_as``
-    (written whole) and the command that draws the comparison from them."""
+    """A failure's lines that lead to its picture: the files kept and the redraw command."""
     fixture = None if case.path is None else str(case.path)
     kept: list[str] = []
     output = picture = None
@@ -452,9 +403,8 @@ def _redraw(case: Case, actual: object, result: Comparison, judging: Judging) ->
 def _keep(
     case: Case, stem: Path, actual: object, result: Comparison, kept: list[str]
 ) -> tuple[str, str, str | None]:
-    """Write the kernel's output, the case's fixture (when it has no file) and the picture
-    next to ``stem``, each whole; their paths (the picture's None when matplotlib is not
-    installed), each also named in ``kept``."""
+    """Write the output, the fixture (when it has no file) and the picture next to ``stem``;
+    their paths, each also named in ``kept``."""
     packed = as_packed(actual, "actual", "check")
     if packed.dtype.kind == "V" or packed.dtype.name == "bfloat16":  # .npy loses bfloat16
         output = stem.with_name(f"{stem.name}-output.safetensors")
@@ -490,8 +440,7 @@ def make_case(
     seed: int = 0,
     name: str | None = None,
 ) -> Case:
-    """A case computed now by the reference (:func:`~gdn_layout.generate.make_fixture`),
-    without a suite; its name says its layout, regime and seed unless ``name`` is given.
+    """A case computed now by the reference, named by its layout, regime and seed.
 
     See Also
     --------
@@ -519,16 +468,8 @@ def verify_suite(
 ) -> list[str]:
     """Check a suite's files against its manifest; return one line per problem (none: intact).
 
-    ``min_seq``, ``regime``, ``crossing`` and ``quick`` check only the cases they select, as
-    :func:`load_suite` does.
-
-    Each listed file must be a regular file with the size and SHA-256 the manifest gives, and
-    its header must state the manifest's layout, regime and seed; a fixture file in the folder
-    that the manifest does not list is a problem too. The size is checked first, so that a
-    file of the wrong size is never read; each file is opened once, as :func:`load_fixture`
-    opens it (a FIFO or a device is refused, not opened), read into memory when smaller than
-    :data:`~gdn_layout.files.MAP_THRESHOLD`, hashed, and checked from the bytes hashed.
-    No file stays open.
+    Size, SHA-256, layout, regime and seed, of the cases selected as by :func:`load_suite`;
+    an unlisted fixture file is a problem too (docs/files.md).
 
     Raises
     ------
@@ -553,9 +494,8 @@ def suite_files(
     crossing: int | None = None,
     quick: bool = False,
 ) -> list[str]:
-    """The names of the fixture files that the manifest of the suite in ``directory`` lists,
-    in its order, those selected as by :func:`load_suite` (nothing is checked against them:
-    :func:`verify_suite` does that).
+    """The fixture files the manifest in ``directory`` lists, selected as by
+    :func:`load_suite`, unchecked.
 
     Raises
     ------
@@ -581,23 +521,12 @@ def load_suite(
     crossing: int | None = None,
     quick: bool = False,
 ) -> list[Case]:
-    """The cases of the suite in ``directory``, in the manifest's order, after checking every
-    file against the manifest as :func:`verify_suite` does.
+    """The cases of the suite in ``directory``, in the manifest's order, each file checked as
+    :func:`verify_suite` checks it and read once.
 
-    Only the cases of at least ``min_seq`` steps, of gate regime ``regime`` and that cross a
-    boundary of a ``crossing``-step chunk (a step ``c * crossing`` inside the sequence) are
-    loaded, when these are given; a file of the folder that the manifest does not list is
-    still a problem. With ``quick``, only the quick set of those: the fewest that still hold
-    every shape, gate regime, and pairing of gate mode and state mode both within one
-    :data:`DEFAULT_CHUNK`-step chunk and across its boundary that they hold (one case per
-    shape of the standard suite, and so every chunk boundary it reaches; ``pytest
-    --gdn-quick`` runs these).
-
-    Each file is read once: the fixture of a case holds the very bytes whose SHA-256 matched
-    the manifest. Files smaller than :data:`~gdn_layout.files.MAP_THRESHOLD` are held in
-    memory (no descriptor stays open per case, and nothing done to the files later changes
-    the cases); larger ones are memory-mapped, and :meth:`Case.compare` refuses to judge
-    against one whose file changed since (see :meth:`Fixture.check_unchanged`).
+    Only the cases of at least ``min_seq`` steps, of ``regime``, and crossing a boundary of a
+    ``crossing``-step chunk are loaded when given; with ``quick``, the quick set of those
+    (README.md, *The quick set*).
 
     Raises
     ------
@@ -656,22 +585,9 @@ _Select = Callable[[Sequence[Mapping[str, Any]]], set[str]]
 
 
 def _quick_cover(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The quick set of a suite's manifest entries: the fewest of them that still hold every
-    shape, gate regime and pairing of modes they hold together, in their order
-    (``load_suite(..., quick=True)`` loads these).
-
-    Each shape of the standard suite is one of its edge shapes
-    (:func:`~gdn_layout.generate.write_suite`), so keeping every shape keeps every chunk
-    boundary of :data:`~gdn_layout.generate.CHUNK_SIZES` the suite reaches. The set is a greedy
-    set cover over what each entry holds (:func:`_holds`: the entry that holds the most not yet
-    held first, the earlier on a tie), after which every entry the others cover is dropped, so
-    that none can be left out without losing something. Every entry holds one shape, one
-    pairing and one regime, so no cover has fewer entries than there are of any of them;
-    greedy meets that bound on the standard suite (one case per shape), and on any manifest
-    it is within a factor ``H(3) = 11/6`` of the fewest (the bound of greedy set cover when
-    each entry holds three things). An entry whose layout cannot be read holds
-    nothing and is kept, so that checking it reports it.
-    """
+    """The quick set of manifest entries, in order: a greedy set cover of what each holds
+    (:func:`_holds`), then every entry the others cover dropped (within ``H(3) = 11/6`` of the
+    fewest). An unreadable entry is kept, so that checking it reports it."""
     holds = [_holds(entry) for entry in entries]
     unread = [i for i, held in enumerate(holds) if held is None]
     read = {i: held for i, held in enumerate(holds) if held is not None}
@@ -688,11 +604,8 @@ def _quick_cover(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]
 
 
 def _holds(entry: Mapping[str, Any]) -> frozenset[tuple[Any, ...]] | None:
-    """What the case of a manifest entry holds, for :func:`_quick_cover`: its shape, its gate
-    mode and state mode as a pair within one :data:`DEFAULT_CHUNK`-step chunk or across its
-    boundary (a per-channel gate decays a carried state's rows, and a chunked kernel hands the
-    state over at the boundary: paths of their own), and its regime; None when its layout
-    cannot be read."""
+    """An entry's shape, its pair of modes within or across a chunk (paths of their own), its
+    regime; None when its layout cannot be read."""
     try:
         layout = GdnBackwardLayout.from_dict(entry.get("layout"))
     except (ValueError, TypeError):
@@ -712,12 +625,8 @@ def _holds(entry: Mapping[str, Any]) -> frozenset[tuple[Any, ...]] | None:
 
 
 def _examine(root: Path, *, keep: bool, select: _Select) -> tuple[list[str], list[Case]]:
-    """The problems of the selected cases of the suite at ``root``, and those cases when
-    ``keep`` (else none).
-
-    The folder is opened once and every file read through it, so that a suite replaced
-    meanwhile is read old or new, whole: the old folder's files go only after the exchange,
-    and a file found gone then means reading the new one from the start."""
+    """The problems of the selected cases at ``root``, and the cases when ``keep``; read
+    through one open folder, so that a suite replaced meanwhile is read old or new, whole."""
     for attempt in range(_READS):
         try:
             fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))

@@ -80,11 +80,8 @@ class GdnInputs(NamedTuple):
 class Fixture:
     """One test case of ``GatedDeltaNetBackward``: its inputs, ``y`` and the packed gradient.
 
-    The layout is inferred from ``q``, ``g`` and ``state``, and every other tensor is checked
-    against it; all tensors share one dtype (float64, float32, float16 or bfloat16). ``grads``
-    holds the views of ``packed`` given by :func:`~gdn_layout.unpack`. A fixture from
-    :func:`load_fixture` has read-only arrays (``path`` says from which file): read into
-    memory, or for a large file memory-mapped (``mapped``; see :meth:`check_unchanged`).
+    The layout is inferred from ``q``, ``g`` and ``state``, every other tensor checked against
+    it; all share one dtype. ``grads`` are the views of ``packed``. See docs/files.md.
 
     See Also
     --------
@@ -205,14 +202,8 @@ class Fixture:
         return self.stamp is not None
 
     def check_unchanged(self) -> None:
-        """Raise :class:`FixtureError` if the file this fixture is mapped from has changed
-        since it was loaded (its size, modification time or inode); nothing to check for a
-        fixture in memory.
-
-        A file cut short under a mapping kills the process with SIGBUS on the next read (or,
-        within its last page, reads zeros), and a rewrite changes the values: call this
-        before judging a kernel against the fixture, and after, as
-        :meth:`~gdn_layout.suites.Case.compare` and ``gdn-layout compare`` do.
+        """Raise :class:`FixtureError` if the mapped file changed since it was loaded (size,
+        modification time or inode); see docs/files.md, *Memory mapping*.
 
         Raises
         ------
@@ -223,15 +214,9 @@ class Fixture:
             self.stamp.check(self.path)
 
     def unchanged(self) -> contextlib.AbstractContextManager[None]:
-        """A context in which a memory-mapped fixture's file is held as it was loaded: checked
-        on entry and on exit (:class:`FixtureError` if it changed), and on Linux held under a
-        read lease in between, so that a process that truncates or rewrites it waits until
-        the block ends instead of making a read crash with SIGBUS (a lease is let go after
-        ``/proc/sys/fs/lease-break-time`` seconds, 45 by default; without a lease, a file of
-        another owner say, only the checks apply). Nothing is held for a fixture in memory.
-
-        Judge a kernel against a mapped fixture inside it, as
-        :meth:`~gdn_layout.suites.Case.compare` and ``gdn-layout compare`` do.
+        """A context holding a mapped fixture's file as loaded: checked on entry and exit, and
+        on Linux under a read lease in between (a writer waits, up to
+        ``/proc/sys/fs/lease-break-time``, instead of a read faulting); see docs/files.md.
 
         Raises
         ------
@@ -242,11 +227,8 @@ class Fixture:
 
     @functools.cached_property
     def scales(self) -> dict[str, float]:
-        """The scale of the terms that form each gradient where it can be far below them,
-        ``{"dg": ...}`` (see :func:`gdn_layout._floors.term_scales`): pass it to
-        :func:`~gdn_layout.compare` as ``scales=``, so that a ``dg`` that is 0 or tiny is
-        judged against the rounding of its terms. Computed from ``q, k`` and the expected
-        ``dq, dk`` once, on first access: a pass over both."""
+        """The scale of the terms forming each gradient that can be far below them,
+        ``{"dg": ...}``, for :func:`~gdn_layout.compare`'s ``scales=``; computed once."""
         return term_scales(
             self.q,
             self.k,
@@ -333,12 +315,7 @@ def save_fixture(
 ) -> Path:
     """Write ``fixture`` to ``path`` as a safetensors file, atomically; return the path.
 
-    The file is written to a temporary file in the same folder, flushed to disk, then renamed
-    over ``path``: a reader sees the old file or the new one, never half of one, and a failure
-    leaves nothing behind. An existing ``path`` is replaced only with ``overwrite=True``;
-    otherwise :class:`FileExistsError` is raised. A writer killed by SIGKILL leaves its
-    uniquely named temporary (``.{name}.{token}.gdn-tmp``), which the next write of ``path``
-    removes.
+    A reader sees the old file or the new one, never half of one (docs/files.md).
 
     Parameters
     ----------
@@ -387,18 +364,8 @@ def save_fixture(
 def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer).
 
-    A file smaller than :data:`MAP_THRESHOLD` (64 MiB) is read into memory (read-only) in one
-    pass, and no descriptor stays open: nothing done to the file later changes the fixture.
-    With ``mmap=True`` (the default) a larger file is memory-mapped (read-only
-    :class:`numpy.memmap` views), so that a multi-GiB fixture opens at once; with
-    ``mmap=False`` it is read too. A mapped fixture records its file's size, modification
-    time and inode, and :meth:`Fixture.check_unchanged` raises when they differ.
-
-    A file that is truncated, corrupt or inconsistent raises :class:`FixtureError` naming it
-    and the problem; so does a path that is not a regular file (a folder, a FIFO, a device:
-    refused before it is opened) or that cannot be read. A missing file raises
-    :class:`FileNotFoundError` naming it; a bfloat16 file without ml_dtypes raises
-    :class:`ImportError`.
+    A file under :data:`MAP_THRESHOLD` is read into memory, a larger one memory-mapped
+    (docs/files.md, *Memory mapping*).
 
     Parameters
     ----------
@@ -428,11 +395,6 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
     save_fixture : The writer.
     load_suite : Every fixture of a suite.
     files.open_packed : Only the packed buffer, of any file kind.
-
-    Notes
-    -----
-    A mapped file cut short while its tensors are read (after that check) still ends the
-    process with SIGBUS: Python cannot recover from a fault in NumPy's code.
     """
     return _load(Path(path), mmap, None, None, "expected")
 
@@ -441,18 +403,8 @@ def load_checked(
     path: Path, *, size: int | None, sha256: str, said: str, dir_fd: int | None = None
 ) -> Fixture:
     """:func:`load_fixture`, refusing a file whose size (checked first) or SHA-256 is not the
-    given one. What is hashed is what the fixture holds: the bytes read into memory, or, for a
-    mapped file, the file read through the descriptor it is then mapped from, unchanged in
-    between. ``said`` introduces the expected values in messages ("the manifest says");
-    ``dir_fd``, an open folder, is where ``path``'s name is looked up when given.
-
-    Raises
-    ------
-    FixtureError
-        As :func:`load_fixture`, and for a size or a digest that differs.
-    FileNotFoundError
-        The file does not exist.
-    """
+    given one; the bytes hashed are those the fixture holds. ``said`` introduces the expected
+    values in messages; ``dir_fd`` is the open folder ``path`` is named in."""
     return _load(path, True, size, sha256, said, dir_fd)
 
 
@@ -483,8 +435,8 @@ def _load(
 def _load_mapped(
     path: Path, file: BinaryIO, status: os.stat_result, sha256: str | None, said: str
 ) -> Fixture:
-    """The fixture in the open ``file``, mapped: its header is read, and the file hashed,
-    through ``file`` (reads, unlike a mapping, cannot fault), then the same file is mapped."""
+    """The fixture in the open ``file``, mapped after it is read and hashed (a read cannot
+    fault)."""
     plan = _plan(
         path, safetensors.parse_header(safetensors.reader_of_file(file), status.st_size, path)
     )

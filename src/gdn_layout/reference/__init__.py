@@ -1,59 +1,30 @@
 """Reference forward and backward of the gated delta-net, in NumPy.
 
-The math is that of RLX's ``Op::GatedDeltaNet`` and ``Op::GatedDeltaNetBackward``. For every
-batch element and head, with ``c = 1 / sqrt(N)`` and ``S_prev`` the ``N x N`` state entering
-step ``t`` (row ``i`` a key channel, column ``j`` a value channel)::
-
-    A    = exp(g[t])            a scalar, or with a per-channel gate one factor per key row
-    P    = A * S_prev           per channel: row i of S_prev scaled by A[i]
-    m    = k[t] @ P
-    u    = (v[t] - m) * beta[t]
-    S_t  = P + outer(k[t], u)
-    y[t] = c * q[t] @ S_t
-
-The backward returns the gradients of ``sum(y * dy)`` with respect to ``q, k, v, g, beta`` and,
-when the initial state is given, that state, packed into one 1-D buffer in rlx-ir's order (see
-:class:`~gdn_layout.GdnBackwardLayout`). The gradient of the initial state comes from ``dy``
-alone: the final state has no cotangent.
+The math is that of RLX's ``Op::GatedDeltaNet`` and ``Op::GatedDeltaNetBackward``, step by
+step in docs/reference.md, which also says how it is checked against an extended-precision
+oracle. The backward returns the gradients of ``sum(y * dy)`` packed in rlx-ir's order (see
+:class:`~gdn_layout.GdnBackwardLayout`); the final state has no cotangent.
 
 Two formulations compute the same function:
 
 ``method="recurrent"``
-    The recurrence above, one step at a time, vectorised over batch and heads; the backward is
-    the spec's step-by-step backward.
+    The recurrence, one step at a time, vectorised over batch and heads.
 ``method="chunked"`` (the default)
-    The same recurrence per chunk of up to ``min(64, 4*N)`` steps, the delta rule of a chunk
-    solved as one unit lower-triangular system (the WY/UT form of chunked delta-rule kernels):
-    a few matrix products per chunk instead of sequential updates, and the chunks of a
-    batch stacked into one set of products. Each decay factor's exponent sums exactly the
-    gates it spans, the system is inverted by halves, and each gate's gradient is summed only
-    from the terms its decay scales, so no result is a difference of large terms; in a
-    float32 computation the backward sweep runs in float64, because its sums (a gate's terms,
-    the state's cotangent) can still cancel many times over. Chunks are cut short only where
-    a factor would grow past ``exp(20)`` (gates above zero) or, with a per-channel gate, where
-    the log-gate drifts by more than 20 within a chunk. Two kinds of input take the
-    step-by-step form instead, with its checkpoint interval and memory, where chunks would
-    round worse and gain nothing: ``N = 1``, and a step with ``beta |k|^2 > 2`` (keys far
-    from unit norm, outside the op's regime), whose update ``I - beta k k^T`` expands the
-    state.
+    The recurrence per chunk of up to ``min(64, 4*N)`` steps, a chunk's delta rule solved as
+    one unit lower-triangular system (the WY/UT form), the chunks of a batch stacked into one
+    set of products. Each decay's exponent sums exactly the gates it spans, the system is
+    inverted by halves, and each gate's gradient is summed only from the terms its decay
+    scales, so no result is a difference of large terms; a float32 backward sweep runs in
+    float64, as its sums can still cancel. Chunks are cut short where a factor would pass
+    ``exp(20)`` or, per channel, the log-gate drifts by more than 20 within a chunk. ``N = 1``
+    and a step with ``beta |k|^2 > 2`` (the update expands the state) take the recurrent form:
+    chunks would round worse and gain nothing.
 
-Accuracy, tested against a step-by-step oracle in extended precision over constant and mixed
-strong decay (log-gates down to -80), realistic Qwen3-Next gates, spiky gates, q and k of
-norm up to 4, ``beta`` of 0 and 1, N from 1 to 128 and S up to a few thousand: in float64
-every gradient, ``y`` and the final state are within ``1e-12`` of the truth relative to the
-largest element of each; in float32 the error is within ten times that of the float32
-step-by-step recurrence on the same inputs. Where the recurrence itself overflows (keys far
-from unit norm over many steps) the result is not finite and a FloatingPointError says so.
-
-Memory of the backward, beyond the inputs' converted copies and the packed output (both
-``O(B*S*H*N)``): the recurrent method checkpoints the state every ``C = checkpoint_every``
-steps (default :func:`default_checkpoint_every`, ``ceil(sqrt(S))``) in a forward sweep and
-recomputes each interval from its checkpoint in the backward sweep, ``O(B*H*N*N*(S/C + C))``
-elements. The chunked method stacks ``C = checkpoint_every`` steps into one batch of matrix
-products (default: one chunk's worth; it also bounds the chunk length) and keeps, from its
-forward sweep for the backward sweep, the state entering every batch and, with a per-head
-gate, the chunks' pair decays: ``O(B*S*H*(L + N*N/C))`` elements with ``L`` the chunk
-length, about the size of the inputs.
+Memory of the backward, beyond the inputs' copies and the output (``O(B*S*H*N)``): the
+recurrent form checkpoints the state every ``C = checkpoint_every`` steps (default
+``ceil(sqrt(S))``), ``O(B*H*N*N*(S/C + C))`` elements; the chunked form keeps the state
+entering every batch of ``C`` steps and, per head, the chunks' pair decays,
+``O(B*S*H*(L + N*N/C))`` with ``L`` the chunk length.
 """
 
 from __future__ import annotations
@@ -131,7 +102,7 @@ def forward(
     method: Method = "chunked",
     workers: int | None = 1,
 ) -> _Array | tuple[_Array, _Array]:
-    """Run the gated delta-net forward.
+    """Run the gated delta-net forward (docs/reference.md).
 
     Parameters
     ----------
@@ -147,12 +118,10 @@ def forward(
     dtype : {float64, float32}
         The computation dtype, and that of the results.
     method : {"chunked", "recurrent"}
-        The formulation (see the module docstring); both compute the same function.
+        The formulation (see the module docstring): the same function.
     workers : int or None
-        How many threads share the work, each taking a group of batch elements and heads
-        (NumPy releases the GIL in its products and loops): 1 (the default) computes in the
-        calling thread, None takes one thread per core this process may use
-        (``os.sched_getaffinity``). The result is the same, bit for bit, for every value.
+        Threads sharing the batch elements and heads: 1 (the default) the calling thread,
+        None one per core this process may use. The result is the same bit for bit.
 
     Returns
     -------
@@ -170,8 +139,7 @@ def forward(
         A shape does not fit ``q``'s, a value is not finite, ``method`` is unknown, or
         ``workers`` is below 1.
     FloatingPointError
-        The result is not finite: finite inputs give that only when the recurrence itself
-        overflows (keys far from unit norm, say); the message names the first such element.
+        The result is not finite (the recurrence overflows); the message names where.
 
     See Also
     --------
@@ -244,9 +212,7 @@ def backward(
 ) -> _Array:
     """The packed gradient of ``sum(forward(q, k, v, g, beta, state) * dy)``.
 
-    Each gradient is written straight into its view of one 1-D buffer, in rlx-ir's
-    ``GatedDeltaNetBackward`` order; ``unpack(flat, GdnBackwardLayout.from_inputs(q, g,
-    state))`` gives the shaped views.
+    ``unpack(flat, GdnBackwardLayout.from_inputs(q, g, state))`` gives the shaped views.
 
     Parameters
     ----------
@@ -255,30 +221,21 @@ def backward(
     dy : array_like
         ``[B, S, H, N]``, the cotangent of ``y``.
     dtype : {float64, float32}
-        The computation dtype, and that of the result. The chunked form's backward sweep
-        computes in float64 whatever it is (see the module docstring), so float32 takes about
-        the time of float64, in 0.55 to 0.75 of its memory.
+        The computation dtype, and that of the result (the chunked backward sweep runs in
+        float64 either way: float32 saves memory, not time).
     out : ndarray, optional
         A writable 1-D array of ``dtype`` with ``layout.total_elems`` elements; it is filled
         and returned.
     checkpoint_every : int, optional
-        The recurrent method's checkpoint interval ``C`` (default
-        :func:`default_checkpoint_every`, about ``sqrt(S)``), and the chunked method's batch
-        of steps (its checkpoint interval where it takes the step-by-step form); the module
-        docstring says what memory each needs.
+        The recurrent form's checkpoint interval (default :func:`default_checkpoint_every`),
+        the chunked form's batch of steps; the module docstring gives the memory of each.
     method : {"chunked", "recurrent"}
         As :func:`forward`.
     progress : callable, optional
-        Called with the fraction of the work done, rising to 1.0, after each checkpoint
-        interval (or batch) of the forward and the backward sweep: a long run can draw a
-        progress bar with it. With several ``workers`` it is called from their threads, one
-        call at a time.
+        Called with the fraction done, rising to 1.0, after each checkpoint interval (or
+        batch) of either sweep; from the ``workers``' threads one call at a time.
     workers : int or None
-        How many threads share the work, as :func:`forward`: 1 (the default) computes in
-        the calling thread, None takes one per core this process may use. Each thread takes a
-        group of batch elements and heads with its own share of the memory, so the memory
-        needed stays about that of one thread. The result is the same, bit for bit, for every
-        value.
+        As :func:`forward`; each thread has its own share of the memory.
 
     Returns
     -------
