@@ -68,12 +68,6 @@ def integer_words(least: int, most: int | None = None) -> str:
     )
 
 
-def kind_of(value: object) -> str:
-    """The type a message names for ``value``: ``bool`` for NumPy's bool too, whose class name
-    differs between NumPy versions."""
-    return "bool" if isinstance(value, (bool, np.bool_)) else type(value).__name__
-
-
 def not_a_layout(value: object, where: str = "") -> TypeError:
     """The error for a ``layout`` argument that is not a ``GdnBackwardLayout``."""
     prefix = f"{where}: " if where else ""

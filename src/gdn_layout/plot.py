@@ -1,10 +1,8 @@
 """Pictures of a packed layout and of a comparison's errors; needs ``gdn-layout[plot]``.
 
-Both functions return a :class:`Picture`: a :class:`matplotlib.figure.Figure` that a Jupyter
-notebook displays as a PNG on its own (no ``%matplotlib`` magic, no ``display`` call), and that
-``savefig`` writes anywhere else. matplotlib is imported inside the functions, so importing
-this module never needs it, and only the object-oriented API is used (never pyplot), so nothing
-depends on a GUI backend, nothing is ever shown in a window and no state is left behind.
+Both functions return a :class:`Picture`, a matplotlib figure a notebook displays on its own
+(README.md, *In a notebook*); matplotlib is imported only when drawing, through its
+object-oriented API (never pyplot), so no window opens and no state is left behind.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -189,47 +187,37 @@ def plot_errors(
 ) -> Picture:
     """A heatmap per gradient of ``|a - e|`` over (head, sequence position), errors marked.
 
-    Takes the :class:`~gdn_layout.Comparison` that :func:`~gdn_layout.compare`
-    returns (``comparison.plot(...)`` calls this) and returns a :class:`Picture`, which a
-    notebook displays. Each panel shows heads down and sequence position across (key row ``i``
-    across for ``dstate``, which has no sequence axis), so a chunk-boundary bug shows as a
-    vertical edge and a head-indexing bug as a horizontal stripe. A cell is the largest error
-    over the axes the map does not show; its title names them (``max |a-e| over b, n``).
+    Heads down, positions across (key row ``i`` for ``dstate``): a chunk-boundary bug is a
+    vertical edge, a head-indexing bug a horizontal stripe. Cells with an element counted out
+    are outlined red, NaN/Inf mismatches filled magenta, a ``boundary`` finding drawn as
+    dashed orange lines, a large map binned (README.md, *In a notebook*).
 
-    * ``batch``: None (the default) takes the largest error over the batch; an index
-      ``0 <= batch < B`` shows that batch element alone.
-    * Cells holding an element its criterion counts out (``out/size`` of the table: out of
-      the elementwise tolerance, or over the calibrated criterion's largest error) are
-      outlined in red (shaded red instead when there are too many to outline; not for a
-      gradient judged by its RMS ratio alone, which has no per-element verdict); cells holding
-      a NaN or Inf mismatch are filled magenta, a colour the colour map (viridis) never uses.
-      A legend under the panels explains the marks present. A failing calibrated gradient's
-      title gives its ``error/floor`` against the limit.
-    * ``names`` picks the panels; by default every gradient, or only the failing ones when
-      something failed (``only_failed`` overrides that: True keeps only failing gradients when
-      there are any, False draws them all).
-    * ``chunk``: draws a light line every ``chunk`` sequence positions, so that errors can be
-      read against a kernel's chunk boundaries; tick labels then fall on chunk multiples.
-    * ``log`` colours on a log scale (zero error gets the lowest colour).
-    * ``kind``: ``"error"`` (the default) draws ``|a - e|``; ``"signed"`` the signed
-      ``a - e`` of largest magnitude in each cell, and ``"ratio"`` ``<a, e> / <e, e>`` in each
-      cell, from a failing gradient's :attr:`~GradComparison.signed_error_map` and
-      :attr:`~GradComparison.ratio_map` (a passing one's panel says it has none). A scale
-      bug is then one flat colour (the factor), a sign flip a ratio of -1, and ``dstate`` is a
-      tile of ``i x j`` per head (over the batch), where a transpose is a mirrored pattern.
-      Both colour about their centre (0, or a ratio of 1); over the batch a cell shows the
-      batch element with the largest error (``"signed"``) or the median ratio (``"ratio"``).
-    * A ``boundary`` finding (:attr:`GradComparison.findings`) is drawn as dashed orange
-      lines: before the step where the error starts or stops abruptly, or at every multiple
-      of its period; an error that only fades with the decay draws none.
-    * A large map is binned (see :attr:`GradComparison.error_map_bins`): a cell then holds
-      the largest error of a block of positions, its outline and marks stand for that whole
-      block, the axis labels say "binned" and count cells, and chunk lines are drawn only
-      when a chunk spans at least one cell.
+    Parameters
+    ----------
+    comparison : Comparison
+        What :func:`~gdn_layout.compare` returned (``comparison.plot(...)`` calls this).
+    names : sequence of str, optional
+        The panels; by default every gradient, or the failing ones when some fail.
+    batch : int, optional
+        One batch element; by default the largest error over the batch.
+    only_failed : bool, optional
+        Overrides the default of ``names``: True the failing gradients, False all.
+    chunk : int, optional
+        A light line every ``chunk`` positions, ticks on its multiples.
+    log : bool
+        Colour on a log scale (zero error gets the lowest colour).
+    kind : {"error", "signed", "ratio"}
+        ``|a - e|``; the signed ``a - e`` of largest magnitude; or ``<a, e> / <e, e>`` per
+        cell (a failing gradient's :attr:`~GradComparison.signed_error_map`,
+        :attr:`~GradComparison.ratio_map`: a scale is one flat colour, a transposed
+        ``dstate`` a mirrored ``i x j`` tile).
+    path : str or os.PathLike, optional
+        Also saved there, in the format its suffix names.
 
-    Ticks label whole positions only, every k-th one on a long axis. Three panels a row,
-    4.2x3 inches each at 100 dpi, laid out so that no label is cut off. Saves to ``path`` when
-    given, in the format its suffix names (PNG, SVG, PDF, ...).
+    Returns
+    -------
+    Picture
+        The figure, three 4.2x3-inch panels a row.
 
     See Also
     --------

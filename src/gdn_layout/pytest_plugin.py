@@ -1,52 +1,16 @@
 """A pytest plugin: the cases of a fixture suite as the parameters of a ``gdn_case`` fixture.
 
-Installed with gdn-layout (through the ``pytest11`` entry point); a test that takes ``gdn_case``
-runs over the cases of:
-
-``pytest --gdn-suite DIR``
-    every test that takes ``gdn_case`` runs once per case of the suite in ``DIR``
-    (:func:`gdn_layout.suites.load_suite`, which checks the manifest first), with the case's
-    name as the test id; ``--gdn-min-seq S``, ``--gdn-regime R`` and ``--gdn-crossing C``
-    keep the cases of at least ``S`` steps, of regime ``R``, that cross a ``C``-step chunk's
-    boundary (``-k`` selects by name as usual), and ``--gdn-quick`` the fewest of those that
-    still hold every shape, regime and pairing of modes among them (``load_suite(...,
-    quick=True)``);
-``pytest --gdn-layout B,S,H,N[,channel][,state]``
-    the same without a suite: one case per gate regime (or the one ``--gdn-regime`` names),
-    computed by the reference when the session starts, in ``--gdn-dtype``
-    (float32 by default) with ``--gdn-seed``.
-``--gdn-precision CLASS``
-    ``gdn_case.check`` judges in that precision class (``tf32`` for a kernel whose float32
-    matrix products take TF32 operands); by default the class of the cases' dtype.
-
-With neither, a test that takes ``gdn_case`` runs over the standard suite, written once into
-pytest's cache folder (``.pytest_cache/d/gdn-layout``, one per gdn-layout version and digest
-of the suite's definition, which the dtype is part of; verified against its manifest on reuse
-and written again when it is not intact; under pytest-xdist by the first worker that needs
-it): ``pytest test_my_kernel.py`` is the whole first run. The process that writes it says so
-on stderr, past pytest's capture, and shows its progress: a bar on a terminal, a line at every
-tenth in a log. ``--gdn-quick`` (or ``gdn_quick = true``) runs its quick set: the
-quick loop. ``--gdn-skip`` (or ``gdn_skip = true``) skips such tests instead. A kernel
-test is then::
+Installed with gdn-layout (the ``pytest11`` entry point). Its options (``--gdn-suite DIR``,
+``--gdn-layout B,S,H,N[,channel][,state]``, ``--gdn-quick``, ``--gdn-save DIR``, ...) and
+their configuration keys are in README.md, *Quickstart*. Without a suite or a layout, the
+standard suite is written once into pytest's cache. A kernel test is::
 
     def test_my_kernel(gdn_case):
         gdn_case.check(my_backward(*gdn_case.inputs))
 
-Each option has a configuration key of the same name in ``pytest.ini`` (``[tool.pytest.
-ini_options]`` of ``pyproject.toml``): ``gdn_suite`` (a folder, relative to the configuration
-file), ``gdn_dtype``, ``gdn_precision``, ``gdn_skip``, ``gdn_quick``, ``gdn_save``
-(relative to the configuration file); an option given on the command line wins.
-
-:meth:`~gdn_layout.suites.Case.check` fails with the comparison table, naming the gradient
-and the coordinates of its worst element, the case's fixture file and the ``gdn-layout
-compare --plot`` command that draws it; the criterion is the calibrated one unless
-tolerances are passed to it. ``--gdn-save DIR`` keeps each failure's kernel output and
-picture in ``DIR`` (:attr:`~gdn_layout.suites.Case.save_as`, named after the test), and the
-command names them.
-
-Under pytest-xdist the controller, which runs no test, only checks the options (and the
-suite's manifest); each worker makes the cases, and a problem it finds then (a suite's file
-that differs from its manifest, say) fails the collection of the tests that take ``gdn_case``.
+Under pytest-xdist the controller only checks the options (and the suite's manifest); each
+worker makes the cases, and a problem it finds fails the collection of the tests that take
+``gdn_case``.
 """
 
 from __future__ import annotations

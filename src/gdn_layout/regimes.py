@@ -1,29 +1,16 @@
 """The gate regimes: one definition that fixture generation, suites, the command line, the
 pytest plugin and the tests draw from.
 
-A regime says how the log-gate ``g`` is drawn (the decay of a step is ``exp(g)``):
-
-``"zero"``
-    ``g = 0``: no decay, where bugs in the state's path show most.
-``"mild"``
-    ``g`` uniform in ``[-0.1, -0.001]``: ``exp(g)`` near 1.
-``"strong"``
-    ``g`` uniform in ``[-8, -3]``: ``exp(g)`` near 0.
-``"mixed"``
-    each element of ``g`` drawn from one of the three above, at random.
-``"qwen"``
-    as Qwen3-Next computes its gates: ``g = -exp(A_log) * softplus(a + dt_bias)``, with
-    ``exp(A_log)`` uniform in ``[1, 16]`` and ``dt_bias`` uniform in ``[-1, 1]`` per head
-    (model parameters, shared by the batch), and ``a`` standard normal per step (per step and
-    key channel for a per-channel gate). ``g`` lies in about ``[-80, -0.01]``.
-``"extreme"``
-    ``g`` uniform in ``[-30, -10]``: ``exp(g)`` below ``5e-5``, down to ``1e-13``, where a
-    kernel that divides by cumulative decays overflows.
+How each draws the log-gate ``g`` (a step's decay is ``exp(g)``): ``zero`` ``g = 0`` (no
+decay, where state-path bugs show most); ``mild`` uniform in ``[-0.1, -0.001]``; ``strong``
+uniform in ``[-8, -3]``; ``mixed`` each element from one of those three; ``qwen`` as
+Qwen3-Next, ``-exp(A_log) * softplus(a + dt_bias)``, ``exp(A_log)`` in ``[1, 16]`` and
+``dt_bias`` in ``[-1, 1]`` per head, ``a`` standard normal (``g`` in about ``[-80, -0.01]``);
+``extreme`` uniform in ``[-30, -10]``, where dividing by cumulative decays overflows.
 
 A new regime is one entry at the end of the table below, with the next revision of the
 standard suite as its ``since`` (:data:`REGIME_SINCE`), and its branch in :func:`draw_gate`:
-the suite (:func:`~gdn_layout.generate.write_suite`) then gains every shape in it, numbered
-(and seeded) after every file it had, which keep their names, seeds and bytes.
+the suite then gains every shape in it, numbered and seeded after every file it had.
 
 >>> import numpy as np
 >>> g = draw_gate(np.random.default_rng(0), (1, 4, 2), "strong")

@@ -1,30 +1,10 @@
 """What failed across a suite's cases: the verdicts of many comparisons read together.
 
-Each case's verdict is its own; the clue to a bug is often visible only across cases: which
-gradients fail, in which cases, and which never do. :func:`summarize` reads the results of
-many cases (each a :class:`~gdn_layout.suites.Case` and the
-:class:`~gdn_layout.check.Comparison` its :meth:`~gdn_layout.suites.Case.compare` or
-:meth:`~gdn_layout.suites.Case.check` produced, or the :class:`CaseResult` made of them) and
-returns a :class:`Summary` whose ``str()`` says, most telling first:
-
-* how many cases fail, per gradient, and the gradients that never fail;
-* the case dimensions that separate failing cases from passing ones, each a statement tested on
-  every case: "fails only with a carried state", "fails only with S > 64: a chunk hand-over",
-  "never under the zero regime", "passes every case of one step"; per gradient too where that
-  says more ("dstate fails only with S > 64");
-* the likely causes, counted over cases: the misreadings verified by a re-run first;
-* for failures with no structure (only ``rounding`` findings, or none), the precision class
-  whose criterion passes every one of them, judged again from the records' figures.
-
-The statements come from the cases' own labels (the layout's ``B, S, H, N``, gate mode and
-state mode, the gate regime and the dtype), never from a list of known bugs; the thresholds on
-``S`` are the chunk boundaries the standard suite crosses
-(:data:`~gdn_layout.generate.CHUNK_SIZES`). A statement is made only when it holds for every
-case: every failing case has the property and some passing case lacks it ("only"), or no
-failing case has it and some passing case does ("never").
-
-A :class:`CaseResult` is small and JSON-safe (:meth:`CaseResult.to_dict`): the pytest plugin
-carries one per test from pytest-xdist's workers to the controller, which prints the summary.
+:func:`summarize` reads many cases' results and says which gradients fail, the case
+dimensions that separate failing cases from passing ones (each a statement that holds for
+every case), the likely causes counted over cases, and the precision class that passes
+failures with no structure (README.md, *Quickstart*, on pytest's summary). A
+:class:`CaseResult` is small and JSON-safe, to cross from pytest-xdist's workers.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack

@@ -1,32 +1,9 @@
 """The criteria a gradient is judged by, as one type: :class:`Criterion`.
 
-Elementwise tolerances (``numpy.isclose``'s), an RMS ratio (flash-linear-attention's), both,
-or the calibrated criterion: a correct kernel differs from the float64 truth by the rounding
-of what it computes, whose *floors* a fixture measures per precision class
-(:mod:`gdn_layout._floors`: the worst of the correct forms a kernel of the class
-computes). The calibrated criterion of a class (:data:`gdn_layout._dtypes.PRECISIONS`; by
-default that of the less precise buffer) passes a gradient when both its RMS error and its
-largest error are at most the class's ``K`` (16 for float32 and tf32, 8 for bfloat16 and
-float16, 64 for float64, whose truth has float64's rounding too) times its floor times
-``rms(expected)``.
-
-float64's floors are float32's scaled by the ratio of their unit roundoffs, ``2**-29``: to
-first order the rounding error of one order of operations is proportional to the unit
-roundoff.
-
-Each floor, as an error, is taken no lower than half the buffers' unit roundoff times
-``rms(expected)``, and no lower than half the computation dtype's unit roundoff times the
-*scale of the terms* that form the gradient, where that scale is larger. A gradient can be
-far below its terms: ``dg`` is exactly 0 at a sequence's first step without a carried state,
-and of order ``exp(g)`` under extreme decay, while chunked kernels form it as
-``q . dq - k . dk``, a difference of terms of order 1 whose rounding is of order ``u``
-(``term_scales``). Fixtures without floors of the class fall back to :data:`DEFAULT_FLOORS`.
-
-Changing a criterion changes this module alone: its limits, its verdict (:meth:`Criterion.
-passes`), its own words (:attr:`Criterion.words`, :meth:`Criterion.floor_words`), its JSON
-(:meth:`Criterion.to_dict`) and its score for the findings (:meth:`Criterion.score`). What a
-gradient measured against it is said by the record that holds both
-(:class:`~gdn_layout.GradComparison`).
+Elementwise tolerances, an RMS ratio, both, or the calibrated criterion against a fixture's
+measured floors: docs/criterion.md says how each is judged, the floors, ``K`` and the term
+scales. Changing a criterion changes this module alone: its limits, verdict, words, JSON
+and its score for the findings.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Findings: simple hypotheses that name what is wrong with a failing gradient.
 
-A comparison says *where* a gradient is wrong; a finding says *what* the bug probably is. Each
-hypothesis undoes one kind of bug (a constant factor, a head permutation, a shift along ``s``,
-...) and asks the caller's criterion whether that explains the error.
+docs/findings.md says what each kind means to a user; this states each rule. Each hypothesis
+undoes one kind of bug and asks the caller's criterion whether that explains the error.
 
 **The rule.** ``score(name, actual, expected)`` is the error over the criterion's limit, at most
 1 to pass. A hypothesis *holds* when, after undoing it, the score is at most 1 or has fallen by
@@ -21,13 +20,9 @@ kind, its test and the tensors it reads, so that adding one is one entry and its
 
 The kinds (:data:`KINDS`, in the order findings are returned: most specific first):
 
-``misreading``
-    (:mod:`~gdn_layout.check._misreadings`, with a fixture's inputs) every gradient matches
-    the op computed with its inputs read another way, verified by re-running it.
-``overflow``
-    (with a fixture's inputs) gradients are non-finite where the truth is finite, and a chunk
-    of 64 steps spans more log-decay than the kernel's ``exp`` can take (88.7 in float32): a
-    masked, anti-causal decay difference ``exp(G_i - G_j)`` overflowing before the mask.
+``misreading``, ``overflow``, ``rows``
+    With a fixture's inputs (:mod:`~gdn_layout.check._misreadings`,
+    :mod:`~gdn_layout.check._explain`): docs/findings.md.
 ``unwritten``
     every element is zero (where the expected values do not all round to zero in the actual's
     dtype), or one finite constant, or looks like memory never written: at least 1%
@@ -45,10 +40,6 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     (:func:`buffer_findings`) a gradient is found at another offset of the packed buffer:
     where the other gate mode's layout puts it, or where another order of the segments does.
     :func:`size_findings` names the layouts of the same ``B, S, H, N`` a wrong length fits.
-``rows``
-    (:mod:`~gdn_layout.check._explain`, with a fixture's inputs) the batch rows hold identical
-    inputs, but some rows of a failing gradient fail its criterion where the others pass: a
-    bug in the rows after the first (or in the first).
 ``axes``
     the gradient holds the expected values written in another axis order (``[B, H, S, N]``
     for ``[B, S, H, N]``...): the buffer reshaped to that order and transposed back explains it.
@@ -84,30 +75,17 @@ The kinds (:data:`KINDS`, in the order findings are returned: most specific firs
     no structural hypothesis holds and the score is at most :data:`ROUNDING_MAX`: the error is
     only too large, as rounding is. Above that, an unexplained gradient gets no finding.
 
-A gradient whose tested region passes gets no finding at all: the caller asks only about
-failing ones.
+A passing gradient gets no finding. Every structural hypothesis but ``boundary`` needs
+:data:`_IDENTIFIED` (16) non-zero expected elements (docs/findings.md, *No structure from
+too little data*).
 
-**No structure from too little data.** Every structural hypothesis but ``boundary`` is tested
-on at least :data:`_IDENTIFIED` (16) non-zero expected elements (those the undone actual is
-compared with: a shift's overlapping steps), and a gradient of fewer is not looked for at
-other offsets of the buffer: on a handful of values, a shift, a transpose, a permutation, a
-factor or an offset matches as a rounding does. ``boundary`` needs 24 elements in its wrong
-run and 8 in its right part.
-
-**Cost and memory.** :func:`grad_findings` first scans the gradient a block of steps (of
-batch elements for ``dstate``) at a time for the ``unwritten`` and ``nonfinite`` kinds; if
-either holds, or the expected values are not all finite, nothing else is tried. The other
-hypotheses need the gradient in float64: they run on at most :data:`MAX_WHOLE_ELEMENTS`
-elements, all of the gradient when it fits, else its first batch elements that fit, or the
-first steps of the first (then ``batch`` and the axis orders that move ``b`` are skipped, and
-what goes wrong only later in the sequence gets no finding); a ``dstate`` whose one batch
-element does not fit gets only the scanned kinds. Each hypothesis is a few passes over that region:
-the scale one dot product, the permutations one ``H x H`` (``B x B``) matrix, the boundary
-``S`` per-step scores, the axis orders at most 23 reorderings, most refused on their sample;
-the caller's score is called a few times on the region, and for the steps once (its
-``steps``, see :data:`Score`) or else ``S`` times. Memory: a few float64 copies of the
-region. Once one hypothesis explains the gradient fully (score at most 1), the later ones are
-not tried.
+**Cost and memory.** :func:`grad_findings` first scans the gradient in blocks for
+``unwritten`` and ``nonfinite``; if either holds, or the expected values are not all finite,
+nothing else is tried. The others run in float64 on at most :data:`MAX_WHOLE_ELEMENTS`
+elements (the first batch elements, or steps, that fit: ``batch`` and axis orders moving
+``b`` are then skipped), each a few passes over that region; the score is called a few times,
+and per step once through its ``steps`` (:data:`Score`). Once one hypothesis explains the
+gradient fully, the later ones are not tried.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout

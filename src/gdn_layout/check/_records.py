@@ -30,91 +30,46 @@ _NOT_JSON: Final = {"json": False}
 @dataclass(frozen=True)
 class GradComparison:
     """How one gradient of an actual buffer compares with the expected one: what was measured,
-    and the :class:`~gdn_layout.check.Criterion` it was judged by.
-
-    Every field is a fact; the verdict (:attr:`passed`, :attr:`error_floor_ratio`) is the
-    criterion's, applied to them. The criterion's own figures are read off it:
-    ``grad.criterion.rtol``, ``.atol``, ``.max_rms_ratio``, ``.mode``, ``.floor``,
-    ``.limit``, ``.term_scale``, ``.precision_name``, and ``.words`` for the criterion in
-    words.
+    and the :class:`~gdn_layout.check.Criterion` it was judged by (its figures are read off
+    ``grad.criterion``; ``.words`` says it in words).
 
     Attributes
     ----------
-    name
-        ``"dq"``, ..., ``"dstate"``.
-    shape
-        The gradient's shape.
+    name, shape, size
+        ``"dq"``, ..., ``"dstate"``; its shape and number of elements.
     actual_dtype, expected_dtype
         The two buffers' dtype names.
-    size
-        Number of elements.
     criterion
         The :class:`~gdn_layout.check.Criterion` the gradient was judged by.
-    max_abs_error
-        Max ``|a - e|`` over pairs that are both finite (0.0 when none); NaN when a
-        non-finite mismatch involves a NaN, else Inf when there is one (as are
-        ``max_rel_error`` and ``rms_ratio``).
-    max_rel_error
-        Max ``|a - e| / |e|`` over those pairs; ``inf`` when some ``e == 0``
-        has ``a != 0``.
-    rms_ratio
-        ``rms(a - e) / rms(e)`` over those pairs; 0.0 when both are zero, ``inf``
-        when only the reference is.
+    max_abs_error, max_rel_error, rms_ratio
+        Max ``|a - e|``, max ``|a - e| / |e|`` and ``rms(a - e) / rms(e)`` over pairs both
+        finite; NaN when a non-finite mismatch involves a NaN, else Inf when there is one.
     mismatches
-        What the criterion counts: elements out of elementwise tolerance (or over the
-        calibrated largest error), non-finite mismatches included; with ``max_rms_ratio``
-        alone, the non-finite mismatches.
+        What the criterion counts: elements out of tolerance, non-finite mismatches included.
     nonfinite_mismatches
-        Pairs with a non-finite side that do not match (see the module).
+        Pairs with a non-finite side that do not match.
     nan_actual, inf_actual, nan_expected, inf_expected
         NaN/Inf counts on each side.
-    worst
-        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance
-        (elementwise: largest ``|a - e| - (atol + rtol * |e|)``; RMS: largest ``|a - e|``);
-        a non-finite mismatch outranks any finite error, and ties go to the first element
-        in C order. None for an empty gradient.
-    worst_actual, worst_expected
-        The two values there.
+    worst, worst_actual, worst_expected
+        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance (a
+        non-finite mismatch first, ties to the first in C order; None when empty), and the
+        two values there.
     passed
-        Whether the gradient meets its criterion: the verdict, worked out once when the
-        record is made (``dataclasses.replace`` makes a record, and its verdict, anew).
+        The verdict, worked out when the record is made.
     error_floor_ratio
-        The calibrated criterion's figure: the larger of the RMS error and the largest error,
-        each over its floor as an error; None when the gradient was judged by explicit
-        tolerances.
-    error_map
-        Read-only float64 map of the largest ``|a - e|`` (``inf`` for a non-finite
-        mismatch, 0 for a matching non-finite pair): ``[S, H]`` over (sequence position,
-        head) for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-        ``i``, head) because it has no sequence axis. Binned (see ``error_map_bins``) when
-        the per-batch maps would have more than 2**20 cells, so that memory stays bounded.
-        Not part of equality or ``to_dict``.
-    batch_error_map
-        The error map of each batch element, ``[B, S, H]`` (``[B, N, H]`` for ``dstate``),
-        binned as ``error_map`` is; ``error_map`` is its maximum over the batch. For plots;
-        not part of equality or ``to_dict``.
-    mismatch_map
-        How many elements of each cell of ``batch_error_map`` ``mismatches`` counts (what
-        the active criterion counts, non-finite mismatches included), int64; its sum is
-        ``mismatches``. For plots; not part of equality or ``to_dict``.
-    error_map_bins
-        How many positions along each axis of ``error_map`` (and of the last two axes of
-        ``batch_error_map``) one cell covers, keeping its largest error: ``(1, 1)`` unless
-        the maps were binned.
-    batch_bins
-        How many batch elements one entry of ``batch_error_map`` covers: 1 unless ``B`` alone
-        is so large that a map per batch element would pass 2**20 cells.
+        The calibrated criterion's figure (docs/criterion.md); None under explicit tolerances.
+    error_map, batch_error_map, mismatch_map
+        Read-only maps of the largest ``|a - e|`` per ``[S, H]`` cell (``[N, H]`` for
+        ``dstate``), the same per batch element, and the count of mismatches per cell; binned
+        past 2**20 cells (docs/memory.md). For plots; not in equality or ``to_dict``.
+    error_map_bins, batch_bins
+        Positions a map cell covers along each axis, and batch elements an entry covers.
     findings
-        What explains a failing gradient, most specific first (:class:`Finding`): a scale, a
-        transpose, a permutation, a shift, a boundary, ... or only rounding; empty when the
-        gradient passes. Not part of equality.
+        What explains a failing gradient, most specific first (docs/findings.md); not in
+        equality.
     signed_error_map, ratio_map
-        A failing gradient's maps of its cause (None when it passes): in each cell of
-        ``batch_error_map``, the signed ``a - e`` of largest magnitude (NaN for a non-finite
-        mismatch) and ``<a, e> / <e, e>`` (NaN where every ``e`` is zero), so that a constant
-        factor is one colour. ``dstate``'s are ``[H, N, N]`` over (head, key row ``i``, value
-        column ``j``), over the batch, so that a transpose is a mirrored pattern; binned along
-        ``i`` and ``j`` past 2**20 cells. For plots; not part of equality or ``to_dict``.
+        A failing gradient's maps of its cause (else None): the signed ``a - e`` of largest
+        magnitude and ``<a, e> / <e, e>`` per cell (``dstate``'s ``[H, N, N]``). For plots.
 
     See Also
     --------
