@@ -1,15 +1,5 @@
-"""The ``gdn-layout`` command line.
-
-User errors (bad arguments, missing, unreadable or invalid files, not enough memory) print one
-line and exit with status 2; the commands that judge something exit 1 when the judgement
-fails. Any other exception is a bug: it shows its traceback and exits with status 1.
-
-What stdout and stderr cannot encode (a file name that is not UTF-8, a non-ASCII one on an
-ASCII stream) is written backslash-escaped; with no stderr (``2>&-``) the progress bar is off
-and errors are not printed, their exit status unchanged. SIGTERM raises SystemExit(143) for
-the duration of :func:`main`, so that temporary files are removed before the process ends
-with status 143 (128 + 15, what a shell reports for a process killed by SIGTERM). Ctrl-C
-(KeyboardInterrupt) removes them too, then prints one line and exits with status 130 (128 + 2).
+"""The ``gdn-layout`` command line; its conventions (exit statuses, escaping, signals) are in
+docs/cli.md. Ctrl-C removes temporary files too, and exits with status 130.
 """
 
 from __future__ import annotations
@@ -398,12 +388,16 @@ def _describe(args: argparse.Namespace) -> int:
             "dtype": args.dtype,
             "total_elems": layout.total_elems,
             "nbytes": layout.nbytes(dtype),
-            "gradients": [{**row._asdict(), "shape": list(row.shape)} for row in rows],
+            "gradients": _rows_json(rows),
         }
         print(json.dumps(document, indent=2))
     else:
         print(layout_text(layout, dtype))
     return 0
+
+
+def _rows_json(rows: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{**row._asdict(), "shape": list(row.shape)} for row in rows]
 
 
 def _fixture(args: argparse.Namespace) -> int:
@@ -478,7 +472,7 @@ def _inspect(args: argparse.Namespace) -> int:
             "kind": source.kind,
             "dtype": str(source.packed.dtype),
             "layout": layout.to_dict(),
-            "gradients": [{**row._asdict(), "shape": list(row.shape)} for row in rows],
+            "gradients": _rows_json(rows),
         }
         print(json.dumps(document, indent=2))
     else:

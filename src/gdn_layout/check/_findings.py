@@ -107,8 +107,8 @@ import functools
 import itertools
 import math
 import types
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Final, NamedTuple, TypeVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -828,26 +828,38 @@ def _batch(ctx: _Context) -> Finding | None:
     )
 
 
+_Key = TypeVar("_Key")
+
+
+def _best(
+    ctx: _Context, tried: Iterable[tuple[_Key, _Array, _Array]]
+) -> tuple[_Key, tuple[float, float]] | None:
+    """The tried undoing that explains the error with the least score, the first on a tie."""
+    best = None
+    for key, u, e in tried:
+        result = ctx.explain(u, e)
+        if result is not None and (best is None or result[0] < best[1][0]):
+            best = (key, result)
+    return best
+
+
 def _shift(ctx: _Context) -> Finding | None:
     axis = _step_axis(ctx.name)
     if axis is None:
         return None
     a, e = ctx.a, ctx.e
     steps = a.shape[axis]
-    best: tuple[int, tuple[float, float]] | None = None
-    for k in _SHIFTS:
-        if steps - abs(k) < 1 or steps < 2:
-            continue
-        # actual[:, t] holds expected[:, t - k], on the steps both have.
-        if k > 0:
-            u, ref = a[:, k:], e[:, : steps - k]
-        else:
-            u, ref = a[:, :k], e[:, -k:]
-        if not np.any(ref):
-            continue
-        result = ctx.explain(u, ref)
-        if result is not None and (best is None or result[0] < best[1][0]):
-            best = (k, result)
+
+    def tried() -> Iterator[tuple[int, _Array, _Array]]:
+        for k in _SHIFTS:
+            if steps - abs(k) < 1 or steps < 2:
+                continue
+            # actual[:, t] holds expected[:, t - k], on the steps both have.
+            u, ref = (a[:, k:], e[:, : steps - k]) if k > 0 else (a[:, :k], e[:, -k:])
+            if np.any(ref):
+                yield k, u, ref
+
+    best = _best(ctx, tried())
     if best is None:
         return None
     k, result = best
@@ -923,20 +935,20 @@ def _axes(ctx: _Context) -> Finding | None:
     if nd >= 2 and shape[-1] == shape[-2]:
         swap = (*range(nd - 2), nd - 1, nd - 2)
         seen.add(tuple(i for i in swap if shape[i] > 1))  # the transpose kind's
-    best: tuple[tuple[int, ...], tuple[float, float]] | None = None
-    for order in itertools.permutations(range(nd)):
-        if not ctx.whole and order[0] != 0:
-            continue  # the region is the first batch elements: b must stay first
-        key = tuple(i for i in order if shape[i] > 1)
-        if key in seen:
-            continue
-        seen.add(key)
-        # The kernel wrote e.transpose(order) in C order: read it so and put the axes back.
-        written = tuple(shape[i] for i in order)
-        u = a.reshape(written).transpose(np.argsort(order))
-        result = ctx.explain(u, e)
-        if result is not None and (best is None or result[0] < best[1][0]):
-            best = (order, result)
+
+    def tried() -> Iterator[tuple[tuple[int, ...], _Array, _Array]]:
+        for order in itertools.permutations(range(nd)):
+            if not ctx.whole and order[0] != 0:
+                continue  # the region is the first batch elements: b must stay first
+            key = tuple(i for i in order if shape[i] > 1)
+            if key in seen:
+                continue
+            seen.add(key)
+            # The kernel wrote e.transpose(order) in C order: read it so and put the axes back.
+            written = tuple(shape[i] for i in order)
+            yield order, a.reshape(written).transpose(np.argsort(order)), e
+
+    best = _best(ctx, tried())
     if best is None:
         return None
     order, result = best

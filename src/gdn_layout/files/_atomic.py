@@ -1,16 +1,5 @@
-"""Files and folders written whole or not at all, on the standard idioms, and files opened for
-reading only when they are regular files.
-
-A file is written to a uniquely named temporary in its folder, flushed and fsynced, then moved
-in place: ``os.replace`` to replace one, a hard link (which fails if the name exists) not to.
-A folder (a suite) is built as a uniquely named sibling, then exchanged with the old one in
-one step where Linux can (``renameat2(RENAME_EXCHANGE)``) and by two renames elsewhere; the
-old one is removed after, and of it only what it lists as its own (a suite's manifest and the
-files that manifest names).
-
-A writer holds an ``flock`` on its temporary while it runs. One killed by SIGKILL leaves its
-temporary behind; the next write of the same target removes it once it can take that lock,
-so a live writer's work is never touched.
+"""Files and folders written whole or not at all, and files opened for reading only when they
+are regular files: docs/files.md, *Saving* and *Suites: all or nothing*.
 """
 
 from __future__ import annotations
@@ -50,10 +39,6 @@ class NotRegularFileError(OSError):
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
     """Call ``write`` on a temporary file next to ``path``, flush it to disk, then move it to
     ``path``; return ``path``.
-
-    Only a regular file is replaced, and the replacement keeps its permission bits (and,
-    where allowed, its owner). A writer killed meanwhile leaves its temporary, which the next
-    write of ``path`` removes.
 
     Raises
     ------
@@ -118,15 +103,9 @@ def write_folder(
     """Build a folder with ``fill`` (given a new empty folder next to ``target``), then put it
     at ``target``; return what ``fill`` returned.
 
-    A missing or empty ``target`` is taken by a rename. Otherwise, with ``overwrite``, a
-    ``target`` of which ``replaceable`` says nothing (it returns why not, or None) is
-    exchanged with the new folder in one step where the system can, so that ``target`` is at
-    every instant the old folder or the new one; elsewhere it is renamed aside first. What was
-    there is checked again once out of the way (put back, and the write refused, if something
-    arrived meanwhile), then removed: the entries ``own`` names (None: a folder that is not
-    whole, which is then a writer's unfinished work, removed whole), and it with them when
-    nothing else is left. The new folder gets the old one's mode and, where allowed, its
-    owner.
+    With ``overwrite``, a ``target`` ``replaceable`` has no objection to (it returns why not,
+    or None) is exchanged with the new folder, checked again, and of it only the entries
+    ``own`` names removed (None: unfinished work, removed whole); see docs/files.md.
 
     Raises
     ------
@@ -447,10 +426,7 @@ def _fsync_dir(directory: Path) -> None:
 def open_regular(path: Path, *, dir_fd: int | None = None) -> BinaryIO:
     """Open ``path`` (relative to the open folder ``dir_fd`` when given) for binary reading,
     refusing anything that is not a regular file.
-
-    The kind is checked before the file is opened, so that a FIFO or a device is never opened
-    (opening a FIFO for reading waits for a writer); the file is then opened without blocking
-    and checked again, in case the path was replaced in between.
+    Checked before opening (a FIFO's open would wait for a writer) and again after.
 
     Raises
     ------

@@ -70,23 +70,16 @@ class PackedFile(NamedTuple):
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     """Read a packed buffer from a fixture, a safetensors file, a .npy or a raw file.
 
-    A file smaller than :data:`~gdn_layout.files.MAP_THRESHOLD` is read into memory
-    (:func:`~gdn_layout.load_fixture` says how), a larger one is memory-mapped, and so is a
-    .npy file (by :func:`numpy.load`); a mapped buffer's file is stamped, so that
-    :meth:`PackedFile.unchanged` can hold it, or tell that it changed, while it is judged.
+    Read into memory or mapped as :func:`~gdn_layout.load_fixture` does (a .npy file mapped by
+    :func:`numpy.load`); a mapped file can be held by :meth:`PackedFile.unchanged`.
 
     Parameters
     ----------
     path
-        The file. What it holds is known from its first bytes; a damaged fixture or .npy
-        file by its suffix. A safetensors file that is not a fixture (what a Rust test writes
-        with the ``safetensors`` crate) gives its tensor named ``packed``, or its only tensor,
-        flattened; the layout then comes from elsewhere. A ``.npz`` (``numpy.savez``) and a
-        ``torch.save`` file (read by torch with ``weights_only=True``, so no code runs) give
-        their only array or tensor, the one named ``packed``, or the gradients named ``dq``,
-        ``dk``, ``dv``, ``dg``, ``dbeta`` (and ``dstate``), packed, which also give the
-        layout. A member that says it is larger than the memory available is refused before
-        it is read.
+        The file, its kind known from its first bytes (docs/cli.md, *inspect*): a
+        fixture, a safetensors, ``.npz`` or ``torch.save`` file (its only tensor, the one
+        named ``packed``, or ``dq`` ... ``dstate`` packed, which give the layout), a .npy or
+        a raw file.
     dtype
         The dtype of a raw binary file; fixtures and .npy files carry their own.
 

@@ -5,10 +5,8 @@ safetensors file by its first bytes. Only the dtypes a fixture holds are support
 are in :data:`gdn_layout._dtypes.DTYPES`): ``F64``, ``F32``, ``F16`` and ``BF16`` (which needs
 ml_dtypes).
 
-A header is at most :data:`MAX_HEADER` bytes (1 MiB), checked before it is read, so that
-parsing it takes bounded time and memory whatever the file holds; a fixture's is a few KiB.
-The official reader allows 100 MB: a header between the two is all it takes that this one
-refuses, and no file this package writes has one.
+A header is at most :data:`MAX_HEADER` bytes (1 MiB), checked before it is read
+(docs/files.md, *Loading*).
 """
 
 from __future__ import annotations
