@@ -30,11 +30,11 @@ from hypothesis.extra import numpy as hnp
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
-from gdn_layout._dtypes import UNIT_ROUNDOFF
+from gdn_layout._dtypes import PRECISIONS, UNIT_ROUNDOFF
 from gdn_layout._floors import term_scales
 from gdn_layout.check import Criterion, K
 from gdn_layout.check import _findings as findings
-from gdn_layout.check._criterion import row_scores, step_scores
+from gdn_layout.check._criterion import Scores, row_scores, step_scores
 from gdn_layout.check._findings import grad_findings
 from gdn_layout.files import Fixture, load_fixture
 from gdn_layout.generate import draw_inputs, make_fixture, write_suite
@@ -193,6 +193,27 @@ def test_the_least_floor_is_half_the_unit_roundoff_times_the_terms() -> None:
     kept = compare(actual, expected, layout, scales={"dg": 1.0})["dg"]
     assert kept.criterion.term_scale is None
     assert kept == compare(actual, expected, layout)["dg"]
+
+
+@pytest.mark.parametrize("judged", ["float32", "float64"])
+def test_a_criterion_made_against_a_re_run_keeps_tolerances_and_its_floors_at_least_its_rounding(
+    judged: str,
+) -> None:
+    # What a misreading is judged by: the criteria judged by, made against a re-run's values.
+    values = np.random.default_rng(5).standard_normal(64)
+    floors = {"float32": {"dq": (1e-7, 4e-7), "dk": (2e-7, 8e-7)}}
+    explicit = Criterion.tolerances(1e-3, 1e-5)
+    calibrated = Criterion.calibrated(floors, judged, "dq", values)
+    scores = Scores({"dq": calibrated, "dk": explicit}, floors, PRECISIONS[judged])
+    assert scores.against("dk", values, None, (1.0, 1.0)) is explicit
+    assert scores.against("dq", values, None, None) == calibrated
+    assert scores.against("dq", values, 3.0, None) == Criterion.calibrated(
+        floors, judged, "dq", values, 3.0
+    )
+    raised = {"float32": {"dq": (1e-5, 4e-7)}}  # the rms floor raised, the max floor kept
+    assert scores.against("dq", values, None, (1e-5, 1e-9)) == Criterion.calibrated(
+        raised, judged, "dq", values
+    )
 
 
 def test_term_scales_are_the_rms_of_the_identitys_terms() -> None:

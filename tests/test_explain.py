@@ -11,7 +11,8 @@ import pytest
 
 from gdn_layout import GdnBackwardLayout, compare, generate, make_fixture, unpack
 from gdn_layout.check import _compare, _explain, _misreadings
-from gdn_layout.check._findings import KINDS
+from gdn_layout.check._criterion import Scores
+from gdn_layout.check._findings import KINDS, Finding
 from gdn_layout.check._records import GradComparison
 from gdn_layout.reference import backward
 
@@ -53,6 +54,34 @@ def test_a_failing_compare_measures_each_gradient_once_and_unpacks_each_buffer_o
     assert [args[0].name for args in scans] == list(layout.names)
     assert len(unpacks) == 2  # the kernel's buffer and the fixture's
     assert unpacks[0][0] is not unpacks[1][0]
+
+
+def test_the_misreadings_are_handed_the_criteria_as_data_not_a_call_into_this_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The check runs one way: the re-run is judged by the criteria it is handed, made again
+    # in check._criterion, never by a call back into the stage that called it.
+    layout = GdnBackwardLayout(1, 12, 2, 4, carry_state=True)
+    fx = make_fixture(layout, regime="mild")
+    q, k, v, g, beta, dy, state = fx.inputs
+    assert state is not None
+    kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    calls = _counted(monkeypatch, _explain, "misreading_findings")
+    result = compare(kernel, fx)
+    assert [f.details["reading"] for f in result.findings] == ["state_transposed"]
+    [args] = calls
+    assert type(args[-1]) is Scores
+    assert {r.name: r.criterion for r in result.grads} == args[-1].criteria
+
+
+def test_the_backward_s_words_follow_what_the_boundary_saw_not_its_text_parsed() -> None:
+    seen = "dk: wrong before step 5; and right from step 5 on"  # marks a parse would cut at
+    finding = Finding(
+        "boundary", "dk", f"{seen}; all zeros there", {"step": 5, "side": "before", "seen": seen}
+    )
+    worded = _explain._backward_words(finding)
+    assert worded.text == f"{seen}: {_explain._HANDED.format(step=5)}"
+    assert worded.details == finding.details
 
 
 def test_the_verdict_is_stored_in_the_records() -> None:

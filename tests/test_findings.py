@@ -302,6 +302,16 @@ def test_boundary_wrong_from_a_step_on(layout: GdnBackwardLayout, name: str) -> 
     found = only(grad_findings(name, _noisy(e, np.s_[:, 4:]), e, layout, SCORE), "boundary")
     assert (found.details["step"], found.details["side"]) == (4, "from")
     assert "wrong from step 4 on" in found.text
+    _says_what_it_saw_first(found)
+
+
+def _says_what_it_saw_first(found: Finding) -> None:
+    """A boundary with a side records what it saw (``seen``), its text's first part: the
+    backward's words replace the rest (``check._explain``)."""
+    seen = found.details["seen"]
+    assert isinstance(seen, str)
+    assert found.text.startswith(seen)
+    assert found.text[len(seen) :][:1] in ("", ":", ";")
 
 
 @pytest.mark.parametrize("carried", [False, True])
@@ -350,6 +360,7 @@ def test_boundary_wrong_before_a_step_and_zeros() -> None:
         True,
     )
     assert "all zeros there" in found.text
+    _says_what_it_saw_first(found)
 
 
 def test_an_error_from_the_first_step_that_fades_names_no_step() -> None:
@@ -367,6 +378,8 @@ def test_an_error_from_the_first_step_that_fades_names_no_step() -> None:
     a_state = e_state * (1 + fade[None, :, None, None])
     with_state = only(grad_findings("dq", a_state, e_state, carried, SCORE), "boundary")
     assert "the initial state, or how it is read, wrong?" in with_state.text
+    _says_what_it_saw_first(found)
+    _says_what_it_saw_first(with_state)
     cut = found.details["until"]
     assert isinstance(cut, int)
     assert cut > 1
@@ -375,6 +388,7 @@ def test_an_error_from_the_first_step_that_fades_names_no_step() -> None:
     abrupt[:, :cut] = e[:, :cut] * 1.3  # wrong over the same steps, ending at once
     edge = only(grad_findings("dq", abrupt, e, layout, SCORE), "boundary")
     assert (edge.details["step"], edge.details["side"]) == (cut, "before")
+    _says_what_it_saw_first(edge)
 
 
 @pytest.mark.parametrize("name", ["dq", "dv", "dg"])

@@ -455,3 +455,24 @@ class Scores:
         self, name: str, actual: NDArray[np.float64], expected: NDArray[np.float64]
     ) -> NDArray[np.float64]:
         return step_scores(self.criteria[name], actual, expected)
+
+    def against(
+        self,
+        name: str,
+        values: NDArray[np.float64],
+        term: float | None,
+        least: tuple[float, float] | None,
+    ) -> Criterion:
+        """Gradient ``name``'s criterion made again against other expected ``values`` (a
+        re-run's), with floors no lower than ``least`` (the re-run's own rounding) and the
+        dtype term scale ``term``: what a misreading is judged by. Explicit tolerances stay
+        as they were."""
+        given = self.criteria[name]
+        if given.mode != "calibrated":
+            return given
+        merged = self.floors
+        if least is not None:  # the fixture's floors, or the reading's rounding if more
+            source = PRECISIONS["float32"] if self.judged.name == "float64" else self.judged
+            base = floor_for(self.floors, source, name)
+            merged = {source.name: {name: (max(base[0], least[0]), max(base[1], least[1]))}}
+        return Criterion.calibrated(merged, self.judged, name, values, term)

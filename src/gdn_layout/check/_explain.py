@@ -43,11 +43,11 @@ from typing import Any, Final
 import numpy as np
 from numpy.typing import NDArray
 
-from .._dtypes import PRECISIONS, Precision
+from .._dtypes import Precision
 from .._floors import Floors
 from ..layout import GdnBackwardLayout
 from ..packing import GdnGrads
-from ._criterion import Criterion, Scores, floor_for
+from ._criterion import Scores
 from ._findings import Finding, buffer_findings, grad_findings
 from ._misreadings import misreading_findings, overflow_finding
 from ._records import GradComparison
@@ -80,26 +80,6 @@ class Evidence:
     def score(self) -> Scores:
         """The findings' score: each gradient by its record's criterion."""
         return Scores({r.name: r.criterion for r in self.records}, self.floors, self.judged)
-
-    def rejudged(
-        self,
-        name: str,
-        values: NDArray[np.float64],
-        term: float | None,
-        least: tuple[float, float] | None,
-    ) -> Criterion:
-        """Gradient ``name``'s criterion made again against other expected ``values`` (a
-        re-run's), with floors no lower than ``least`` (the re-run's own rounding): what a
-        misreading is judged by. Explicit tolerances stay as they were."""
-        given = self.score.criteria[name]
-        if given.mode != "calibrated":
-            return given
-        merged = self.floors
-        if least is not None:  # the fixture's floors, or the reading's rounding if more
-            source = PRECISIONS["float32"] if self.judged.name == "float64" else self.judged
-            base = floor_for(self.floors, source, name)
-            merged = {source.name: {name: (max(base[0], least[0]), max(base[1], least[1]))}}
-        return Criterion.calibrated(merged, self.judged, name, values, term)
 
 
 @dataclass(frozen=True)
@@ -162,7 +142,7 @@ def _misreading(evidence: Evidence, so_far: Explained) -> Explained:
         {n: getattr(evidence.theirs, n) for n in names},
         tuple(evidence.inputs),
         evidence.layout,
-        evidence.rejudged,
+        evidence.score,
     )
     if not found:
         return so_far
@@ -227,7 +207,8 @@ def _backward_words(finding: Finding) -> Finding:
     handed = isinstance(step, int) and (side == "before" or ends)
     if finding.kind != "boundary" or not (handed or side == "fades"):
         return finding
-    what = finding.text.split(";")[0].split(": ")[0]
+    what = details.get("seen")
+    assert isinstance(what, str)  # a boundary with a side says what it saw
     if handed:
         why = _HANDED.format(step=step)
     else:

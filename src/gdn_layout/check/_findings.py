@@ -1039,24 +1039,25 @@ def _boundary(ctx: _Context) -> Finding | None:
         if side == "before" and per[t0 - 1] < FALLS * per[t0]:
             # No edge: an error from the first step that fades with the decay, as that of
             # the initial state does. Where it passes under the limit is no boundary.
-            why = (
-                ": the initial state, or how it is read, wrong? (its effect fades with the decay)"
-                if not ctx.zero_start
-                else ", as one made in the first steps does with the decay"
-            )
-            text = (
+            seen = (
                 f"{ctx.name} is wrong from the first {unit} on and its error fades, within the "
-                f"limit from {unit} {t0} on ({count}){why}"
+                f"limit from {unit} {t0} on ({count})"
             )
-            fades: dict[str, object] = {"step": None, "side": "fades", "until": t0}
+            if ctx.zero_start:
+                seen += ", as one made in the first steps does with the decay"
+            why = ": the initial state, or how it is read, wrong? (its effect fades with the decay)"
+            text = seen if ctx.zero_start else seen + why
+            fades: dict[str, object] = {"step": None, "side": "fades", "until": t0, "seen": seen}
             fades.update(count=int(failing.size), **contrast)
             return Finding("boundary", ctx.name, text, fades)
         if side == "from":
             text = f"{ctx.name} is right before {unit} {t0} and wrong from {unit} {t0} on ({count})"
+            seen = text
             if unit == "step" and t0 >= 8 and t0 & (t0 - 1) == 0:
                 text += f": the second chunk, with chunks of {t0}?"
         else:
             text = f"{ctx.name} is wrong before {unit} {t0} and right from {unit} {t0} on ({count})"
+            seen = text
         zeros = not np.any(a[:, wrong])
         if zeros:
             text += "; all zeros there"
@@ -1065,6 +1066,7 @@ def _boundary(ctx: _Context) -> Finding | None:
             "side": side,
             "count": int(failing.size),
             "zeros": zeros,
+            "seen": seen,
             **contrast,
         }
         return Finding("boundary", ctx.name, text, details)
@@ -1104,6 +1106,7 @@ def _window(
         f"({'C' if unit == 'chunk' else 'S'}={steps}), worst at {unit} {worst}, and right "
         "elsewhere"
     )
+    seen = text
     if step is None:
         text += ": a state not carried across a step there?"
     else:
@@ -1115,6 +1118,7 @@ def _window(
         "last": hi,
         "worst": worst,
         "count": int(failing.size),
+        "seen": seen,
         **contrast,
     }
     return Finding("boundary", ctx.name, text, details)

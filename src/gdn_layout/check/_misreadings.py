@@ -63,7 +63,7 @@ from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
 from ..reference._recurrent import step_ends, step_gradients
-from ._criterion import Criterion
+from ._criterion import Scores
 from ._findings import ROUNDING_MAX, Finding
 
 __all__ = ["BUDGET", "READINGS", "Reading", "misreading_findings", "overflow_finding"]
@@ -426,23 +426,19 @@ def _scales(n: int) -> Iterator[tuple[str, float]]:
 
 # -- verification ------------------------------------------------------------------------
 
-#: ``criterion(name, expected, term_scale, floor)``: the criterion a gradient is judged by
-#: against ``expected`` (a slice of it, float64), calibrated with floors of at least ``floor``
-#: (the ``(rms, max)`` figures of the reading's own rounding), when given.
-CriterionOf = Callable[[str, _Array, float | None, tuple[float, float] | None], Criterion]
-
 
 def misreading_findings(
     actual: Mapping[str, NDArray[Any]],
     expected: Mapping[str, NDArray[Any]],
     inputs: tuple[NDArray[Any] | None, ...],
     layout: GdnBackwardLayout,
-    criterion: CriterionOf,
+    scores: Scores,
 ) -> tuple[Finding, ...]:
     """The misreadings of :data:`READINGS` the kernel's gradients ``actual`` (by name, in
     their shapes) pass against, on a slice of the case (module docstring); () when the
     slice passes against ``expected`` (the fixture's gradients), whose failure is elsewhere.
-    ``inputs`` are the case's ``q, k, v, g, beta, dy, state``."""
+    ``inputs`` are the case's ``q, k, v, g, beta, dy, state``; ``scores`` the criteria the
+    case was judged by, made again against a reading (:meth:`Scores.against`)."""
     if layout.seq == 0 or layout.state_size == 0 or layout.batch == 0 or layout.heads == 0:
         return ()
     rows = slice(0, min(layout.batch, 2))
@@ -466,7 +462,7 @@ def misreading_findings(
     @functools.cache
     def limit(name: str) -> float:
         """``K`` of the class gradient ``name`` is judged in; NaN for explicit tolerances."""
-        return criterion(name, np.ones(1), None, None).limit
+        return scores.against(name, np.ones(1), None, None).limit
 
     def dg_term(grads: _Grads) -> float:
         """The scale of the terms ``grads``' ``dg`` is formed from: its own ``dq`` and ``dk``'s,
@@ -514,7 +510,7 @@ def misreading_findings(
             if not np.isfinite(e).all():
                 return None
             floor = (max(f[0] for f in figures), max(f[1] for f in figures)) if figures else None
-            if criterion(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
+            if scores.against(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
                 return None
             if rounded is None:
                 verified += e.size
@@ -549,7 +545,7 @@ def misreading_findings(
         # Formed otherwise, not a near miss: past what rounding reaches against the reading.
         e, a = (np.asarray(t[missed[0]], np.float64) for t in (grads, actual_of))
         near = dg_term(grads) if missed[0] == "dg" else None
-        if criterion(missed[0], e, near, None).score(a, e) <= ROUNDING_MAX:
+        if scores.against(missed[0], e, near, None).score(a, e) <= ROUNDING_MAX:
             return None
         rest = {**grads, missed[0]: None}
         shown = [
@@ -576,7 +572,7 @@ def misreading_findings(
         out, every = set(), True
         for words, grads in ends:
             judged = [n for n in names if grads.get(n) is not None]
-            missed = _misses(grads, lows.get(words), kernel64, actual_of, criterion, limit)
+            missed = _misses(grads, lows.get(words), kernel64, actual_of, scores, limit)
             rest = failing - missed  # but_one names one gradient missed, two failing shown
             if missed and (len(missed) >= 2 or len(judged) < 3 or len(rest) < 2):
                 out.add(words)
@@ -642,7 +638,7 @@ def _misses(
     low: _Grads | None,
     kernel64: Mapping[str, _Array],
     kernel: Mapping[str, Any],
-    criterion: CriterionOf,
+    scores: Scores,
     limit: Callable[[str], float],
 ) -> set[str]:
     """The gradients of :data:`_SCREENED` the kernel ``kernel64`` (float64; ``kernel`` as
@@ -674,7 +670,7 @@ def _misses(
             continue
         error = np.abs(a_all - e)[judged]
         eps = float(finfo(dtype).eps)  # a value stored in dtype is within eps/2 of it
-        judge = criterion(
+        judge = scores.against(
             name, np.ones(1), None, (max(_cap(limit(name))[0], eps), _cap(limit(name))[1])
         )
         if judge.mode != "calibrated":  # explicit tolerances: elementwise, judged alike
