@@ -557,6 +557,55 @@ def test_the_screen_spares_re_runs_and_changes_no_finding(
     assert [g.findings for g in screened.grads] == [g.findings for g in every.grads]
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_what_a_screen_takes_from_the_op_s_run_is_its_reading_s_full_run(
+    long_fixture: Fixture, dtype: type
+) -> None:
+    # A reading that differs from the op in its initial state, its final cotangent or its
+    # rows' seam alone shares the op's sweep or forward: the values its screen takes from the
+    # op's run, or runs from its checkpoints and cotangents, are those of its full run.
+    fx = long_fixture
+    layout = fx.layout
+    plain = _misreadings._case_slice(fx.inputs, layout, slice(0, 2), slice(0, layout.heads))
+    plain = plain._replace(**{f: getattr(plain, f).astype(dtype) for f in plain._fields[:7]})
+    shared = plain._replace(op=lambda: _misreadings._op_run(plain), ends=True)
+    more = 0
+    for reading in _misreadings.READINGS:
+        if reading.name == "scale" or not reading.applies(layout):
+            continue
+        full = dict(reading.truths(plain))
+        alone = dict(reading.truths(plain._replace(ends=True)))
+        for words, grads in reading.truths(shared):
+            for name, values in grads.items():
+                if values is None:
+                    continue
+                known = ~np.isnan(values)
+                whole, before = full[words][name], alone[words][name]
+                assert whole is not None
+                assert before is not None
+                assert (values[known] == whole[known]).all(), (reading.name, name)
+                more += int(known.sum() - (~np.isnan(before)).sum())
+    assert more > 0
+
+
+def test_the_op_s_run_is_made_once_for_every_reading_that_shares_it(
+    long_fixture: Fixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fx = long_fixture
+    runs: list[Any] = []
+    run = step_gradients
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append((np.asarray(args[0]).dtype, kwargs.get("record") is not None))
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(_misreadings, "step_gradients", counted)
+    compare(_noisy(fx, ("dk", "dg")), fx)
+    recorded = [dtype for dtype, record in runs if record]
+    assert recorded  # the op itself is one of the readings' runs (beta_missing's dv)
+    assert len(recorded) == len(set(recorded))  # once in each dtype
+
+
 def test_a_reading_found_stops_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
     # The first reading verified is the cause shown: no reading after it is re-run.
     fx = make_fixture(GdnBackwardLayout(1, 12, 2, 4, carry_state=True), regime="mild")

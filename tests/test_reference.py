@@ -760,3 +760,41 @@ def test_step_ends_are_the_full_run_s_values_at_its_ends(variant: str, dtype: An
         assert np.isnan(ends.dq[:, first:]).all()
         assert np.isnan(ends.dv[:, :last]).all()
         assert all(np.isnan(getattr(ends, name)).all() for name in ("dk", "dg", "dbeta", "dstate"))
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_parts_run_apart_from_the_run_s_checkpoints_and_cotangents_are_its_values(
+    dtype: Any,
+) -> None:
+    # Steps run from the state entering them and the cotangent leaving them (a checkpoint and
+    # its cotangent, kept by a recorded run) give that run's gradients there, all but dstate.
+    from gdn_layout.reference._recurrent import Boundaries, Part, step_ends
+
+    rng = np.random.default_rng(6)
+    b, s, h, n, every = 2, 37, 2, 5, 6
+    q, k, v, dy = (rng.standard_normal((b, s, h, n)) for _ in range(4))
+    g, beta = -rng.random((b, s, h)), rng.random((b, s, h))
+    state = rng.standard_normal((b, h, n, n))
+    count = len(range(0, s, every))
+    record = Boundaries(
+        np.empty((b, count, h, n, n), dtype),
+        np.empty((b, count, h, n, n), dtype),
+        np.empty((b, h, n, n), dtype),
+    )
+    full = step_gradients(
+        q, k, v, g, beta, dy, state, dtype=dtype, checkpoint_every=every, record=record
+    )
+    assert record.dh is not None
+    middle = Part(2 * every, 3 * every, record.h[:, 2], record.dh[:, 3])  # all of it
+    forward = Part(3 * every, 4 * every - 2, record.h[:, 3], None)  # dq alone, not all steps
+    ends = step_ends(q, k, v, g, beta, dy, state, dtype=dtype, steps=1, parts=(middle, forward))
+    span = slice(2 * every, 3 * every)
+    for name in ("dq", "dk", "dv", "dg", "dbeta"):
+        assert np.array_equal(getattr(ends, name)[:, span], getattr(full, name)[:, span]), name
+    assert np.array_equal(
+        ends.dq[:, 3 * every : 4 * every - 2], full.dq[:, 3 * every : 4 * every - 2]
+    )
+    assert np.isnan(ends.dq[:, 4 * every - 2 : -1]).all()
+    assert np.isnan(ends.dk[:, 3 * every :]).all()
+    assert ends.dstate is not None
+    assert np.isnan(ends.dstate).all()

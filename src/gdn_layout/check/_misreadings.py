@@ -29,7 +29,10 @@ sequence each reading's run is screened first by its two ends alone (``dq`` on t
 steps, ``dv`` on the last: their values are the full run's): a variant is not re-run where the
 kernel misses it there by more than any floors the full check may use allow, in as many
 gradients as leave it neither named nor named but one (:func:`_misses` argues the bound; a
-reading's own float32 rounding raises those gradients' floors by at most :func:`_cap`).
+reading's own float32 rounding raises those gradients' floors by at most :func:`_cap`). The
+op's own run, made once in each dtype with its checkpoints and their cotangents, is the
+reading that changes no input (``beta_missing``'s ``dv``), and gives the screens of readings
+that share its sweep or its forward an interval of every gradient more (:func:`_shared`).
 Where a reading's op grows (its gradients a thousand times the op's, or not finite), or the
 kernel misses it by less than it misses the op, it runs again in float32, step by step and,
 where that form can compute it, in the fused kernels' chunked form: as the fixture's floors
@@ -62,7 +65,7 @@ from .._floors import term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
-from ..reference._recurrent import step_ends, step_gradients
+from ..reference._recurrent import Boundaries, Part, step_ends, step_gradients
 from ._criterion import Scores
 from ._findings import ROUNDING_MAX, Finding
 
@@ -104,6 +107,30 @@ class _Case(NamedTuple):
     chunked: bool = False
     ends: bool = False  # dq on the first _ENDS steps and dv on the last alone (step_ends)
     skip: frozenset[str] = frozenset()  # variants ruled out: their runs are not made
+    #: The op's own float64 run of this slice, made once when first asked for (_op_run).
+    op: Callable[[], _OpRun] | None = None
+
+
+class _OpRun(NamedTuple):
+    """The op's step-by-step run of a slice: its gradients, and its checkpoints (every
+    ``_CHECKPOINT`` steps), their cotangents and its final state."""
+
+    grads: dict[str, _Array]
+    record: Boundaries
+
+
+def _op_run(x: _Case) -> _OpRun:
+    rows, seq, heads, n = x.q.shape
+    count = len(range(0, seq, _CHECKPOINT))
+    record = Boundaries(
+        np.empty((rows, count, heads, n, n), x.q.dtype),
+        np.empty((rows, count, heads, n, n), x.q.dtype),
+        np.empty((rows, heads, n, n), x.q.dtype),
+    )
+    grads = step_gradients(
+        *x[:7], dtype=x.q.dtype, checkpoint_every=_CHECKPOINT, record=record
+    )._asdict()
+    return _OpRun(grads, record)
 
 
 class _NoForm(Exception):
@@ -130,6 +157,12 @@ def _step_form(
     ``dstate`` and ``dg``, the gradient of the gate read: the log-gate's, or with ``decay``
     the decay's. Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``;
     where either form overflows, its values are not finite."""
+    given = {"q": q, "k": k, "gate": gate, "decay": decay, "beta": beta, "state": state}
+    differs = {name for name, t in given.items() if t is not None}
+    differs |= {name for name, on in (("columns", columns), ("fold", fold)) if on}
+    differs |= set() if cotangent is None else {"cotangent"}
+    if not differs and x.op is not None and not x.chunked:
+        return dict(x.op().grads)  # the op itself: its run, made once
     q = x.q if q is None else q
     k = x.k if k is None else k
     g = x.g if gate is None else gate
@@ -137,6 +170,9 @@ def _step_form(
     s0 = x.state if state is None else state
     rows, seq, heads, n = q.shape
     v, dy = x.v, x.dy
+    parts: list[Part] = []
+    if x.ends and x.op is not None and len(differs) == 1:
+        parts = _shared(x, differs, s0, cotangent)
     if fold:  # [B, S, ...] as [1, B*S, ...]: row r's first step follows row r-1's last
         q, k, v, dy = (t.reshape(1, rows * seq, heads, n) for t in (q, k, v, dy))
         g = g.reshape(1, rows * seq, *g.shape[2:])
@@ -160,13 +196,67 @@ def _step_form(
             columns=columns,
             cotangent=cotangent,
             dtype=q.dtype,
-            **({"steps": _ENDS} if x.ends else {"checkpoint_every": _CHECKPOINT}),
+            **({"steps": _ENDS, "parts": parts} if x.ends else {"checkpoint_every": _CHECKPOINT}),
         )._asdict()
+        if parts:
+            _share(x, differs, grads)
     if fold:
         for name in grads.keys() - {"dstate"}:
             grads[name] = grads[name].reshape(rows, seq, *grads[name].shape[2:])
         grads["dstate"] = np.concatenate([grads["dstate"], np.zeros_like(grads["dstate"])])[:rows]
     return grads
+
+
+def _shared(
+    x: _Case, differs: set[str], state: _Array | None, cotangent: _Array | None
+) -> list[Part]:
+    """The steps of a reading's screen (``x.ends``) that the op's run makes exact, where the
+    reading differs from the op in one way (``differs``), as parts of its run (:class:`Part`).
+
+    Why they are its run's values: the backward sweep of the state's cotangent reads no
+    state (``q``, ``dy``, ``k``, ``beta`` and the decay alone), and the forward reads no
+    cotangent; the same steps on the same values give the same values (but a zero's sign).
+    A state read otherwise (``state``) leaves the op's sweep: its first interval runs from
+    that state and the op's cotangent after it. A cotangent on the final state leaves the
+    op's forward: its last interval runs from the op's checkpoint and that cotangent. Two
+    rows folded into one sequence leave row 0's forward and row 1's sweep: the last interval
+    of row 0 runs from the op's checkpoint and row 1's cotangent of its initial state, row
+    1's first from row 0's final state and the op's cotangent after that interval."""
+    assert x.op is not None
+    record = x.op().record
+    dh = record.dh
+    assert dh is not None  # _op_run keeps it
+    rows, seq = x.q.shape[:2]
+    count = record.h.shape[1]
+    first = min(_CHECKPOINT, seq)
+    after = dh[:, 1] if count > 1 else np.zeros_like(record.final)  # step `first`'s
+    if differs == {"state"}:
+        return [Part(0, first, np.zeros_like(record.final) if state is None else state, after)]
+    if differs == {"cotangent"}:
+        return [Part((count - 1) * _CHECKPOINT, seq, record.h[:, -1], cotangent)]
+    if differs == {"fold"} and rows == 2:
+        last = (count - 1) * _CHECKPOINT
+        return [
+            Part(last, seq, record.h[:1, -1], dh[1:, 0]),
+            Part(seq, seq + first, record.final[:1], after[1:]),
+        ]
+    return []
+
+
+def _share(x: _Case, differs: set[str], grads: dict[str, _Array]) -> None:
+    """Writes into a screen's ``grads`` what of the op's run is the reading's run on every
+    step (:func:`_shared`): ``dv`` for a state read otherwise (the op's sweep), ``dq`` for a
+    cotangent on the final state (the op's forward), row 0's ``dq`` and row 1's ``dv`` for
+    two rows folded (``grads`` folded: ``[1, 2S, ...]``)."""
+    assert x.op is not None
+    op, seq = x.op().grads, x.q.shape[1]
+    if differs == {"state"}:
+        grads["dv"][...] = op["dv"]
+    elif differs == {"cotangent"}:
+        grads["dq"][...] = op["dq"]
+    elif differs == {"fold"} and x.q.shape[0] == 2:
+        grads["dq"][0, :seq] = op["dq"][0]
+        grads["dv"][0, seq:] = op["dv"][1]
 
 
 def _fused_form(
@@ -447,7 +537,8 @@ def misreading_findings(
     heads = _worst_heads(actual, expected, names, rows, max(1, min(layout.heads, BUDGET // steps)))
     actual_of = {n: _sliced(actual[n], n, rows, heads, keep=True) for n in names}
     theirs = {n: _sliced(expected[n], n, rows, heads) for n in names}
-    x = _case_slice(inputs, layout, rows, heads)
+    sliced = _case_slice(inputs, layout, rows, heads)
+    x = sliced._replace(op=functools.cache(lambda: _op_run(sliced)))
 
     # The reading's op rounds as the kernel's would: its floors are at least that rounding,
     # and where it leaves the kernel's range the kernel's values are free.
@@ -455,7 +546,8 @@ def misreading_findings(
     if any(np.asarray(actual[n]).dtype != np.float64 for n in names):
         state = None if x.state is None else x.state.astype(np.float32)
         q, k, v, g, beta, dy = (t.astype(np.float32) for t in x[:6])
-        low = _Case(q, k, v, g, beta, dy, state, x.per_channel)
+        rounds = _Case(q, k, v, g, beta, dy, state, x.per_channel)
+        low = rounds._replace(op=functools.cache(lambda: _op_run(rounds)))
 
     op_term = term_scales(x.q, x.k, theirs["dq"], theirs["dk"], per_channel=x.per_channel)["dg"]
 
@@ -563,13 +655,17 @@ def misreading_findings(
         n: np.asarray(actual_of[n], np.float64) for n in _SCREENED if n in actual_of
     }
 
-    def ruled_out(reading: Reading) -> tuple[frozenset[str], bool]:
+    def ruled_out(reading: Reading, shared: bool) -> tuple[frozenset[str], bool, bool]:
         """The variants of ``reading`` its run's two ends rule out (:func:`_misses`): the
         kernel misses them there by more than the check allows any floors, in as many
-        gradients as leave no variant named, nor named but one."""
-        ends = reading.truths(x._replace(ends=True))
-        lows = {} if low is None else dict(reading.truths(low._replace(ends=True)))
-        out, every = set(), True
+        gradients as leave no variant named, nor named but one; whether all are; whether
+        one left is missed in some gradient. ``shared``: with what the op's run gives
+        (:func:`_shared`)."""
+        ends = reading.truths(x._replace(ends=True, op=x.op if shared else None))
+        lows = {}
+        if low is not None:
+            lows = dict(reading.truths(low._replace(ends=True, op=low.op if shared else None)))
+        out, every, near = set(), True, False
         for words, grads in ends:
             judged = [n for n in names if grads.get(n) is not None]
             missed = _misses(grads, lows.get(words), kernel64, actual_of, scores, limit)
@@ -577,8 +673,17 @@ def misreading_findings(
             if missed and (len(missed) >= 2 or len(judged) < 3 or len(rest) < 2):
                 out.add(words)
             else:
-                every = False
-        return frozenset(out), every
+                every, near = False, near or bool(missed)
+        return frozenset(out), every, near
+
+    def screen(reading: Reading) -> tuple[frozenset[str], bool]:
+        """:func:`ruled_out`, with the op's run where a variant left is missed somewhere:
+        the op's run costs one re-run, spent only where the reading is not the kernel's
+        at its ends (there, it is likely the cause, and its own run comes first)."""
+        skip, every, near = ruled_out(reading, False)
+        if near:
+            skip, every, _ = ruled_out(reading, True)
+        return skip, every
 
     partial: Finding | None = None
     for reading in READINGS:
@@ -593,7 +698,7 @@ def misreading_findings(
             )
         else:
             with np.errstate(all="ignore"):
-                skip, every = ruled_out(reading) if layout.seq > 8 * _ENDS else (frozenset(), True)
+                skip, every = screen(reading) if layout.seq > 8 * _ENDS else (frozenset(), True)
             if skip and every:  # no variant of it is left to run
                 continue
             variants = reading.truths(x._replace(skip=skip))
@@ -647,7 +752,7 @@ def _misses(
     the variant but that gradient. ``low``: the same ends in float32, None where no float32
     run judges the variant.
 
-    Why it holds: each value of the ends is the full run's (``step_ends``), and
+    Why it holds: each value of the ends is the full run's (``step_ends``, :func:`_shared`), and
     only values the full check judges count (finite, not past overflow, its float32 run's
     finite: not freed). The full check's floors are at most ``f = max(fixture's, cap, eps)``
     (:func:`_cap`; ``eps`` the stored rounding), so a variant passing has ``rms(e) <= max|a| /

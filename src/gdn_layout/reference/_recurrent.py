@@ -21,7 +21,7 @@ or ``b`` is below ``2**-62`` in size, where no product of two of them can be zer
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -280,6 +280,7 @@ def step_gradients(
     cotangent: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
     checkpoint_every: int | None = None,
+    record: Boundaries | None = None,
 ) -> GdnGrads:
     """The step-by-step backward of the op read otherwise, in the op's shapes.
 
@@ -289,7 +290,8 @@ def step_gradients(
     gradient. ``columns``: a per-channel decay scales the state's value columns instead of its
     key rows (a per-head one scales both alike). ``cotangent`` ``[B, H, N, N]``: a cotangent
     on the final state, where the backward sweep starts. ``dstate`` is always given, that of
-    a zero initial state when ``state`` is None.
+    a zero initial state when ``state`` is None. ``record``: the checkpoints, their
+    cotangents and the final state are written there (:func:`backward`).
 
     Nothing is checked finite: where a reading's recurrence overflows, its values are not
     finite.
@@ -323,8 +325,19 @@ def step_gradients(
     variant = Variant(decay is not None, columns, cotangent)
     every = default_checkpoint_every(x.layout.seq) if checkpoint_every is None else checkpoint_every
     with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
-        backward(x, grads, every, lambda: None, variant=variant)
+        backward(x, grads, every, lambda: None, record=record, variant=variant)
     return grads
+
+
+class Part(NamedTuple):
+    """Steps ``t0 .. t1-1`` of a run made apart (:func:`step_parts`): ``entering`` the state
+    before step ``t0`` (None: no state is stepped), ``leaving`` the cotangent of the state
+    after step ``t1-1`` from the steps after it (None: no sweep)."""
+
+    t0: int
+    t1: int
+    entering: ArrayLike | None
+    leaving: ArrayLike | None
 
 
 def step_ends(
@@ -341,12 +354,17 @@ def step_ends(
     cotangent: ArrayLike | None = None,
     dtype: DTypeLike = np.float64,
     steps: int = 16,
+    parts: Sequence[Part] = (),
 ) -> GdnGrads:
     """Of :func:`step_gradients` with the same arguments, ``dq`` on the first ``steps`` steps
     and ``dv`` on the last ``steps``, every other value NaN: the same steps on the same values,
     equal to its values (a zero may differ in sign: where an outer product is formed, the
     module docstring). The first steps read the initial state alone and the last the final
     cotangent alone: twice ``steps`` steps' work, not the sequence's.
+
+    ``parts`` (:class:`Part`) run more steps apart: from a state entering them, ``dq``; from
+    a cotangent leaving them, ``dv``; from both, every gradient of those steps but
+    ``dstate``. Given the run's own state and cotangent there, they are its values too.
 
     Examples
     --------
@@ -376,11 +394,21 @@ def step_ends(
         cotangent = np.asarray(cotangent)
     variant = Variant(decay is not None, columns, cotangent)
     steps = max(1, min(steps, seq))
-    back = _Backward(x, grads, steps, _Stepper(x, variant))
     assert x.state is not None
+    last = np.zeros((b, h, n, n)) if cotangent is None else cotangent
+    every = (Part(0, steps, x.state, None), Part(seq - steps, seq, None, last), *parts)
+    back = _Backward(x, grads, max(p.t1 - p.t0 for p in every), _Stepper(x, variant))
     with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
-        back.recompute(x.state.copy(), 0, steps)
-        back.sweep(_Interval(x, seq - steps, seq, variant), seq - steps, seq, full=False)
+        for part in every:
+            if part.t1 <= part.t0:
+                continue
+            if part.entering is None:
+                span = _Interval(x, part.t0, part.t1, variant)
+            else:  # dq of these steps, and the states a full sweep reads
+                span = back.recompute(np.asarray(part.entering, x.q.dtype), part.t0, part.t1)
+            if part.leaving is not None:
+                back.d_state[...] = part.leaving
+                back.sweep(span, part.t0, part.t1, full=part.entering is not None)
     return grads
 
 
