@@ -284,14 +284,7 @@ def main() -> None:
     parser.add_argument(
         "--dtype", default="float32", help="the suite's dtype when it is written (bfloat16: ...)"
     )
-    parser.add_argument(
-        "--write",
-        nargs="?",
-        type=Path,
-        const=True,
-        help="write the misreading panel to this data file "
-        "(benchmarks/results/misreadings_DTYPE.json)",
-    )
+    tables.add_write_option(parser, "the misreading panel")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         root = args.suite
@@ -371,11 +364,7 @@ def main() -> None:
             print(f"  {line}")
     panel = misreading_panel(cases)
     if args.write is not None and panel is not None:
-        name = f"misreadings_{args.dtype}"
-        path = None if args.write is True else args.write
-        print(f"wrote {tables.write(name, panel, path)}")
-        for page in tables.render_pages():
-            print(f"rendered {page}")
+        tables.record(f"misreadings_{args.dtype}", panel, args.write)
 
 
 if __name__ == "__main__":

@@ -75,13 +75,7 @@ def suite_size_data(rows: dict[str, tuple[int, int, float]], repeat: int) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2, help="best of this many runs (2)")
-    parser.add_argument(
-        "--write",
-        nargs="?",
-        type=Path,
-        const=tables.ROOT / tables.TABLES["suite_size"].data,
-        help="write the figures to this data file (benchmarks/results/suite_size.json)",
-    )
+    tables.add_write_option(parser, "the figures")
     args = parser.parse_args()
     repeat = args.repeat
     first = tuple(c for c in generate._SUITE_SHAPES if c.since == 0)
@@ -94,9 +88,7 @@ def main() -> None:
     data = suite_size_data(rows, repeat)
     print("\n".join(tables.suite_size_lines(data)))
     if args.write is not None:
-        print(f"wrote {tables.write('suite_size', data, args.write)}")
-        for page in tables.render_pages():
-            print(f"rendered {page}")
+        tables.record("suite_size", data, args.write)
 
 
 if __name__ == "__main__":

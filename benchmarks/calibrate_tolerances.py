@@ -330,13 +330,7 @@ def margins_data(margins: dict[str, Margin], cases: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the first 48 cases of each suite")
-    parser.add_argument(
-        "--write",
-        nargs="?",
-        type=Path,
-        const=tables.ROOT / tables.TABLES["margins"].data,
-        help="write each class's margin to this data file (docs/tables/margins.json)",
-    )
+    tables.add_write_option(parser, "each class's margin")
     args = parser.parse_args()
     print(f"K = {K}")
     suites: dict[str, list[Fixture]] = {}
@@ -403,9 +397,7 @@ def main() -> None:
                 f"{least_caught:.3g} (K = {K[precision]:g})"
             )
     if args.write is not None:
-        print(f"wrote {tables.write('margins', margins_data(margins, len(fixtures)), args.write)}")
-        for page in tables.render_pages():
-            print(f"rendered {page}")
+        tables.record("margins", margins_data(margins, len(fixtures)), args.write)
 
 
 if __name__ == "__main__":

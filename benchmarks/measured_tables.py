@@ -13,11 +13,12 @@ rules of `K` the docs state that no longer hold.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import IO, Any, NamedTuple
+from typing import IO, Any, Literal, NamedTuple
 
 from gdn_layout import generate
 from gdn_layout._dtypes import PRECISIONS
@@ -70,6 +71,26 @@ def write(name: str, data: Mapping[str, Any], path: Path | None = None) -> Path:
         out.write(text.encode())
 
     return atomic_write(target, dump, overwrite=True)
+
+
+def add_write_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """A script's ``--write [PATH]``: record ``what`` in its data file (or ``PATH``)."""
+    parser.add_argument(
+        "--write",
+        nargs="?",
+        type=Path,
+        const=True,
+        metavar="PATH",
+        help=f"write {what} to its data file (or PATH) and render the pages that show it",
+    )
+
+
+def record(name: str, data: Mapping[str, Any], path: Path | Literal[True]) -> None:
+    """``--write``: write table ``name``'s data file (``path``, or its own for True) and
+    render every page from the data files, saying what was written."""
+    print(f"wrote {write(name, data, None if path is True else path)}")
+    for page in render_pages():
+        print(f"rendered {page}")
 
 
 def load(name: str) -> dict[str, Any]:
@@ -164,6 +185,73 @@ def misreading_lines(data: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _first_run_rows(data: Mapping[str, Any]) -> list[tuple[str, str, str, str]]:
+    """Each figure of ``bench_first_run.py``: what it is, the figure, what is beside it, and
+    the target with its ratio."""
+    suite, fixture, explain, memory = (data[k] for k in ("suite", "fixture", "explain", "memory"))
+    one, two, truth = suite["one_process"], suite["two_processes"], suite["truth"]
+    shape = "B={} S={} H={} N={}".format(*fixture["shape"])
+    rows = [
+        (
+            f"the standard suite, every class's floors ({suite['cases']} fixtures), one process",
+            f"{one:.1f} s",
+            f"its truth alone {truth:.1f} s",
+            f"<= 8 s ({one / truth:.1f}x its truth)",
+        ),
+        (
+            "the same, two processes (pytest's first run on two cores)",
+            f"{two:.1f} s",
+            "",
+            f"<= 8 s ({two / truth:.1f}x its truth)",
+        ),
+    ]
+    for label, target in (("default class", 3), ("every class", 4)):
+        ratio = fixture[label] / fixture["truth"]
+        rows.append(
+            (
+                f"one fixture at {shape}, {label}",
+                f"{fixture[label]:.1f} s",
+                f"its truth {fixture['truth']:.1f} s",
+                f"<= {target}x its truth ({ratio:.1f}x)",
+            )
+        )
+    shape = "B={} S={} H={} N={}".format(*explain["shape"])
+    rows.append(
+        (
+            f"a failing compare nothing explains at {shape}",
+            f"{explain['failing']:.2f} s",
+            f"a passing one {explain['passing']:.2f} s, the truth {explain['truth']:.2f} s",
+            f"<= 3x a passing one ({explain['failing'] / explain['passing']:.1f}x)",
+        )
+    )
+    if memory is not None:
+        rows.append(
+            (
+                f"peak memory of a failing compare, one wrong dstate element at N={memory['N']}",
+                f"{memory['failing']:.0f} MiB",
+                f"a passing one {memory['passing']:.0f} MiB",
+                f"<= the files + 256 MiB = {memory['bound']:.0f} MiB",
+            )
+        )
+    return rows
+
+
+def first_run_lines(data: Mapping[str, Any]) -> list[str]:
+    """What ``bench_first_run.py`` prints: each figure, what is beside it, its target."""
+    return [
+        f"{what}: {figure} ({beside}); target {target}"
+        for what, figure, beside, target in (
+            (w, f, b or "-", t) for w, f, b, t in _first_run_rows(data)
+        )
+    ]
+
+
+def _first_run(data: Mapping[str, Any]) -> str:
+    rows = ["| what a user waits for | now | beside it | target |", "| --- | ---: | --- | --- |"]
+    rows += [f"| {w} | {f} | {b} | {t} |" for w, f, b, t in _first_run_rows(data)]
+    return "\n".join(rows)
+
+
 def _misreadings(data: Mapping[str, Any]) -> str:
     return "\n".join(["```", *misreading_lines(data), "```"])
 
@@ -199,6 +287,13 @@ TABLES: dict[str, Table] = {
         )
         for dtype in ("float32", "bfloat16")
     },
+    "first_run": Table(
+        "benchmarks/results/first_run.json",
+        "python benchmarks/bench_first_run.py --write",
+        ("README.md", "benchmarks/README.md"),
+        _first_run,
+        _SUITE,
+    ),
     "suite_size": Table(
         "benchmarks/results/suite_size.json",
         "python benchmarks/bench_suite.py --write",
@@ -208,7 +303,8 @@ TABLES: dict[str, Table] = {
     ),
 }
 
-_BLOCK = re.compile(r"<!-- table: (\w+) -->\n(.*?)\n<!-- /table -->", re.DOTALL)
+#: A table's block: its body never runs into the next block's marker.
+_BLOCK = re.compile(r"<!-- table: (\w+) -->\n((?:(?!<!-- table: ).)*?)\n<!-- /table -->", re.DOTALL)
 _VALUE = re.compile(r"<!-- value: (\w+)\.([\w.]+) -->(.*?)<!-- /value -->")
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import bench_findings
+import bench_first_run
 import bench_suite
 import calibrate_tolerances
 import measured_tables
@@ -200,6 +201,38 @@ def test_bench_suite_writes_what_it_prints(tmp_path: Path) -> None:
     assert (
         lines[-1] == "targets: 71.0 MiB <= 128 MiB, 9.4 s <= 60 s, one / two processes 1.61 >= 1.6"
     )
+
+
+def test_bench_first_run_writes_what_it_prints(tmp_path: Path) -> None:
+    figures = {
+        "suite": {"cases": 264, "truth": 2.0, "one_process": 6.5, "two_processes": 4.0},
+        "fixture": {
+            "shape": [1, 4096, 16, 128],
+            "truth": 1.5,
+            "default class": 4.2,
+            "every class": 6.75,
+        },
+        "explain": {"shape": [2, 1024, 8, 128], "truth": 0.4, "passing": 0.125, "failing": 0.5},
+        "memory": {"N": 4096, "files": 128.0, "bound": 384.0, "passing": 258.2, "failing": 264.0},
+    }
+    data = bench_first_run.first_run_data(figures)
+    path = measured_tables.write("first_run", data, tmp_path / "first_run.json")
+    lines = measured_tables.first_run_lines(json.loads(path.read_text()))
+    assert lines == [
+        "the standard suite, every class's floors (264 fixtures), one process: 6.5 s "
+        "(its truth alone 2.0 s); target <= 8 s (3.2x its truth)",
+        "the same, two processes (pytest's first run on two cores): 4.0 s (-); "
+        "target <= 8 s (2.0x its truth)",
+        "one fixture at B=1 S=4096 H=16 N=128, default class: 4.2 s (its truth 1.5 s); "
+        "target <= 3x its truth (2.8x)",
+        "one fixture at B=1 S=4096 H=16 N=128, every class: 6.8 s (its truth 1.5 s); "
+        "target <= 4x its truth (4.5x)",
+        "a failing compare nothing explains at B=2 S=1024 H=8 N=128: 0.50 s (a passing one "
+        "0.12 s, the truth 0.40 s); target <= 3x a passing one (4.0x)",
+        "peak memory of a failing compare, one wrong dstate element at N=4096: 264 MiB "
+        "(a passing one 258 MiB); target <= the files + 256 MiB = 384 MiB",
+    ]
+    assert measured_tables.TABLES["first_run"].render(data).count("\n") == len(lines) + 1
 
 
 @pytest.mark.parametrize("name", [name for name in TABLES if name.startswith("misreadings_")])

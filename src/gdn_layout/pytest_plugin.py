@@ -362,7 +362,7 @@ def _write_cached_suite(config: pytest.Config, folder: Path, dtype: str) -> None
             f"{dtype}, in {folder} (later runs reuse it)"
         )
         progress = Progress(enabled=True, label="gdn-layout: standard suite", lines=not terminal)
-        write_suite(folder, dtype=dtype, progress=progress.update)
+        write_suite(folder, dtype=dtype, progress=progress.update, workers=None)  # every core
         progress.done()
         _say(f"gdn-layout: made the standard suite in {time.monotonic() - start:.0f} s")
 
