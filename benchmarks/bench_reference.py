@@ -672,6 +672,66 @@ def fixture_worker(config: Config) -> dict[str, Any]:
     return times
 
 
+def sampled_margin(shapes: list[tuple[int, int, int, int]], seed: int = 3) -> float:
+    """How far below the whole run's figures the step-by-step form's are on the rows and heads
+    the floors sample (``generate.sampled_pairs``): the largest ratio of a whole run's figure
+    to the sample's over every shape, gate regime and mode, tensor and rounding. It is to stay
+    below ``_floors.SAMPLE_MARGIN``."""
+    from gdn_layout import reference
+    from gdn_layout._floors import ROUNDINGS, SAMPLE_MARGIN, _measure
+    from gdn_layout.files import GdnInputs
+    from gdn_layout.generate import (
+        _named,
+        _pick,
+        _shape_of,
+        draw_inputs,
+        reference_outputs,
+        sampled_pairs,
+    )
+    from gdn_layout.reference._states import step_by_step
+    from gdn_layout.regimes import REGIMES
+
+    worst = 0.0
+    for batch, seq, heads, size in shapes:
+        for per_channel in (False, True):
+            layout = GdnBackwardLayout(
+                batch, seq, heads, size, gate_per_channel=per_channel, carry_state=True
+            )
+            pairs = sampled_pairs(layout)
+            assert pairs is not None, layout
+            for regime in REGIMES:
+                x = draw_inputs(layout, regime=regime, seed=seed)
+                wide = GdnInputs._make(None if a is None else a.astype(np.float64) for a in x)
+                truth = _named(reference.backward(*wide), reference_outputs(wide, None), layout)
+                run = _named(*step_by_step(*x), layout)
+                picked = {}
+                for name, array in truth.items():
+                    shape, axis = _shape_of(name, layout)
+                    picked[name] = (
+                        _pick(array.reshape(shape), pairs, axis).reshape(-1),
+                        _pick(np.asarray(run[name]).reshape(shape), pairs, axis).reshape(-1),
+                    )
+                whole = _measure([(n, run[n], truth[n]) for n in truth], ROUNDINGS)
+                part = _measure([(n, low, t) for n, (t, low) in picked.items()], ROUNDINGS)
+                ratios = [
+                    (whole[r][n][i] / part[r][n][i], r, n)
+                    for r in ROUNDINGS
+                    for n in truth
+                    for i in (0, 1)
+                    if part[r][n][i] > 0
+                ]
+                top = max(ratios)
+                worst = max(worst, top[0])
+                print(
+                    f"{layout.batch}x{seq}x{heads}x{size} "
+                    f"{'channel' if per_channel else 'scalar':7s} {regime:8s}: the whole run's "
+                    f"figures at most {top[0]:.2f}x the sample's ({top[2]}, {top[1]})",
+                    flush=True,
+                )
+    print(f"worst {worst:.2f}x; the floors take a sample's figures {SAMPLE_MARGIN:g}x over")
+    return worst
+
+
 def _scaling(work: Callable[[], None], processes: bool = False, repeats: int = 5) -> float:
     """How much more ``work`` two threads (or two forked processes) do than one in the same
     time: each runs it once, all starting together; best of ``repeats``."""
@@ -1096,10 +1156,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one small configuration")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--sampled",
+        action="store_true",
+        help="only how far the floors' sampled step-by-step figures fall below the whole run's",
+    )
     args = parser.parse_args()
     if args.worker:
         side, raw = args.worker
         print(json.dumps(worker(side, json.loads(raw))))
+        return 0
+    if args.sampled:
+        shapes = [(1, 512, 16, 64)] if args.quick else [(1, 512, 16, 64), (2, 1024, 8, 64)]
+        shapes += [] if args.quick else [(1, 4096, 16, 128)]
+        sampled_margin(shapes)
         return 0
 
     try:

@@ -1086,3 +1086,54 @@ def test_the_suite_s_digest_follows_its_definition(monkeypatch: pytest.MonkeyPat
     for dtype in DTYPES:
         if dtype != float32:
             assert generate.suite_digest(dtype) not in digests
+
+
+# -- the floors' step-by-step form on a sample of rows and heads --------------------------------
+
+
+def test_no_case_of_the_suite_samples_its_step_by_step_floors() -> None:
+    assert all(generate.sampled_pairs(case.layout) is None for case in generate._suite_cases())
+
+
+def test_a_sample_spreads_over_rows_and_heads_first_and_last_among_them() -> None:
+    pairs = generate.sampled_pairs(GdnBackwardLayout(3, 4096, 5, 64))
+    assert pairs is not None
+    assert len(pairs) == generate.SAMPLED_PAIRS
+    assert (pairs[0], pairs[-1]) == ((0, 0), (2, 4))
+    assert generate.sampled_pairs(GdnBackwardLayout(1, 4096, 1, 4096)) is None  # one pair
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_sampled_step_by_step_form_gives_the_whole_run_s_values_on_its_pairs(
+    monkeypatch: pytest.MonkeyPatch, per_channel: bool
+) -> None:
+    from gdn_layout._floors import SAMPLE_MARGIN, _measure
+    from gdn_layout.files import GdnInputs
+    from gdn_layout.reference._states import step_by_step
+
+    layout = GdnBackwardLayout(2, 40, 3, 8, gate_per_channel=per_channel, carry_state=True)
+    monkeypatch.setattr(generate, "_SAMPLED_WORK", 1)
+    pairs = generate.sampled_pairs(layout)
+    assert pairs is not None
+    x = draw_inputs(layout, regime="mixed", seed=5)
+    wide = GdnInputs._make(None if a is None else a.astype(np.float64) for a in x)
+    truth = generate._named(backward(*wide), generate.reference_outputs(wide, 16), layout)
+    whole = generate._named(*step_by_step(*x, chunk=16), layout)
+    few = GdnInputs._make(
+        None if a is None else generate._pick(a, pairs, 1 if name == "state" else 2)
+        for name, a in zip(GdnInputs._fields, x, strict=True)
+    )
+    sub = GdnBackwardLayout.from_inputs(few.q, few.g, few.state)
+    part = generate._named(*step_by_step(*few, chunk=16), sub)
+    sample = []
+    for name, array in truth.items():
+        shape, axis = generate._shape_of(name, layout)
+        low = generate._pick(np.asarray(whole[name]).reshape(shape), pairs, axis).reshape(-1)
+        assert same_bits(low, np.asarray(part[name]).reshape(-1)), name
+        sample.append((name, low, generate._pick(array.reshape(shape), pairs, axis).reshape(-1)))
+    figures = _measure(sample, ("float32",))["float32"]
+    floors = generate.correct_forms_floors(x, truth, 16, ("float32",))["float32"]
+    assert set(floors) == set(truth)
+    for name, (rms, peak) in figures.items():  # no lower than the sample's, taken over
+        assert floors[name][0] >= SAMPLE_MARGIN * rms
+        assert floors[name][1] >= SAMPLE_MARGIN * peak

@@ -39,6 +39,7 @@ __all__ = [
     "FLOOR_CLASSES",
     "PANEL",
     "ROUNDINGS",
+    "SAMPLE_MARGIN",
     "Floors",
     "checked_floors",
     "decode_floors",
@@ -167,13 +168,17 @@ def measure_floors(
 
 
 def _measure(
-    pairs: list[tuple[str, NDArray[Any], NDArray[Any]]], dtypes: tuple[str, ...]
+    pairs: list[tuple[str, NDArray[Any], NDArray[Any]]],
+    dtypes: tuple[str, ...],
+    scales: dict[int, float] | None = None,
 ) -> dict[str, dict[str, tuple[float, float]]]:
     """``(rms, max)`` of each ``(name, low, truth)`` pair of 1-D arrays, ``low`` rounded to each
     of ``dtypes``: bit for bit ``_figures(round_to(low, d).astype(float64), truth)``. Every mean
     is NumPy's over the whole array, as there; the rounding, the errors and their largest
     value are formed a block at a time, so that no copy of a whole array is made and each
-    element is read from memory once per dtype."""
+    element is read from memory once per dtype. ``scales`` keeps each truth's RMS, by its
+    ``id``, for the calls after (the truth's arrays live as long as it)."""
+    scales = {} if scales is None else scales
     floors: dict[str, dict[str, tuple[float, float]]] = {name: {} for name in dtypes}
     longest = max((truth.size for _, _, truth in pairs), default=0)
     squares = np.empty(longest, np.float64)  # one array's squared errors, for its mean
@@ -189,7 +194,9 @@ def _measure(
                 floors[name][grad] = (0.0, 0.0)
             continue
         sq = squares[:length]
-        rms = math.sqrt(float(np.mean(np.square(expected, out=sq))))
+        rms = scales.get(id(truth))
+        if rms is None:
+            rms = scales[id(truth)] = math.sqrt(float(np.mean(np.square(expected, out=sq))))
         for name in dtypes:
             peak = np.float64(0.0)
             for start in range(0, length, block):
@@ -225,15 +232,28 @@ FEW_ELEMENTS: Final = 32
 CHUNKED_RUNS: Final = {"chunked": None, "chunked-tf32": 10, "chunked-bfloat16": 7}
 
 
+#: How far below the whole run's figures those of the step-by-step form run on a sample of
+#: batch rows and heads may be: a sampled run's figures are taken this many times over. Over
+#: every gate regime and gate mode at S = 512 and 4096 (H = 16), the step-by-step figures of
+#: two rows and heads of sixteen were at most 1.8 times below the whole run's; where it is not
+#: the worst form, the floors do not change (benchmarks/bench_reference.py, ``sampled``).
+SAMPLE_MARGIN: Final = 2.0
+
+
 def panel_floors(
     runs: Mapping[str, Mapping[str, NDArray[Any]]],
     truth: Mapping[str, NDArray[Any]],
     sizes: Mapping[str, NDArray[Any]] | None,
     precisions: tuple[str, ...] = tuple(PANEL),
+    sampled: Mapping[str, Mapping[str, NDArray[Any]]] | None = None,
 ) -> dict[str, dict[str, tuple[float, float, float]]]:
     """The floors of each class of ``precisions`` for every tensor of ``truth``: the worst
     figures of its forms' ``runs`` (by form name, then tensor name), with the *reach*: the
     floor's larger figure over the step-by-step form's.
+
+    A form of ``sampled`` ran on a sample of batch rows and heads, whose truth it gives (by
+    tensor name): its figures are measured against that truth and taken
+    :data:`SAMPLE_MARGIN` times over.
 
     A tensor of at most :data:`FEW_ELEMENTS` elements is a few samples of each form's
     rounding, which another order of the same sums can exceed: its floors are no lower than
@@ -244,16 +264,29 @@ def panel_floors(
     where terms cancel (100 times a bfloat16 kernel's ``dg`` error), would hide real errors:
     over the standard suite, correct kernels exceed the panel's figures alone only on
     tensors of at most 30 elements."""
+    sampled = sampled or {}
     pairs: dict[str, list[tuple[str, NDArray[Any], NDArray[Any]]]] = {
-        form: [(name, runs[form][name], truth[name]) for name in truth] for form in runs
+        form: [(name, runs[form][name], sampled.get(form, truth)[name]) for name in truth]
+        for form in runs
     }
     wanted: dict[str, set[str]] = {}
     for precision in precisions:
         for form, rounding in PANEL[precision]:
             wanted.setdefault(form, set()).add(rounding)
+    scales: dict[int, float] = {}  # the truth's RMS, by array, for every form it is against
     measured = {
-        form: _measure(pairs[form], tuple(sorted(roundings))) for form, roundings in wanted.items()
+        form: _measure(pairs[form], tuple(sorted(roundings)), scales)
+        for form, roundings in wanted.items()
     }
+    for form in sampled:
+        if form in measured:
+            measured[form] = {
+                rounding: {
+                    name: (_short(f[0] * SAMPLE_MARGIN), _short(f[1] * SAMPLE_MARGIN))
+                    for name, f in per.items()
+                }
+                for rounding, per in measured[form].items()
+            }
     magnitude = None if sizes is None else _magnitudes(sizes, truth)
     floors: dict[str, dict[str, tuple[float, float, float]]] = {}
     for precision in precisions:

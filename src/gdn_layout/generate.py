@@ -307,12 +307,20 @@ def correct_forms_floors(
     # The kernels' chunks are of 64 steps: a fixture's states at other boundaries come from a
     # run cut there too, whose shorter chunks would understate the gradients' rounding.
     cut = states is not None and states % FUSED_CHUNK != 0
+    pairs = sampled_pairs(layout)
 
     def run(form: str) -> tuple[dict[str, NDArray[Any]], dict[str, NDArray[Any]] | None]:
         if not _has_state(layout):  # every form gives the truth's zeros
             return dict(truth), None
         if form == "step-by-step":
-            return _named(*step_by_step(*x, chunk=states), layout), None
+            if pairs is None:
+                return _named(*step_by_step(*x, chunk=states), layout), None
+            few = GdnInputs._make(
+                None if a is None else _pick(a, pairs, 1 if name == "state" else 2)
+                for name, a in zip(GdnInputs._fields, x, strict=True)
+            )
+            part = GdnBackwardLayout.from_inputs(few.q, few.g, few.state)
+            return _named(*step_by_step(*few, chunk=states), part), None
         bits = CHUNKED_RUNS[form]
         low, outputs, magnitudes = fused_backward(
             *x, chunk=None if cut else states, bits=bits, sizes=form == sized
@@ -330,11 +338,61 @@ def correct_forms_floors(
     done = dict(zip(forms, mapped(run, forms, workers), strict=True))
     runs = {form: result[0] for form, result in done.items()}
     sizes = None if sized is None else done[sized][1]
-    return panel_floors(runs, truth, sizes, precisions)
+    sampled = None
+    if pairs is not None and "step-by-step" in runs:
+        picked = {}
+        for name, array in truth.items():
+            shape, axis = _shape_of(name, layout)
+            picked[name] = _pick(array.reshape(shape), pairs, axis).reshape(-1)
+        sampled = {"step-by-step": picked}
+    return panel_floors(runs, truth, sizes, precisions, sampled)
 
 
 #: Every form of the panel, in the order they run.
 _FORMS: Final = ("step-by-step", *CHUNKED_RUNS)
+#: The batch rows and heads the step-by-step form runs on where a fixture has more of them and
+#: the whole run would be long (``_SAMPLED_WORK``): steps of its states one at a time cost
+#: several times the truth's chunks, and it is the worst form only in float32 and there by
+#: at most twice the chunked form's. Its sampled figures are taken ``SAMPLE_MARGIN`` times over.
+SAMPLED_PAIRS: Final = 2
+#: State elements times steps (``B H S N^2``) from which the step-by-step form runs on a sample:
+#: far above every case of the standard suite, whose floors stay those of the whole run.
+_SAMPLED_WORK: Final = 1 << 24
+
+
+def sampled_pairs(layout: GdnBackwardLayout) -> list[tuple[int, int]] | None:
+    """The ``(batch row, head)`` pairs the step-by-step form of the floors runs on: spread
+    evenly, the first and the last among them; None for all of them.
+
+    >>> sampled_pairs(GdnBackwardLayout(2, 4096, 8, 128))
+    [(0, 0), (1, 7)]
+    >>> sampled_pairs(GdnBackwardLayout(2, 64, 8, 128)) is None
+    True
+    """
+    count = layout.batch * layout.heads
+    work = count * layout.seq * layout.state_size**2
+    if count <= SAMPLED_PAIRS or work < _SAMPLED_WORK:
+        return None
+    picked = [round(i * (count - 1) / (SAMPLED_PAIRS - 1)) for i in range(SAMPLED_PAIRS)]
+    return [divmod(index, layout.heads) for index in picked]
+
+
+def _shape_of(name: str, layout: GdnBackwardLayout) -> tuple[tuple[int, ...], int]:
+    """The shape of tensor ``name`` of a fixture of ``layout`` (its states, if any,
+    ``[B, K, H, N, N]``) and its head axis."""
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    if name in ("dstate", "final_state"):
+        return (b, h, n, n), 1
+    if name in ("h", "dh"):
+        return (b, -1, h, n, n), 2
+    return (b, s, h, -1), 2  # dq, dk, dv, dg, dbeta and y
+
+
+def _pick(array: NDArray[Any], pairs: list[tuple[int, int]], axis: int) -> NDArray[Any]:
+    """The ``(row, head)`` ``pairs`` of ``array``, whose heads are on ``axis``: one batch row
+    of ``len(pairs)`` heads."""
+    parts = [np.take(array[row], head, axis=axis - 1) for row, head in pairs]
+    return np.stack(parts, axis=axis - 1)[None]
 
 
 def precisions_of(dtype: np.dtype[Any], asked: object = None) -> tuple[str, ...]:
@@ -568,10 +626,18 @@ def _floors_peak(
     returned = uncut + 2 * count * state * 4
     per_channel = layout.gate_per_channel
 
+    pairs = sampled_pairs(layout)
+    # The part of the rows and heads the step-by-step form runs on: with a sample, its inputs
+    # are copied, and its truth too (in float64) for the comparison.
+    share = 1.0 if pairs is None else len(pairs) / bh
+
     def step_by_step() -> int:
         every = min(states, s) if states else default_checkpoint_every(s)
         held = _ceil(s, every) + count + every + 7  # checkpoints, dh, an interval's states
-        return (inputs + packed + qkv + held * state + 16 * every * bh * n) * 4 + longest
+        run = (inputs + packed + qkv + held * state + 16 * every * bh * n) * 4
+        if pairs is not None:
+            run += (inputs + packed + qkv + final + 2 * count * state) * 12
+        return int(run * share) + longest
 
     def fused(chunk: int | None, sized: bool, heap: int) -> tuple[int, int]:
         """The peak of a fused run cut every ``chunk`` steps too, with the chunks it keeps in
@@ -615,7 +681,7 @@ def _floors_peak(
             full, keeps = fused(states, few and form == sizes, start)
             heap = max(heap, keeps)
         peak = peak + full if workers > 1 else max(peak, done + full)
-        done += returned
+        done += int(returned * share) if form == "step-by-step" else returned
     strided = count * state + max(qkv, count * state) if states else qkv
     return peak, longest * 8 + strided * 4
 
