@@ -477,19 +477,26 @@ def test_panel_floors_are_the_worst_form_with_the_least_on_few_elements() -> Non
     assert floors["dq"][2] == pytest.approx(max(floors["dq"][:2]) / step, rel=1e-2)
 
 
-def test_a_sampled_form_is_measured_against_its_own_truth_and_taken_over() -> None:
-    from gdn_layout._floors import SAMPLE_MARGIN, panel_floors
+def test_a_sampled_form_s_figures_scale_the_next_form_s_by_their_ratio_on_the_sample() -> None:
+    from gdn_layout._floors import SAMPLE_MARGIN, Sample, panel_floors
 
     rng = np.random.default_rng(1)
-    truth, part = rng.standard_normal(1000), rng.standard_normal(100)
-    runs = {
-        "step-by-step": {"dq": part * (1 + 1e-5)},  # on a sample: its own truth
-        "chunked": {"dq": truth * (1 + 1e-6)},
-    }
-    floors = panel_floors(runs, {"dq": truth}, None, ("float32",), {"step-by-step": {"dq": part}})
-    step = _figures_of_named(runs["step-by-step"]["dq"], part)
-    assert floors["float32"]["dq"][:2] == pytest.approx([SAMPLE_MARGIN * f for f in step], rel=1e-2)
-    assert floors["float32"]["dq"][2] == pytest.approx(1.0, rel=1e-2)  # the sample's is worst
+    truth = rng.standard_normal(1000)
+    part = truth[:100]  # the sample's rows and heads
+    chunked = truth * (1 + 1e-6 * rng.standard_normal(1000))
+    step = part + 3 * (chunked[:100] - part)  # on the sample, three times the chunked error
+    sample = Sample(
+        "step-by-step",
+        {"dq": part},
+        {"step-by-step": {"dq": step}, "chunked": {"dq": chunked[:100]}},
+    )
+    floors = panel_floors({"chunked": {"dq": chunked}}, {"dq": truth}, None, ("float32",), sample)
+    ratio = np.array(_figures_of_named(step, part)) / np.array(
+        _figures_of_named(chunked[:100], part)
+    )
+    whole = np.array(_figures_of_named(chunked, truth))
+    assert floors["float32"]["dq"][:2] == pytest.approx(SAMPLE_MARGIN * ratio * whole, rel=2e-2)
+    assert floors["float32"]["dq"][2] == pytest.approx(1.0, rel=1e-2)  # the step form's is worst
 
 
 def _figures_of_named(low: NDArray[Any], truth: NDArray[np.float64]) -> tuple[float, float]:

@@ -24,7 +24,7 @@ import json
 import math
 import numbers
 from collections.abc import Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
@@ -41,6 +41,7 @@ __all__ = [
     "ROUNDINGS",
     "SAMPLE_MARGIN",
     "Floors",
+    "Sample",
     "checked_floors",
     "decode_floors",
     "encode_floors",
@@ -232,12 +233,22 @@ FEW_ELEMENTS: Final = 32
 CHUNKED_RUNS: Final = {"chunked": None, "chunked-tf32": 10, "chunked-bfloat16": 7}
 
 
-#: How far below the whole run's figures those of the step-by-step form run on a sample of
-#: batch rows and heads may be: a sampled run's figures are taken this many times over. Over
-#: every gate regime and gate mode at S = 512 and 4096 (H = 16), the step-by-step figures of
-#: two rows and heads of sixteen were at most 1.8 times below the whole run's; where it is not
-#: the worst form, the floors do not change (benchmarks/bench_reference.py, ``sampled``).
-SAMPLE_MARGIN: Final = 2.0
+#: How many times over the floors take the step-by-step form's figures estimated from a sample
+#: of batch rows and heads (:class:`Sample`). Over every gate regime and gate mode at S = 512
+#: and 4096 (H = 16, two rows and heads of sixteen sampled), the floors so taken were never
+#: below the whole run's, and at most 3.7 times above; taken once over, 0.75 of them
+#: (benchmarks/bench_reference.py --sampled).
+SAMPLE_MARGIN: Final = 2.5
+
+
+class Sample(NamedTuple):
+    """A form run on a sample of batch rows and heads alone (``form``), with the truth
+    (``truth``, by tensor name) and every form's results there (``runs``, by form, then
+    tensor name; that form's own among them)."""
+
+    form: str
+    truth: Mapping[str, NDArray[Any]]
+    runs: Mapping[str, Mapping[str, NDArray[Any]]]
 
 
 def panel_floors(
@@ -245,15 +256,17 @@ def panel_floors(
     truth: Mapping[str, NDArray[Any]],
     sizes: Mapping[str, NDArray[Any]] | None,
     precisions: tuple[str, ...] = tuple(PANEL),
-    sampled: Mapping[str, Mapping[str, NDArray[Any]]] | None = None,
+    sample: Sample | None = None,
 ) -> dict[str, dict[str, tuple[float, float, float]]]:
     """The floors of each class of ``precisions`` for every tensor of ``truth``: the worst
     figures of its forms' ``runs`` (by form name, then tensor name), with the *reach*: the
     floor's larger figure over the step-by-step form's.
 
-    A form of ``sampled`` ran on a sample of batch rows and heads, whose truth it gives (by
-    tensor name): its figures are measured against that truth and taken
-    :data:`SAMPLE_MARGIN` times over.
+    The form of ``sample`` ran on that sample alone. Its figures are estimated from the
+    class's next form, which ran whole: that form's figures times the ratio of the two
+    forms' figures on the sample (so that rows and heads of other scales and decays than
+    the sample's weigh in as they do in the next form), and taken :data:`SAMPLE_MARGIN`
+    times over.
 
     A tensor of at most :data:`FEW_ELEMENTS` elements is a few samples of each form's
     rounding, which another order of the same sums can exceed: its floors are no lower than
@@ -264,10 +277,8 @@ def panel_floors(
     where terms cancel (100 times a bfloat16 kernel's ``dg`` error), would hide real errors:
     over the standard suite, correct kernels exceed the panel's figures alone only on
     tensors of at most 30 elements."""
-    sampled = sampled or {}
     pairs: dict[str, list[tuple[str, NDArray[Any], NDArray[Any]]]] = {
-        form: [(name, runs[form][name], sampled.get(form, truth)[name]) for name in truth]
-        for form in runs
+        form: [(name, runs[form][name], truth[name]) for name in truth] for form in runs
     }
     wanted: dict[str, set[str]] = {}
     for precision in precisions:
@@ -277,16 +288,10 @@ def panel_floors(
     measured = {
         form: _measure(pairs[form], tuple(sorted(roundings)), scales)
         for form, roundings in wanted.items()
+        if form in runs
     }
-    for form in sampled:
-        if form in measured:
-            measured[form] = {
-                rounding: {
-                    name: (_short(f[0] * SAMPLE_MARGIN), _short(f[1] * SAMPLE_MARGIN))
-                    for name, f in per.items()
-                }
-                for rounding, per in measured[form].items()
-            }
+    if sample is not None and sample.form in wanted:
+        measured[sample.form] = _sampled(sample, measured, wanted, precisions, truth)
     magnitude = None if sizes is None else _magnitudes(sizes, truth)
     floors: dict[str, dict[str, tuple[float, float, float]]] = {}
     for precision in precisions:
@@ -306,6 +311,45 @@ def panel_floors(
             reach = _short(max(rms, peak) / base)
             floors[precision][name] = (rms, peak, reach)
     return floors
+
+
+def _sampled(
+    sample: Sample,
+    measured: Mapping[str, Mapping[str, Mapping[str, tuple[float, float]]]],
+    wanted: Mapping[str, set[str]],
+    precisions: tuple[str, ...],
+    truth: Mapping[str, NDArray[Any]],
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """The figures of ``sample.form`` for the whole of ``truth``, by rounding: estimated from
+    the next form of each class (see :func:`panel_floors`)."""
+    scales: dict[int, float] = {}
+    names = list(truth)
+    on_sample = {
+        form: _measure(
+            [(name, sample.runs[form][name], sample.truth[name]) for name in names],
+            tuple(sorted(wanted[form])),
+            scales,
+        )
+        for form in sample.runs
+        if form in wanted
+    }
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for precision in precisions:
+        (_, rounding), (other, other_rounding) = PANEL[precision][:2]
+        own, next_form = on_sample[sample.form][rounding], on_sample[other][other_rounding]
+        whole = measured[other][other_rounding]
+        per = out.setdefault(rounding, {})
+        for name in names:
+            estimate = []
+            for i in (0, 1):
+                ratio = own[name][i] / next_form[name][i] if next_form[name][i] > 0 else math.inf
+                figure = whole[name][i] * ratio
+                if not math.isfinite(figure):  # nothing to scale by: the sample's own
+                    figure = own[name][i] if math.isfinite(own[name][i]) else whole[name][i]
+                estimate.append(_short(SAMPLE_MARGIN * figure))
+            worst = per.get(name, (0.0, 0.0))
+            per[name] = (max(worst[0], estimate[0]), max(worst[1], estimate[1]))
+    return out
 
 
 def _magnitudes(

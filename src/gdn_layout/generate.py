@@ -26,7 +26,7 @@ from numpy.typing import DTypeLike, NDArray
 from . import reference
 from ._checks import integer, not_a_layout
 from ._dtypes import precision_of
-from ._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, panel_floors
+from ._floors import CHUNKED_RUNS, FEW_ELEMENTS, PANEL, Sample, panel_floors
 from ._version import __version__
 from .files._atomic import atomic_write, write_folder
 from .files._fixture import (
@@ -163,7 +163,8 @@ def make_fixture(
     chunked WY/UT form as fused kernels compute it, in float32 and with its matrix products on
     TF32 or bfloat16 operands. The precision floors of every gradient, the worst rounding of
     a class's forms against the float64 result, are kept in :attr:`Fixture.floors`;
-    :func:`~gdn_layout.compare` judges against them (see docs/criterion.md).
+    :func:`~gdn_layout.compare` judges against them (see docs/criterion.md). On a large
+    fixture the step-by-step form runs on two batch rows and heads (:func:`sampled_pairs`).
 
     Parameters
     ----------
@@ -338,22 +339,25 @@ def correct_forms_floors(
     done = dict(zip(forms, mapped(run, forms, workers), strict=True))
     runs = {form: result[0] for form, result in done.items()}
     sizes = None if sized is None else done[sized][1]
-    sampled = None
+    sample = None
     if pairs is not None and "step-by-step" in runs:
-        picked = {}
-        for name, array in truth.items():
-            shape, axis = _shape_of(name, layout)
-            picked[name] = _pick(array.reshape(shape), pairs, axis).reshape(-1)
-        sampled = {"step-by-step": picked}
-    return panel_floors(runs, truth, sizes, precisions, sampled)
+        # The step-by-step form ran on the sample alone: the truth and the forms whole there.
+        alone = runs.pop("step-by-step")
+        picked = {
+            form: {name: _picked(name, run[name], layout, pairs) for name in truth}
+            for form, run in runs.items()
+        }
+        there = {name: _picked(name, array, layout, pairs) for name, array in truth.items()}
+        sample = Sample("step-by-step", there, {**picked, "step-by-step": alone})
+    return panel_floors(runs, truth, sizes, precisions, sample)
 
 
 #: Every form of the panel, in the order they run.
 _FORMS: Final = ("step-by-step", *CHUNKED_RUNS)
 #: The batch rows and heads the step-by-step form runs on where a fixture has more of them and
-#: the whole run would be long (``_SAMPLED_WORK``): steps of its states one at a time cost
-#: several times the truth's chunks, and it is the worst form only in float32 and there by
-#: at most twice the chunked form's. Its sampled figures are taken ``SAMPLE_MARGIN`` times over.
+#: the whole run would be long (``_SAMPLED_WORK``): its steps one at a time cost several times
+#: the truth's chunks. The chunked forms run whole: on two heads of sixteen, their floors
+#: could fall as much as 95 times below the whole run's. See ``_floors.Sample``.
 SAMPLED_PAIRS: Final = 2
 #: State elements times steps (``B H S N^2``) from which the step-by-step form runs on a sample:
 #: far above every case of the standard suite, whose floors stay those of the whole run.
@@ -366,7 +370,7 @@ def sampled_pairs(layout: GdnBackwardLayout) -> list[tuple[int, int]] | None:
 
     >>> sampled_pairs(GdnBackwardLayout(2, 4096, 8, 128))
     [(0, 0), (1, 7)]
-    >>> sampled_pairs(GdnBackwardLayout(2, 64, 8, 128)) is None
+    >>> sampled_pairs(GdnBackwardLayout(2, 32, 8, 128)) is None
     True
     """
     count = layout.batch * layout.heads
@@ -386,6 +390,16 @@ def _shape_of(name: str, layout: GdnBackwardLayout) -> tuple[tuple[int, ...], in
     if name in ("h", "dh"):
         return (b, -1, h, n, n), 2
     return (b, s, h, -1), 2  # dq, dk, dv, dg, dbeta and y
+
+
+def _picked(
+    name: str, array: NDArray[Any], layout: GdnBackwardLayout, pairs: list[tuple[int, int]]
+) -> NDArray[Any]:
+    """The ``pairs`` of tensor ``name`` of a fixture of ``layout``, flattened as a run on
+    them alone gives it."""
+    shape, axis = _shape_of(name, layout)
+    shaped = array if array.ndim == len(shape) else array.reshape(shape)
+    return _pick(shaped, pairs, axis).reshape(-1)
 
 
 def _pick(array: NDArray[Any], pairs: list[tuple[int, int]], axis: int) -> NDArray[Any]:
@@ -628,7 +642,7 @@ def _floors_peak(
 
     pairs = sampled_pairs(layout)
     # The part of the rows and heads the step-by-step form runs on: with a sample, its inputs
-    # are copied, and its truth too (in float64) for the comparison.
+    # are copied, and for the comparison its truth (in float64) and the chunked runs there.
     share = 1.0 if pairs is None else len(pairs) / bh
 
     def step_by_step() -> int:
@@ -636,7 +650,9 @@ def _floors_peak(
         held = _ceil(s, every) + count + every + 7  # checkpoints, dh, an interval's states
         run = (inputs + packed + qkv + held * state + 16 * every * bh * n) * 4
         if pairs is not None:
-            run += (inputs + packed + qkv + final + 2 * count * state) * 12
+            run += (inputs + packed + qkv + final + 2 * count * state) * (
+                12 + 4 * len(CHUNKED_RUNS)
+            )
         return int(run * share) + longest
 
     def fused(chunk: int | None, sized: bool, heap: int) -> tuple[int, int]:
