@@ -642,17 +642,15 @@ def _floors_peak(
 
     pairs = sampled_pairs(layout)
     # The part of the rows and heads the step-by-step form runs on: with a sample, its inputs
-    # are copied, and for the comparison its truth (in float64) and the chunked runs there.
+    # are copied first. (The comparison's copies of the truth and the chunked runs there are a
+    # part as small, within what the comparison is counted above the runs' peak.)
     share = 1.0 if pairs is None else len(pairs) / bh
 
     def step_by_step() -> int:
         every = min(states, s) if states else default_checkpoint_every(s)
         held = _ceil(s, every) + count + every + 7  # checkpoints, dh, an interval's states
-        run = (inputs + packed + qkv + held * state + 16 * every * bh * n) * 4
-        if pairs is not None:
-            run += (inputs + packed + qkv + final + 2 * count * state) * (
-                12 + 4 * len(CHUNKED_RUNS)
-            )
+        copies = inputs * (1 + (pairs is not None))
+        run = (copies + packed + qkv + held * state + 16 * every * bh * n) * 4
         return int(run * share) + longest
 
     def fused(chunk: int | None, sized: bool, heap: int) -> tuple[int, int]:
