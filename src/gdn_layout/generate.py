@@ -672,7 +672,9 @@ def _floors_peak(
         # five [B, H, C, C, N] with a per-channel gate, four states.
         work = ((18 + 5 * per_channel * n) * c * c + 12 * c * n) * bh * 4 + 4 * state * 4
         copies = 2 * count * state * 4 if chunk else 0  # the states at the chunk boundaries
-        peak = (inputs + 2 * (starts + 1) * state + packed + qkv) * 4
+        # the state at every boundary, and its cotangent there with ``chunk`` (else two)
+        held = (starts + 1) + (starts + 1 if chunk else 2)
+        peak = (inputs + held * state + packed + qkv) * 4
         peak += max(heap, keeps) + max(work, copies + longest)
         if sized:  # the sums of absolute terms of every result, in float64
             peak += (packed + qkv + 2 * (starts + 1) * state) * 8

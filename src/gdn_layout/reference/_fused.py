@@ -355,14 +355,17 @@ def fused_backward(
             size = chunk_i.nbytes()
             if size <= budget:
                 kept[i], budget = chunk_i, budget - size
-        dh = np.zeros_like(h)
+        # The cotangent at every boundary where the states are recorded, else two in turn.
+        turns = chunk is None
+        dh = np.zeros((2, *h.shape[1:]) if turns else h.shape, compute)
         if cotangent is not None:
-            dh[-1] = cotangent
+            dh[(len(bounds) - 1) % 2 if turns else -1] = cotangent
         out = [np.moveaxis(a, 1, 2) for a in grads[:5]]  # [B, H, S, ...] views
         for i in reversed(range(len(bounds) - 1)):
             span = slice(bounds[i], bounds[i + 1])
             found: dict[str, _Array] | None = None if sized is None else {}
-            *values, dh[i] = part(i).backward(h[i], dh[i + 1], x.dy[:, :, span], x.scale, found)
+            at, exit_at = (i % 2, (i + 1) % 2) if turns else (i, i + 1)
+            *values, dh[at] = part(i).backward(h[i], dh[exit_at], x.dy[:, :, span], x.scale, found)
             prod.forget()
             for target, value in zip(out, values, strict=True):
                 target[:, :, span] = value
