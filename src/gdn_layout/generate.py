@@ -250,11 +250,9 @@ def _fixture_of(
     precisions: tuple[str, ...] = ("float32",),
 ) -> Fixture:
     """The fixture of ``layout`` for the inputs ``x``: :func:`make_fixture` after the draw."""
-    state = None if x.state is None else x.state.astype(np.float64)
-    q, k, v, g, beta, dy = (a.astype(np.float64) for a in x[:6])
-    wide = GdnInputs(q, k, v, g, beta, dy, state)
-    truth = reference_outputs(wide, states, workers)
-    packed = reference.backward(*wide, dtype=np.float64, progress=progress, workers=workers)
+    # The reference converts the stored inputs to float64 (exactly) as it lays them out.
+    truth = reference_outputs(x, states, workers)
+    packed = reference.backward(*x, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
     if calibrate:
         classes = precisions_of(x.q.dtype, precisions)
@@ -455,14 +453,14 @@ def _named(
 def reference_outputs(
     x: GdnInputs, states: int | None, workers: int = 1
 ) -> dict[str, NDArray[Any]]:
-    """The float64 truth of float64 inputs ``x``: ``y``, and the states a fixture keeps
-    (``final_state`` when the state is carried or ``states`` given, ``h`` and ``dh`` with
+    """The float64 truth of inputs ``x``, computed in float64: ``y``, and the states a fixture
+    keeps (``final_state`` when the state is carried or ``states`` given, ``h`` and ``dh`` with
     ``states``)."""
-    result = reference.forward(*x[:5], state=x.state, workers=workers)
+    result = reference.forward(*x[:5], state=x.state, dtype=np.float64, workers=workers)
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}
     if states is not None:
-        h, dh, final = reference.chunk_states(*x, chunk=states, workers=workers)
+        h, dh, final = reference.chunk_states(*x, chunk=states, dtype=np.float64, workers=workers)
         outputs.update(h=h, dh=dh)
     if final is not None:
         outputs["final_state"] = final
@@ -500,7 +498,7 @@ def fixture_memory(
     largest phase:
 
     * the draw: the inputs in float64 and in ``dtype``, and the gate's temporaries;
-    * the float64 reference, beside the inputs in ``dtype`` and in float64: its forward, with
+    * the float64 reference, beside the inputs in ``dtype``: its forward, with
       ``states`` its chunk states ``h`` and ``dh`` (``[B, K, H, N, N]``, ``K = ceil(S /
       states)``), its backward; each with the copies its entry makes, its results, the plan's
       pair decays, the state it keeps per stack of steps, one stack's working set and each
@@ -537,7 +535,7 @@ def fixture_memory(
     results = truth + layout.total_elems
     # While the gate is drawn: q, k, v and a mixed gate's mild, strong, pick and result.
     draw = (3 * layout.qkv_elems + 4 * layout.gate_elems) * 8 + 2 * layout.gate_elems
-    held = inputs * (stored.itemsize + 8)  # the inputs as stored and in float64
+    held = inputs * stored.itemsize  # the inputs as stored (the reference converts its own)
     phases = [
         max(draw, inputs * 8) + inputs * stored.itemsize,
         held + results * (8 + stored.itemsize),  # the results cast beside the float64 ones
