@@ -53,6 +53,10 @@ class _Products:
     def __init__(self, bits: int | None) -> None:
         self.bits = bits
         self._rounded: dict[int, tuple[_Array, _Array]] = {}
+        # Buffers of the rounded operands, by shape and strides, for the chunks after: a
+        # chunk rounds some thirty, and fresh arrays cost more than the rounding.
+        self._free: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Array]] = {}
+        self._used: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], _Array]] = []
 
     def operand(self, a: _Array) -> _Array:
         if self.bits is None:
@@ -60,12 +64,36 @@ class _Products:
         kept = self._rounded.get(id(a))
         if kept is not None and kept[0] is a:
             return kept[1]
-        rounded = round_mantissa(a, self.bits)
+        rounded = round_mantissa(a, self.bits) if a.dtype != np.float32 else self._round(a)
         self._rounded[id(a)] = (a, rounded)
+        return rounded
+
+    def _round(self, a: _Array) -> _Array:
+        """``round_mantissa(a, bits)`` of float32 ``a``, bit for bit and laid out alike, in a
+        buffer kept for the next chunk."""
+        assert self.bits is not None
+        drop = 23 - self.bits
+        raw = a.view(np.uint32)
+        key = (a.shape, a.strides)
+        free = self._free.get(key)
+        out = free.pop() if free else np.empty_like(raw)
+        self._used.append((key, out))
+        np.right_shift(raw, np.uint32(drop), out=out)
+        out &= np.uint32(1)
+        out += np.uint32((1 << (drop - 1)) - 1)
+        out += raw
+        out &= np.uint32((0xFFFFFFFF >> drop) << drop)
+        rounded: _Array = out.view(np.float32)
+        if a.size and np.isnan(a.max()):  # a NaN stays one, whatever its payload
+            nan = np.isnan(a)
+            rounded[nan] = a[nan]
         return rounded
 
     def forget(self) -> None:
         self._rounded.clear()
+        for key, buffer in self._used:
+            self._free.setdefault(key, []).append(buffer)
+        self._used.clear()
 
     def __call__(self, a: _Array, b: _Array, ta: bool = False, tb: bool = False) -> _Array:
         """``a @ b``, ``a`` transposed first with ``ta``, ``b`` with ``tb``."""
