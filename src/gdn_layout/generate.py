@@ -543,8 +543,9 @@ def fixture_memory(
     if b * h * n:
         truth_peak = held + _reference_peak(layout, inputs, truth, states)
         runs, comparison = _floors_peak(layout, inputs, states, classes, threads)
-        if threads > 1:  # the runs' threads do not reuse what the reference left in its heap
-            phases.append(max(truth_peak, held + results * 8 + comparison) + runs)
+        if threads > 1:  # the runs' threads do not reuse what the reference left in its heap:
+            # its results, and the float64 copies its threads made of their inputs
+            phases.append(max(truth_peak, held + results * 8 + comparison) + runs + inputs * 8)
         else:
             phases += [truth_peak, held + results * 8 + runs + comparison]
     else:  # every result is zero: the reference copies and checks its inputs (a mask each,
