@@ -79,7 +79,7 @@ def test_the_backward_s_words_follow_what_the_boundary_saw_not_its_text_parsed()
     finding = Finding(
         "boundary", "dk", f"{seen}; all zeros there", {"step": 5, "side": "before", "seen": seen}
     )
-    worded = _explain._backward_words(finding)
+    worded = _explain._backward_words(finding, carried=True)
     assert worded.text == f"{seen}: {_explain._HANDED.format(step=5)}"
     assert worded.details == finding.details
 
@@ -213,6 +213,26 @@ def test_a_step_wrong_from_on_where_dq_passes_is_not_said_to_be_handed_back() ->
     found = [f for f in result["dk"].findings if f.kind == "boundary"]
     assert [f.details["side"] for f in found] == ["from"]
     assert "backward sweep" not in found[0].text
+
+
+@pytest.mark.parametrize("carried", [True, False])
+def test_an_error_fading_where_dq_passes_names_the_initial_state_only_where_one_is_carried(
+    carried: bool,
+) -> None:
+    # dk wrong from the first step, its error fading by a factor of 3 a step: with a carried
+    # state, the backward's recomputed states from it; without one, nothing to read wrong.
+    layout = GdnBackwardLayout(1, 24, 2, 8, carry_state=carried)
+    fx = make_fixture(layout, regime="mild", seed=3)
+    out = backward(*fx.inputs, dtype=np.float32)
+    dk = unpack(out, layout).dk
+    dk *= (1 + 0.3 * 3.0 ** -np.arange(layout.seq, dtype=np.float32))[None, :, None, None]
+    result = compare(out, fx)
+    assert result["dq"].passed
+    (found,) = [f for f in result["dk"].findings if f.kind == "boundary"]
+    assert found.details["side"] == "fades"
+    assert found.text.startswith(str(found.details["seen"]))
+    assert ("initial state" in found.text) is carried
+    assert ("backward sweep" in found.text) is carried
 
 
 def test_a_step_found_where_dq_fails_keeps_the_forward_s_words() -> None:

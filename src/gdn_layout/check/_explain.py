@@ -185,7 +185,11 @@ def _handed_back(evidence: Evidence, so_far: Explained) -> Explained:
     backward sweep's, not a state the forward failed to carry: the cotangent ``dS`` handed
     to the chunk before. ``dstate`` failing alone with nothing found is the same sweep's
     end."""
-    grads = {name: tuple(_backward_words(f) for f in found) for name, found in so_far.grads.items()}
+    carried = evidence.layout.carry_state
+    grads = {
+        name: tuple(_backward_words(f, carried) for f in found)
+        for name, found in so_far.grads.items()
+    }
     if [r.name for r in evidence.failing] == ["dstate"] and not grads.get("dstate"):
         text = (
             "only dstate fails, and dq passes (the forward's states are right): the state's "
@@ -197,15 +201,16 @@ def _handed_back(evidence: Evidence, so_far: Explained) -> Explained:
     return Explained(grads, so_far.whole)
 
 
-def _backward_words(finding: Finding) -> Finding:
+def _backward_words(finding: Finding, carried: bool) -> Finding:
     """``finding`` worded for the backward sweep where it is the backward's: wrong before a
     step (a run of steps ending at one) is what a wrong cotangent handed back across it does;
-    an error fading from the first step is the initial state as the backward reads it."""
+    an error fading from the first step is the initial state as the backward reads it, where
+    one is ``carried`` (else it is what one made in the first steps does, as it says)."""
     details = finding.details
     step, side, last = details.get("step"), details.get("side"), details.get("last")
     ends = side == "window" and isinstance(last, int) and step == last + 1
     handed = isinstance(step, int) and (side == "before" or ends)
-    if finding.kind != "boundary" or not (handed or side == "fades"):
+    if finding.kind != "boundary" or not (handed or (side == "fades" and carried)):
         return finding
     what = details.get("seen")
     assert isinstance(what, str)  # a boundary with a side says what it saw
