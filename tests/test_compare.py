@@ -773,3 +773,44 @@ def test_the_report_names_the_device_the_actual_buffer_was_read_from() -> None:
     # From host memory, nothing is said.
     assert "read from" not in str(compare(actual, expected, layout, rtol=1e-6))
     assert compare(actual, expected, layout, rtol=1e-6).device is None
+
+
+def test_a_failing_compare_runs_one_way_through_the_check() -> None:
+    """The check's stages hand records forward: no module is entered again while a call of it
+    is still on the stack below (a callback), and the kernel's buffer is unpacked once. The
+    reference's thread pool runs the work it is given: a map, not a stage calling back."""
+    import sys
+
+    layout = GdnBackwardLayout(2, 70, 3, 16, carry_state=True)
+    fx = make_fixture(layout, regime="mild")
+    actual = backward(*fx.inputs, dtype=np.float32)
+    unpack(actual, layout).dk[:, 30:] *= 1.01  # wrong from step 30 on: every stage runs
+    stack: list[str | None] = []
+    callbacks: set[tuple[str, str]] = set()
+    unpacked = 0
+
+    def profile(frame: Any, event: str, _: object) -> None:
+        nonlocal unpacked
+        if event == "call":
+            module = frame.f_globals.get("__name__", "")
+            if not module.startswith("gdn_layout."):
+                stack.append(None)
+                return
+            live = [m for m in stack if m is not None]
+            if live and live[-1] != module and module in live:
+                callbacks.add((live[-1], module))
+            if (module, frame.f_code.co_name) == ("gdn_layout.packing", "unpack"):
+                unpacked += next(iter(frame.f_locals.values())) is actual
+            stack.append(module)
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        result = compare(actual, fx)
+    finally:
+        sys.setprofile(None)
+    assert result.failed == ("dk",)
+    assert any(f.kind == "boundary" for f in result["dk"].findings)
+    assert callbacks <= {("gdn_layout.reference._threads", "gdn_layout.reference._inputs")}
+    assert unpacked == 1
