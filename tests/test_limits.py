@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pytest
@@ -48,6 +48,12 @@ _MEASURE = textwrap.dedent(
     print(json.dumps({"code": code, "peak": peak() - start}))
     """
 )
+
+#: glibc's mmap threshold fixed: a large array is always mapped, and unmapped when freed. Left
+#: to grow (its default), the same code's peak RSS at B=2 S=400000 H=3 N=0 was 96.6 MiB run
+#: from the source tree and 117.8 MiB from the installed wheel, by where the heap happened to
+#: keep freed arrays; fixed, 94.8 and 95.3 MiB. The estimate counts the arrays.
+_ARRAYS_PEAK: Final = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
 
 #: Layouts of each kind (per-head and per-channel gates, with and without a carried state,
 #: N zero, small and large, states every step and every 16 and 64 steps, one and two threads).
@@ -93,6 +99,7 @@ def test_the_estimate_is_within_25_percent_above_the_peak(tmp_path: Path) -> Non
             text=True,
             timeout=300,
             check=False,
+            env={**os.environ, **_ARRAYS_PEAK},
         )
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout.splitlines()[-1])
