@@ -30,6 +30,16 @@ def _counted(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[An
     return calls
 
 
+def _state_read_transposed() -> tuple[GdnBackwardLayout, Any, np.ndarray]:
+    """A case with a carried state and a kernel that reads it transposed: a reading that
+    fails every gradient."""
+    layout = GdnBackwardLayout(1, 12, 2, 4, carry_state=True)
+    fx = make_fixture(layout, regime="mild")
+    q, k, v, g, beta, dy, state = fx.inputs
+    assert state is not None
+    return layout, fx, backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+
+
 def test_each_explainer_is_named_once_and_its_kinds_are_known() -> None:
     names = [e.name for e in _explain.EXPLAINERS]
     assert len(names) == len(set(names))
@@ -42,11 +52,7 @@ def test_a_failing_compare_measures_each_gradient_once_and_unpacks_each_buffer_o
 ) -> None:
     # A reading (the state transposed) fails every gradient: the explanations re-run the op,
     # yet the first stage's records are the only measurement of the kernel's gradients.
-    layout = GdnBackwardLayout(1, 12, 2, 4, carry_state=True)
-    fx = make_fixture(layout, regime="mild")
-    q, k, v, g, beta, dy, state = fx.inputs
-    assert state is not None
-    kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    layout, fx, kernel = _state_read_transposed()
     scans = _counted(monkeypatch, _compare, "scan")
     unpacks = _counted(monkeypatch, _compare, "unpack")
     result = compare(kernel, fx)
@@ -61,11 +67,7 @@ def test_the_misreadings_are_handed_the_criteria_as_data_not_a_call_into_this_st
 ) -> None:
     # The check runs one way: the re-run is judged by the criteria it is handed, made again
     # in check._criterion, never by a call back into the stage that called it.
-    layout = GdnBackwardLayout(1, 12, 2, 4, carry_state=True)
-    fx = make_fixture(layout, regime="mild")
-    q, k, v, g, beta, dy, state = fx.inputs
-    assert state is not None
-    kernel = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
+    _, fx, kernel = _state_read_transposed()
     calls = _counted(monkeypatch, _explain, "misreading_findings")
     result = compare(kernel, fx)
     assert [f.details["reading"] for f in result.findings] == ["state_transposed"]

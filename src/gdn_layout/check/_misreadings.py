@@ -171,8 +171,9 @@ def _step_form(
     rows, seq, heads, n = q.shape
     v, dy = x.v, x.dy
     parts: list[Part] = []
+    same: list[tuple[str, Any, _Array]] = []
     if x.ends and x.op is not None and len(differs) == 1:
-        parts = _shared(x, differs, s0, cotangent)
+        parts, same = _shared(x, differs, s0, cotangent)
     if fold:  # [B, S, ...] as [1, B*S, ...]: row r's first step follows row r-1's last
         q, k, v, dy = (t.reshape(1, rows * seq, heads, n) for t in (q, k, v, dy))
         g = g.reshape(1, rows * seq, *g.shape[2:])
@@ -198,8 +199,8 @@ def _step_form(
             dtype=q.dtype,
             **({"steps": _ENDS, "parts": parts} if x.ends else {"checkpoint_every": _CHECKPOINT}),
         )._asdict()
-        if parts:
-            _share(x, differs, grads)
+        for name, where, values in same:
+            grads[name][where] = values
     if fold:
         for name in grads.keys() - {"dstate"}:
             grads[name] = grads[name].reshape(rows, seq, *grads[name].shape[2:])
@@ -209,21 +210,26 @@ def _step_form(
 
 def _shared(
     x: _Case, differs: set[str], state: _Array | None, cotangent: _Array | None
-) -> list[Part]:
-    """The steps of a reading's screen (``x.ends``) that the op's run makes exact, where the
-    reading differs from the op in one way (``differs``), as parts of its run (:class:`Part`).
+) -> tuple[list[Part], list[tuple[str, Any, _Array]]]:
+    """What of a reading's screen (``x.ends``) the op's run makes exact, where the reading
+    differs from the op in one way (``differs``): steps of its run, as parts of it
+    (:class:`Part`), and gradients the op's run gives on every step, as ``(name, where,
+    values)`` to write into its gradients (``[1, 2S, ...]`` folded).
 
     Why they are its run's values: the backward sweep of the state's cotangent reads no
     state (``q``, ``dy``, ``k``, ``beta`` and the decay alone), and the forward reads no
     cotangent; the same steps on the same values give the same values (but a zero's sign).
     A state read otherwise (``state``) leaves the op's sweep: its first interval runs from
-    that state and the op's cotangent after it. A cotangent on the final state leaves the
-    op's forward: its last interval runs from the op's checkpoint and that cotangent. Two
-    rows folded into one sequence leave row 0's forward and row 1's sweep: the last interval
-    of row 0 runs from the op's checkpoint and row 1's cotangent of its initial state, row
-    1's first from row 0's final state and the op's cotangent after that interval."""
+    that state and the op's cotangent after it, and its ``dv`` is the op's. A cotangent on
+    the final state leaves the op's forward: its last interval runs from the op's checkpoint
+    and that cotangent, and its ``dq`` is the op's. Two rows folded into one sequence leave
+    row 0's forward and row 1's sweep: the last interval of row 0 runs from the op's
+    checkpoint and row 1's cotangent of its initial state, row 1's first from row 0's final
+    state and the op's cotangent after that interval; row 0's ``dq`` and row 1's ``dv`` are
+    the op's."""
     assert x.op is not None
-    record = x.op().record
+    run = x.op()
+    record, op = run.record, run.grads
     dh = record.dh
     assert dh is not None  # _op_run keeps it
     rows, seq = x.q.shape[:2]
@@ -231,32 +237,20 @@ def _shared(
     first = min(_CHECKPOINT, seq)
     after = dh[:, 1] if count > 1 else np.zeros_like(record.final)  # step `first`'s
     if differs == {"state"}:
-        return [Part(0, first, np.zeros_like(record.final) if state is None else state, after)]
+        start = np.zeros_like(record.final) if state is None else state
+        return [Part(0, first, start, after)], [("dv", ..., op["dv"])]
     if differs == {"cotangent"}:
-        return [Part((count - 1) * _CHECKPOINT, seq, record.h[:, -1], cotangent)]
+        return [Part((count - 1) * _CHECKPOINT, seq, record.h[:, -1], cotangent)], [
+            ("dq", ..., op["dq"])
+        ]
     if differs == {"fold"} and rows == 2:
         last = (count - 1) * _CHECKPOINT
-        return [
+        parts = [
             Part(last, seq, record.h[:1, -1], dh[1:, 0]),
             Part(seq, seq + first, record.final[:1], after[1:]),
         ]
-    return []
-
-
-def _share(x: _Case, differs: set[str], grads: dict[str, _Array]) -> None:
-    """Writes into a screen's ``grads`` what of the op's run is the reading's run on every
-    step (:func:`_shared`): ``dv`` for a state read otherwise (the op's sweep), ``dq`` for a
-    cotangent on the final state (the op's forward), row 0's ``dq`` and row 1's ``dv`` for
-    two rows folded (``grads`` folded: ``[1, 2S, ...]``)."""
-    assert x.op is not None
-    op, seq = x.op().grads, x.q.shape[1]
-    if differs == {"state"}:
-        grads["dv"][...] = op["dv"]
-    elif differs == {"cotangent"}:
-        grads["dq"][...] = op["dq"]
-    elif differs == {"fold"} and x.q.shape[0] == 2:
-        grads["dq"][0, :seq] = op["dq"][0]
-        grads["dv"][0, seq:] = op["dv"][1]
+        return parts, [("dq", np.s_[0, :seq], op["dq"][0]), ("dv", np.s_[0, seq:], op["dv"][1])]
+    return [], []
 
 
 def _fused_form(
@@ -654,6 +648,7 @@ def misreading_findings(
     kernel64: dict[str, _Array] = {
         n: np.asarray(actual_of[n], np.float64) for n in _SCREENED if n in actual_of
     }
+    peaks = {n: float(np.abs(a[np.isfinite(a)]).max(initial=0.0)) for n, a in kernel64.items()}
 
     def ruled_out(reading: Reading, shared: bool) -> tuple[frozenset[str], bool, bool]:
         """The variants of ``reading`` its run's two ends rule out (:func:`_misses`): the
@@ -668,7 +663,7 @@ def misreading_findings(
         out, every, near = set(), True, False
         for words, grads in ends:
             judged = [n for n in names if grads.get(n) is not None]
-            missed = _misses(grads, lows.get(words), kernel64, actual_of, scores, limit)
+            missed = _misses(grads, lows.get(words), kernel64, peaks, actual_of, scores, limit)
             rest = failing - missed  # but_one names one gradient missed, two failing shown
             if missed and (len(missed) >= 2 or len(judged) < 3 or len(rest) < 2):
                 out.add(words)
@@ -742,6 +737,7 @@ def _misses(
     grads: _Grads,
     low: _Grads | None,
     kernel64: Mapping[str, _Array],
+    peaks: Mapping[str, float],
     kernel: Mapping[str, Any],
     scores: Scores,
     limit: Callable[[str], float],
@@ -749,8 +745,9 @@ def _misses(
     """The gradients of :data:`_SCREENED` the kernel ``kernel64`` (float64; ``kernel`` as
     given) fails against a variant ``grads`` of a run's two ends (NaN where not run), under
     any floors the full check may judge it by: that check then names neither the variant nor
-    the variant but that gradient. ``low``: the same ends in float32, None where no float32
-    run judges the variant.
+    the variant but that gradient. ``peaks``: the largest finite magnitude of each of
+    ``kernel64``. ``low``: the same ends in float32, None where no float32 run judges the
+    variant.
 
     Why it holds: each value of the ends is the full run's (``step_ends``, :func:`_shared`), and
     only values the full check judges count (finite, not past overflow, its float32 run's
@@ -775,9 +772,8 @@ def _misses(
             continue
         error = np.abs(a_all - e)[judged]
         eps = float(finfo(dtype).eps)  # a value stored in dtype is within eps/2 of it
-        judge = scores.against(
-            name, np.ones(1), None, (max(_cap(limit(name))[0], eps), _cap(limit(name))[1])
-        )
+        cap = _cap(limit(name))
+        judge = scores.against(name, np.ones(1), None, (max(cap[0], eps), cap[1]))
         if judge.mode != "calibrated":  # explicit tolerances: elementwise, judged alike
             if judge.counts_elements and (error > judge.allowances(np.abs(e[judged]))).any():
                 out.add(name)
@@ -788,8 +784,7 @@ def _misses(
         k, rms_floor, max_floor = judge.limit, max(judge.floor[0], half), max(judge.floor[1], half)
         if k * rms_floor >= 1 or k * eps >= 1:
             continue
-        finite = np.abs(a_all[np.isfinite(a_all)])
-        largest = float(finite.max()) if finite.size else 0.0
+        largest = peaks[name]
         scale = largest / (1 - k * rms_floor)
         bound = max(k * max_floor * scale, k * eps * largest / (1 - k * eps))
         if float(error.max()) > bound * (1 + 1e-9):

@@ -307,26 +307,48 @@ def step_gradients(
     >>> bool(np.allclose(as_decay.dg * np.exp(g), as_log.dg, rtol=1e-12, atol=0))
     True
     """
+    x, variant = _read(
+        "step_gradients", q, k, v, g, beta, dy, state, decay, columns, cotangent, dtype
+    )
+    flat, grads = empty(x.layout, x.q.dtype)
+    b, _, h, n = x.layout.batch, x.layout.seq, x.layout.heads, x.layout.state_size
+    if b * h * n == 0:  # no state element: every gradient is zeros
+        flat[...] = 0
+        return grads
+    every = default_checkpoint_every(x.layout.seq) if checkpoint_every is None else checkpoint_every
+    with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
+        backward(x, grads, every, lambda: None, record=record, variant=variant)
+    return grads
+
+
+def _read(
+    func: str,
+    q: ArrayLike,
+    k: ArrayLike,
+    v: ArrayLike,
+    g: ArrayLike | None,
+    beta: ArrayLike,
+    dy: ArrayLike,
+    state: ArrayLike | None,
+    decay: ArrayLike | None,
+    columns: bool,
+    cotangent: ArrayLike | None,
+    dtype: DTypeLike,
+) -> tuple[Inputs, Variant]:
+    """The inputs of a run of the op read otherwise (``func``'s), a zero initial state where
+    none is given, and what is read otherwise."""
     if (g is None) == (decay is None):
-        raise ValueError("step_gradients: give the log-gate g or the decay, not both")
+        raise ValueError(f"{func}: give the log-gate g or the decay, not both")
     gate = decay if g is None else g
     assert gate is not None
     b, _, h, n = np.shape(q)
     start = np.zeros((b, h, n, n)) if state is None else state
     x = validate(q, k, v, gate, beta, start, dy, dtype, finite=False)
-    flat, grads = empty(x.layout, x.q.dtype)
-    if b * h * n == 0:  # no state element: every gradient is zeros
-        flat[...] = 0
-        return grads
     if cotangent is not None:
         cotangent = np.asarray(cotangent)
         if cotangent.shape != (b, h, n, n):
             raise ValueError(f"cotangent must have shape {(b, h, n, n)}, got {cotangent.shape}")
-    variant = Variant(decay is not None, columns, cotangent)
-    every = default_checkpoint_every(x.layout.seq) if checkpoint_every is None else checkpoint_every
-    with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
-        backward(x, grads, every, lambda: None, record=record, variant=variant)
-    return grads
+    return x, Variant(decay is not None, columns, cotangent)
 
 
 class Part(NamedTuple):
@@ -379,23 +401,15 @@ def step_ends(
     >>> bool(np.isnan(ends.dq[:, 4:]).all() and np.isnan(ends.dk).all())
     True
     """
-    if (g is None) == (decay is None):
-        raise ValueError("step_ends: give the log-gate g or the decay, not both")
-    gate = decay if g is None else g
-    assert gate is not None
-    b, seq, h, n = np.shape(q)
-    start = np.zeros((b, h, n, n)) if state is None else state
-    x = validate(q, k, v, gate, beta, start, dy, dtype, finite=False)
+    x, variant = _read("step_ends", q, k, v, g, beta, dy, state, decay, columns, cotangent, dtype)
     flat, grads = empty(x.layout, x.q.dtype)
     flat[...] = np.nan
+    b, seq, h, n = x.layout.batch, x.layout.seq, x.layout.heads, x.layout.state_size
     if b * h * n * seq == 0:
         return grads
-    if cotangent is not None:
-        cotangent = np.asarray(cotangent)
-    variant = Variant(decay is not None, columns, cotangent)
     steps = max(1, min(steps, seq))
     assert x.state is not None
-    last = np.zeros((b, h, n, n)) if cotangent is None else cotangent
+    last = np.zeros((b, h, n, n)) if variant.cotangent is None else variant.cotangent
     every = (Part(0, steps, x.state, None), Part(seq - steps, seq, None, last), *parts)
     back = _Backward(x, grads, max(p.t1 - p.t0 for p in every), _Stepper(x, variant))
     with np.errstate(over="ignore", invalid="ignore"):  # a reading's op may overflow
