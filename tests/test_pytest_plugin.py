@@ -473,6 +473,23 @@ def test_plugin_runs_the_quick_set_of_the_suite_in_its_cache(
     result.assert_outcomes(passed=len(suite_files(suite[0], quick=True, regime="qwen")))
 
 
+def test_plugin_makes_the_suite_with_every_core(
+    suite: Suite, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first run's suite is what a user waits for: it is made in a process per core."""
+    generate = importlib.import_module("gdn_layout.generate")
+    asked: list[object] = []
+
+    def write_suite(folder: Path, **options: object) -> None:
+        asked.append(options.get("workers", 1))
+        shutil.copytree(suite[0], folder)
+
+    monkeypatch.setattr(generate, "write_suite", write_suite)
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    pytester.runpytest_inprocess("--gdn-quick")
+    assert asked == [None]  # None: every core this process may use
+
+
 # -- what the plugin refuses: one line, exit 4 (a usage error), no INTERNALERROR ---------------
 
 
