@@ -5,10 +5,9 @@ A page keeps a rendered table between ``<!-- table: NAME -->`` and ``<!-- /table
 a single figure between ``<!-- value: NAME.key -->`` and ``<!-- /value -->``), Markdown
 having no include; ``python benchmarks/measured_tables.py`` renders them into the pages again,
 as a script's ``--write`` does, and tests/test_measured_tables.py checks that they are. Each
-data file records what it was measured against, read from the code as it was written (the
-standard suite's case count, `K` per class, the classes, the regimes), so that a change of any
-of them shows as a stale file: :func:`stale` names what differs, :func:`broken_rules` the
-rules of `K` the docs state that no longer hold.
+data file is stamped with the version and the settings it was measured at (the standard
+suite's case count, `K` per class, the classes, the regimes), and each rendered table says
+them: a figure is what was measured then, not a claim about the code now.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any, Literal, NamedTuple
 
-from gdn_layout import generate
+from gdn_layout import __version__, generate
 from gdn_layout._dtypes import PRECISIONS
 from gdn_layout.check import K
 from gdn_layout.files._atomic import atomic_write
@@ -40,8 +39,6 @@ class Table(NamedTuple):
     pages: tuple[str, ...]
     #: The rendered table, from the data file's contents.
     render: Callable[[Mapping[str, Any]], str]
-    #: The facts of :func:`suite_facts` its figures depend on.
-    against: tuple[str, ...]
 
 
 def suite_facts() -> dict[str, Any]:
@@ -61,10 +58,10 @@ def suite_facts() -> dict[str, Any]:
 
 
 def write(name: str, data: Mapping[str, Any], path: Path | None = None) -> Path:
-    """Write table ``name``'s data file (or ``path``) whole or not at all, with the facts of
-    :func:`suite_facts` it was measured against; returns the path written."""
+    """Write table ``name``'s data file (or ``path``) whole or not at all, stamped with the
+    version and the settings of :func:`suite_facts`; returns the path written."""
     target = ROOT / TABLES[name].data if path is None else path
-    content = {"measured_against": suite_facts(), **data}
+    content = {"version": __version__, "measured_against": suite_facts(), **data}
     text = json.dumps(content, indent=2, ensure_ascii=False) + "\n"
 
     def dump(out: IO[bytes]) -> None:
@@ -261,21 +258,13 @@ def _suite_size(data: Mapping[str, Any]) -> str:
 
 
 _CALIBRATE = "python benchmarks/calibrate_tolerances.py --write"
-#: Every figure of a suite's files depends on its cases, and on its classes (each records
-#: their floors) and regimes; the margins on `K` too.
-_SUITE = ("cases", "cases_of_the_first_shapes", "classes", "regimes")
-_MARGINS = ("cases", "cases_per_head_gate", "K", "classes", "regimes")
-_FINDINGS = ("cases", "K", "classes", "regimes")
 TABLES: dict[str, Table] = {
-    "margins": Table(
-        "docs/tables/margins.json", _CALIBRATE, ("docs/criterion.md",), _margins, _MARGINS
-    ),
+    "margins": Table("docs/tables/margins.json", _CALIBRATE, ("docs/criterion.md",), _margins),
     "margins_brief": Table(
         "docs/tables/margins.json",
         _CALIBRATE,
         ("benchmarks/README.md",),
         _margins_brief,
-        _MARGINS,
     ),
     **{
         f"misreadings_{dtype}": Table(
@@ -283,7 +272,6 @@ TABLES: dict[str, Table] = {
             f"python benchmarks/bench_findings.py --dtype {dtype} --write",
             ("benchmarks/README.md",),
             _misreadings,
-            _FINDINGS,
         )
         for dtype in ("float32", "bfloat16")
     },
@@ -292,14 +280,12 @@ TABLES: dict[str, Table] = {
         "python benchmarks/bench_first_run.py --write",
         ("README.md", "benchmarks/README.md"),
         _first_run,
-        _SUITE,
     ),
     "suite_size": Table(
         "benchmarks/results/suite_size.json",
         "python benchmarks/bench_suite.py --write",
         ("benchmarks/README.md",),
         _suite_size,
-        _SUITE,
     ),
 }
 
@@ -331,11 +317,27 @@ def shown(value: object) -> str:
     return figure(value) if isinstance(value, float) else str(value)
 
 
+def stamp(data: Mapping[str, Any]) -> str:
+    """The line under a rendered table: the version and settings it was measured at."""
+    facts = data["measured_against"]
+    k = ", ".join(f"{name} {value:g}" for name, value in facts["K"].items())
+    return (
+        f"Measured with gdn-layout {data['version']} over a suite of {facts['cases']} cases "
+        f"(`K`: {k})."
+    )
+
+
+def rendered(name: str) -> str:
+    """Table ``name`` rendered from its data file, with its stamp."""
+    data = load(name)
+    return f"{TABLES[name].render(data)}\n\n{stamp(data)}"
+
+
 def rendered_page(path: Path) -> str:
     """The page at ``path`` with every table and figure it shows rendered from its data file."""
     text = path.read_text()
     text = _BLOCK.sub(
-        lambda m: f"<!-- table: {m[1]} -->\n{TABLES[m[1]].render(load(m[1]))}\n<!-- /table -->",
+        lambda m: f"<!-- table: {m[1]} -->\n{rendered(m[1])}\n<!-- /table -->",
         text,
     )
     return _VALUE.sub(
@@ -354,47 +356,6 @@ def render_pages() -> list[Path]:
             path.write_text(text)
             changed.append(path)
     return changed
-
-
-def stale(name: str) -> list[str]:
-    """How table ``name``'s data file differs from what the code defines now, each naming the
-    script to run; empty when it does not."""
-    table = TABLES[name]
-    data, now = load(name), suite_facts()
-    then = data["measured_against"]
-    problems = [
-        f"{table.data}: measured with {key} = {then.get(key)!r}, the code now defines "
-        f"{now[key]!r}: run {table.script}"
-        for key in table.against
-        if then.get(key) != now[key]
-    ]
-    if data.get("cases", now["cases"]) != now["cases"]:  # a run over part of the suite
-        problems.append(
-            f"{table.data}: measured over {data['cases']} cases, the suite has {now['cases']}: "
-            f"run {table.script}"
-        )
-    return problems
-
-
-def broken_rules() -> list[str]:
-    """The rule docs/criterion.md states of `K`, checked against the measured margins and `K`
-    as the code defines it now: in every class, at least twice the worst correct kernel's
-    figure, or the least caught bug's where that is less, and at most the least caught bug's."""
-    data, script = load("margins"), TABLES["margins"].script
-    broken = []
-    for name, row in data["classes"].items():
-        k, worst, least = K[name], row["worst_correct"], row["least_caught"]
-        if k < min(2 * worst, least):
-            broken.append(
-                f"{name}: K = {k:g} is below twice the worst correct kernel's {worst:g} "
-                f"(and the least caught bug's {least:g}): choose K again, or run {script}"
-            )
-        if k > least:
-            broken.append(
-                f"{name}: K = {k:g} is above the least caught bug's {least:g}: "
-                f"choose K again, or run {script}"
-            )
-    return broken
 
 
 if __name__ == "__main__":
