@@ -67,7 +67,6 @@ LAYERS = [
     "_arrays",
     "_tables",
     "_progress",
-    "_process",
     "_norms",
     "_stats",
     "_picture",
