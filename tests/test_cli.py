@@ -706,3 +706,32 @@ def test_compare_a_folder_user_errors(tmp_path: Path) -> None:
     np.save(outputs / f"{names[0]}.npz", np.zeros(3, np.float32))  # named s1-nostate.npz.npy
     assert_user_error(run("compare", outputs, suite), "has several outputs")
     assert_user_error(run("compare", outputs, tmp_path / "nowhere"), "nowhere")
+
+
+def test_compare_a_folder_prints_file_names_escaped(tmp_path: Path) -> None:
+    suite, outputs = tmp_path / "suite", tmp_path / "outputs"
+    names = _small_suite(suite)
+    _outputs(suite, outputs, names)
+    (outputs / "x\nall 4 cases passed").write_text("")  # a newline could forge a summary line
+    result = run("compare", outputs, suite)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "not a case of the suite: x\\nall 4 cases passed"
+    assert result.stdout.count("all 4 cases passed") == 2  # the summary's, and the name's
+
+
+def test_compare_a_folder_refuses_fixtures_as_outputs(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    _small_suite(suite)
+    assert_user_error(run("compare", suite, suite), "a fixture, not a kernel's output")
+    copy = shutil.copytree(suite, tmp_path / "copy")
+    assert_user_error(run("compare", copy, suite), "a fixture, not a kernel's output")
+
+
+def test_compare_a_folder_refuses_an_empty_suite(tmp_path: Path) -> None:
+    from gdn_layout.files._manifest import MANIFEST, manifest_text
+
+    empty, outputs = tmp_path / "empty", tmp_path / "outputs"
+    empty.mkdir()
+    outputs.mkdir()
+    (empty / MANIFEST).write_bytes(manifest_text([]))
+    assert_user_error(run("compare", outputs, empty), "lists no cases to judge")

@@ -440,7 +440,9 @@ def _compare_folder(args: argparse.Namespace) -> int:
         )
     outputs = _outputs(Path(args.actual))
     results, missing = [], []
-    for case in load_suite(args.expected):
+    if not (cases := load_suite(args.expected)):  # nothing judged is no pass
+        raise UsageError(f"{args.expected}: the suite's {MANIFEST} lists no cases to judge")
+    for case in cases:
         found = outputs.pop(case.name, [])
         if len(found) > 1:
             names = ", ".join(_shown(path.name) for path in found)
@@ -449,6 +451,8 @@ def _compare_folder(args: argparse.Namespace) -> int:
             missing.append(case.name)
             continue
         source = _open(str(found[0]), args.dtype)
+        if source.fixture is not None:  # `compare SUITE/ SUITE/` would pass every case
+            raise UsageError(f"{found[0]}: a fixture, not a kernel's output; ACTUAL holds outputs")
         _unpack(source, case.layout)  # a length that does not fit the case is a usage error
         with source.unchanged():
             try:
