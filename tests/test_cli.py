@@ -164,7 +164,7 @@ def test_fixture_suite_passes_its_flags_to_write_suite(
     )
 
 
-def test_inspect_a_fixture_a_npy_and_a_raw_file(fixture_path: Path, tmp_path: Path) -> None:
+def test_inspect_a_fixture_and_a_raw_file(fixture_path: Path, tmp_path: Path) -> None:
     result = run("inspect", fixture_path)
     assert result.returncode == 0, result.stderr
     for name in ("dq", "dk", "dv", "dg", "dbeta", "dstate"):
@@ -176,12 +176,11 @@ def test_inspect_a_fixture_a_npy_and_a_raw_file(fixture_path: Path, tmp_path: Pa
     flat = np.arange(layout.total_elems, dtype=np.float32)
     flat[layout.dbeta_offset + 1] = np.nan
     flat.tofile(tmp_path / "g.bin")
-    for path in (f"{_saved(tmp_path, 'g.npy', flat)}", f"{tmp_path / 'g.bin'} --dtype f32"):
-        result = cli(f"inspect {path} -B 1 -S 3 -H 2 -N 4 --json")
-        assert result.returncode == 0, result.stderr
-        rows = {g["name"]: g for g in json.loads(result.stdout)["gradients"]}
-        assert rows["dbeta"]["nan"] == 1
-        assert rows["dq"]["max"] == float(unpack(flat, layout).dq.max())
+    result = cli(f"inspect {tmp_path / 'g.bin'} --dtype f32 -B 1 -S 3 -H 2 -N 4 --json")
+    assert result.returncode == 0, result.stderr
+    rows = {g["name"]: g for g in json.loads(result.stdout)["gradients"]}
+    assert rows["dbeta"]["nan"] == 1
+    assert rows["dq"]["max"] == float(unpack(flat, layout).dq.max())
 
 
 def test_compare_exit_status_follows_the_verdict_and_names_the_cause(
@@ -394,26 +393,16 @@ def test_npy_header_claiming_an_impossible_shape_is_a_user_error(
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
-def test_huge_dimensions_are_refused_up_front(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_huge_dimensions_are_refused_up_front(tmp_path: Path) -> None:
     start = time.perf_counter()
-    result = run("fixture", "-S", "10000000", "-o", tmp_path / "x.safetensors")
+    result = cli(f"fixture -S 10000000 -o {tmp_path / 'x.safetensors'}")
     assert time.perf_counter() - start < 2.0, "refused before any work"
     assert_user_error(result, "B=2 S=10000000 H=3 N=16, per-head gate, no state needs about ")
     assert re.search(
         r"needs about [\d.]+ GiB of memory, but [\d.]+ \w+ is available", result.stderr
     )
-    limits = importlib.import_module("gdn_layout._limits")
-    monkeypatch.setattr(limits, "available_memory", lambda: (1000, "a test's figure"))
-    assert_user_error(
-        run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors"),
-        "of memory, but 1000 B is available (a test's figure)",
-    )
-    assert_user_error(run("demo", "-S", "4"), "but 1000 B is available")
+    assert_user_error(cli("demo -S 10000000"), "needs about", "is available")
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(limits, "available_memory", lambda: None)  # a system that does not say
-    assert run("fixture", "-S", "4", "-o", tmp_path / "x.safetensors").returncode == 0
 
 
 @pytest.mark.slow

@@ -300,7 +300,15 @@ def _describe(args: argparse.Namespace) -> int:
 
 
 def _fixture(args: argparse.Namespace) -> int:
-    dtype = resolve(args.dtype, "--dtype")
+    try:
+        return _write_fixtures(args, resolve(args.dtype, "--dtype"))
+    # The library refuses an argument: an existing file without --force, a --suite folder that
+    # holds the current one, --states past its limit.
+    except (FileExistsError, ValueError) as error:
+        raise _usage_error(error) from None
+
+
+def _write_fixtures(args: argparse.Namespace, dtype: np.dtype[Any]) -> int:
     told = {"dtype": dtype, "seed": args.seed, "workers": args.workers}
     if args.suite is not None:
         names = ("batch", "seq", "heads", "state_size", "per_channel", "carry_state", "gate_regime")
@@ -311,10 +319,7 @@ def _fixture(args: argparse.Namespace) -> int:
             raise UsageError("--suite writes no states; drop --states")
         # A bar on a terminal; off one (a CI log), a line at every tenth and every few seconds.
         progress = Progress(enabled=not args.quiet, label="suite", lines=not stderr_is_terminal())
-        try:
-            paths = write_suite(args.suite, overwrite=args.force, progress=progress.update, **told)
-        except (FileExistsError, ValueError) as error:  # a folder the library refuses
-            raise _usage_error(error) from None
+        paths = write_suite(args.suite, overwrite=args.force, progress=progress.update, **told)
         progress.done()
         size = human_bytes(sum(path.stat().st_size for path in paths))
         print(f"wrote {len(paths)} fixtures and manifest.json to {args.suite} ({size})")
@@ -330,13 +335,8 @@ def _fixture(args: argparse.Namespace) -> int:
         raise UsageError(why)
     regime = args.gate_regime or "mixed"
     progress = Progress(enabled=not args.quiet and stderr_is_terminal())
-    try:  # --states past its limit, an existing file without --force
-        made = make_fixture(
-            layout, regime=regime, states=args.states, progress=progress.update, **told
-        )
-        path = save_fixture(args.output, made, overwrite=args.force)
-    except (FileExistsError, ValueError) as error:
-        raise _usage_error(error) from None
+    made = make_fixture(layout, regime=regime, states=args.states, progress=progress.update, **told)
+    path = save_fixture(args.output, made, overwrite=args.force)
     progress.done()
     size = human_bytes(path.stat().st_size)
     print(
@@ -368,19 +368,19 @@ def _judging(args: argparse.Namespace, refused: str = "") -> Judging:
 def _compare(args: argparse.Namespace) -> int:
     if Path(args.actual).is_dir():
         return _compare_folder(args)
-    if args.tensor is not None:
-        return _compare_tensor(args)
-    if args.chunk is not None and args.plot is None:
+    if args.tensor is None and args.chunk is not None and args.plot is None:
         raise UsageError(
             "--chunk is the chunk length of --tensor h or dh, or of --plot's chunk lines; "
             "give --tensor or --plot"
         )
+    if args.plot is not None:  # fail before the work, not after it
+        _check_plot_path(args.plot, force=args.force)
+    if args.tensor is not None:
+        return _compare_tensor(args)
     actual, expected = _open(args.actual, args.dtype), _open(args.expected, args.dtype)
     layout = _layout(args, [actual, expected])
     for source in (actual, expected):
         _unpack(source, layout)  # a length that does not fit the layout is a usage error
-    if args.plot is not None:  # fail before the work, not after it
-        _check_plot_path(args.plot, force=args.force)
     judging = _judging(args)
     with actual.unchanged(), expected.unchanged():  # a mapped file that changes is not judged
         try:
@@ -393,15 +393,15 @@ def _compare(args: argparse.Namespace) -> int:
                 )
         except ValueError as error:  # a tolerance out of range, a --precision too fine
             raise _usage_error(error) from None
-    text = json.dumps(result.to_dict(), indent=2) if args.json else result.table(wide=args.wide)
-    return _verdict(args, result, text, result, args.chunk)
+    return _verdict(args, result, result.table(wide=args.wide), result, args.chunk)
 
 
 def _verdict(
     args: argparse.Namespace, result: Any, text: str, drawn: Comparison, chunk: Any
 ) -> int:
-    """Print the report ``text``, draw ``drawn`` if asked: the exit status of ``result``."""
-    print(text)
+    """Print the report ``text`` (or ``result`` as JSON), draw ``drawn`` if asked: the exit
+    status of ``result``."""
+    print(json.dumps(result.to_dict(), indent=2) if args.json else text)
     if args.plot is not None:
         from .plot import plot_errors
 
@@ -470,8 +470,6 @@ def _compare_folder(args: argparse.Namespace) -> int:
 
 def _compare_tensor(args: argparse.Namespace) -> int:
     _judging(args, "--tensor is judged against the fixture's floors")
-    if args.plot is not None:  # fail before the work, not after it
-        _check_plot_path(args.plot, force=args.force)
     try:
         expected = load_fixture(args.expected)
     except FixtureError as error:
@@ -486,16 +484,12 @@ def _compare_tensor(args: argparse.Namespace) -> int:
         )
     try:
         with actual.unchanged():
-            state = flat.reshape(shape)
-            precision = args.precision
-            result = compare_states(
-                state, expected, args.tensor, chunk=args.chunk, precision=precision
-            )
+            state, chunk, precision = flat.reshape(shape), args.chunk, args.precision
+            result = compare_states(state, expected, args.tensor, chunk=chunk, precision=precision)
     except (TypeError, ValueError) as error:  # the file's dtype, say: the user's to fix
         raise _usage_error(error, f"{args.actual}: ") from None
     one = Comparison(expected.layout, (result,))  # its causes' words; one panel of a plot
     text = "\n".join([str(result), *one.causes()])
-    text = json.dumps(result.to_dict(), indent=2) if args.json else text
     return _verdict(args, result, text, one, args.chunk if args.tensor == "y" else None)
 
 
