@@ -147,17 +147,14 @@ def test_fixture_suite_passes_its_flags_to_write_suite(
 ) -> None:
     # The suite itself is tested in test_generate.py; here, that the command asks for it.
     calls: list[tuple[str, dict[str, object]]] = []
-
-    def write_suite(directory: str, **options: object) -> list[Path]:
-        calls.append((directory, options))
-        return suite[1]
-
-    monkeypatch.setattr(gdn_layout.cli, "write_suite", write_suite)
+    spy = lambda folder, **options: calls.append((folder, options)) or suite[1]  # noqa: E731
+    monkeypatch.setattr(gdn_layout.cli, "write_suite", spy)
     result = cli(f"fixture --suite {tmp_path} --seed 100 --dtype float64 --force --quiet")
     assert result.returncode == 0, result.stderr
-    [(directory, options)] = calls
-    assert (directory, options["dtype"]) == (str(tmp_path), np.float64)
-    assert (options["seed"], options["overwrite"]) == (100, True)
+    [(folder, options)] = calls
+    assert (folder, options["dtype"], options["seed"], options["overwrite"]) == (
+        str(tmp_path), np.float64, 100, True
+    )  # fmt: skip
     size = sum(path.stat().st_size for path in suite[1]) / 2**20
     assert result.stdout == (
         f"wrote {len(suite[1])} fixtures and manifest.json to {tmp_path} ({size:.1f} MiB)\n"
@@ -648,10 +645,14 @@ def test_compare_a_folder_of_outputs_with_a_suite(tmp_path: Path) -> None:
     names = _small_suite(suite)
     _outputs(suite, outputs, names)
     (outputs / f"{names[2]}.npy.json").write_text("{}")  # a sidecar is no second output
+    (outputs / "x\nall 4 cases passed").write_text("")  # nor can a name forge a summary line
     correct = run("compare", outputs, suite)
     assert (correct.returncode, correct.stderr) == (0, "")
     assert correct.stdout.splitlines()[0].startswith(f"all {len(names)} cases passed")
     assert "--dtype float64" in correct.stdout
+    assert correct.stdout.splitlines()[-1] == "not a case of the suite: x\\nall 4 cases passed"
+    assert correct.stdout.count("all 4 cases passed") == 2  # the summary's, and the name's
+    (outputs / "x\nall 4 cases passed").unlink()
     # A bug only with a carried state; one output as a plain safetensors file, one missing.
     _outputs(suite, outputs, names, bug=True)
     save_file(
@@ -681,6 +682,8 @@ def test_compare_a_folder_of_outputs_with_a_suite(tmp_path: Path) -> None:
 
 
 def test_compare_a_folder_user_errors(tmp_path: Path) -> None:
+    from gdn_layout.files._manifest import MANIFEST, manifest_text
+
     suite, outputs = tmp_path / "suite", tmp_path / "outputs"
     names = _small_suite(suite)
     outputs.mkdir()
@@ -695,32 +698,10 @@ def test_compare_a_folder_user_errors(tmp_path: Path) -> None:
     np.save(outputs / f"{names[0]}.npz", np.zeros(3, np.float32))  # named s1-nostate.npz.npy
     assert_user_error(run("compare", outputs, suite), "has several outputs")
     assert_user_error(run("compare", outputs, tmp_path / "nowhere"), "nowhere")
-
-
-def test_compare_a_folder_prints_file_names_escaped(tmp_path: Path) -> None:
-    suite, outputs = tmp_path / "suite", tmp_path / "outputs"
-    names = _small_suite(suite)
-    _outputs(suite, outputs, names)
-    (outputs / "x\nall 4 cases passed").write_text("")  # a newline could forge a summary line
-    result = run("compare", outputs, suite)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "not a case of the suite: x\\nall 4 cases passed"
-    assert result.stdout.count("all 4 cases passed") == 2  # the summary's, and the name's
-
-
-def test_compare_a_folder_refuses_fixtures_as_outputs(tmp_path: Path) -> None:
-    suite = tmp_path / "suite"
-    _small_suite(suite)
+    # Fixtures are no kernel's outputs, and a suite of no cases judges nothing.
     assert_user_error(run("compare", suite, suite), "a fixture, not a kernel's output")
     copy = shutil.copytree(suite, tmp_path / "copy")
     assert_user_error(run("compare", copy, suite), "a fixture, not a kernel's output")
-
-
-def test_compare_a_folder_refuses_an_empty_suite(tmp_path: Path) -> None:
-    from gdn_layout.files._manifest import MANIFEST, manifest_text
-
-    empty, outputs = tmp_path / "empty", tmp_path / "outputs"
-    empty.mkdir()
-    outputs.mkdir()
-    (empty / MANIFEST).write_bytes(manifest_text([]))
-    assert_user_error(run("compare", outputs, empty), "lists no cases to judge")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / MANIFEST).write_bytes(manifest_text([]))
+    assert_user_error(run("compare", outputs, tmp_path / "empty"), "lists no cases to judge")
