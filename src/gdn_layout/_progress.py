@@ -6,7 +6,7 @@ import sys
 import time
 from typing import Final
 
-__all__ = ["Progress", "stderr_is_terminal"]
+__all__ = ["LINE_STEP", "Progress", "stderr_is_terminal"]
 
 #: Off a terminal, a line at every tenth of the work, and at least this often (seconds).
 LINE_STEP: Final = 0.1
@@ -14,8 +14,7 @@ LINE_SECONDS: Final = 10.0
 
 
 def stderr_is_terminal() -> bool:
-    """Whether stderr is a terminal; False when there is no stderr (``2>&-``) or it cannot
-    say."""
+    """Whether stderr is a terminal; False with no stderr (``2>&-``) or one that cannot say."""
     try:
         return sys.stderr is not None and sys.stderr.isatty()
     except (OSError, ValueError):  # a closed file, or one whose descriptor went away
@@ -23,10 +22,9 @@ def stderr_is_terminal() -> bool:
 
 
 class Progress:
-    """Progress on stderr: a bar redrawn in place, or with ``lines`` (stderr a log, not a
-    terminal) a plain line at every tenth of the work (:data:`LINE_STEP`) and at least every
-    :data:`LINE_SECONDS` seconds. Silent when not enabled, and it goes silent when stderr is
-    gone or cannot be written.
+    """Progress on stderr: a bar redrawn in place, or with ``lines`` (a log) a line at every
+    :data:`LINE_STEP` of the work and at least every :data:`LINE_SECONDS`. Silent unless
+    ``enabled``, and once stderr is gone or cannot be written.
 
     >>> import contextlib, io
     >>> log = io.StringIO()
@@ -39,22 +37,15 @@ class Progress:
     (['suite: 10% (0 s)', 'suite: 20% (0 s)'], 10)
     """
 
-    def __init__(
-        self, *, enabled: bool, label: str = "reference backward", lines: bool = False
-    ) -> None:
-        self.enabled = enabled
-        self.label = label
-        self.lines = lines
+    def __init__(self, *, enabled: bool, label: str = "reference backward", lines: bool = False):
+        self.enabled, self.label, self.lines = enabled, label, lines
         self._start = time.monotonic()
         self._said = (0.0, self._start)  # the fraction and the time of the last line
 
     def update(self, fraction: float) -> None:
-        if not self.enabled:
-            return
         if not self.lines:
-            filled = round(30 * fraction)
-            bar = "#" * filled + "." * (30 - filled)
-            self._write(f"\r{self.label} [{bar}] {100 * fraction:3.0f}%")
+            bar = "#" * round(30 * fraction)
+            self._write(f"\r{self.label} [{bar:.<30}] {100 * fraction:3.0f}%")
             return
         said, when = self._said
         now = time.monotonic()
@@ -65,10 +56,12 @@ class Progress:
             self._write(f"{self.label}: {100 * fraction:.0f}% ({now - self._start:.0f} s)\n")
 
     def done(self) -> None:
-        if self.enabled and not self.lines:
+        if not self.lines:
             self._write("\r\x1b[K")
 
     def _write(self, text: str) -> None:
+        if not self.enabled:
+            return
         try:
             sys.stderr.write(text)
             sys.stderr.flush()
