@@ -96,7 +96,6 @@ LAYERS = [
     "check._findings",
     "check._misreadings",
     "check._records",
-    "check._scan",
     "check._explain",
     "check._compare",
     "check",
