@@ -216,6 +216,15 @@ class Criterion:
             )
         return words
 
+    @property
+    def bound_words(self) -> str:
+        """The error one element may have, as a formula.
+
+        >>> Criterion.tolerances(1e-2, 1e-3).bound_words
+        '|a-e| <= 0.001 + 0.01*|e|'
+        """
+        return f"|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|"
+
     def allowed(self, expected: float | None) -> float:
         """The error one element whose expected value is ``expected`` may have (0 if not finite)."""
         if expected is None or not math.isfinite(expected):

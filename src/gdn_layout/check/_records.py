@@ -148,10 +148,8 @@ class GradComparison:
                 f"error/floor {self._ratio()} ({c.floor_words()}); {out} over the max error"
             )
         elif c.counts_elements:
-            bound = f"|a-e| <= {c.atol:.3g} + {c.rtol:.3g}*|e|"
-            facts.append(
-                f"{out} out of tolerance ({bound}; here {c.allowed(self.worst_expected):.3g})"
-            )
+            here = c.allowed(self.worst_expected)
+            facts.append(f"{out} out of tolerance ({c.bound_words}; here {here:.3g})")
         if c.mode in ("rms", "both"):
             facts.append(self._rms())
         if n:
