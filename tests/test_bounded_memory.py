@@ -131,7 +131,7 @@ def test_a_huge_error_map_is_binned() -> None:
 def test_a_binned_map_keeps_the_largest_error_of_each_block(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(importlib.import_module("gdn_layout.check._scan"), "MAP_CELLS", 64)
+    monkeypatch.setattr(importlib.import_module("gdn_layout.check._compare"), "MAP_CELLS", 64)
     # S * H = 128 cells, twice the limit: positions are binned in pairs along s.
     layout = GdnBackwardLayout(1, 16, 8, 1)
     expected = np.zeros(layout.total_elems, np.float32)

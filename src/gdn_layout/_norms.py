@@ -1,5 +1,4 @@
-"""The one RMS: norms accumulated a chunk of elements at a time, scaled so that squaring neither
-overflows nor underflows, and the RMS and RMS ratio made from them."""
+"""The one RMS: a Euclidean norm summed in float64 a chunk of elements at a time."""
 
 from __future__ import annotations
 
@@ -9,64 +8,43 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-__all__ = ["CHUNK_ELEMENTS", "Norm", "finite_rms", "rms_ratio_of", "rms_rows"]
-
-#: Elements converted to float64 at a time, so that statistics of a huge buffer never hold a
-#: float64 copy of all of it.
+#: Elements converted to float64 at a time: statistics never hold a float64 copy of a buffer.
 CHUNK_ELEMENTS = 1 << 20
+
+#: Squares of values within 2**+-480, summed over 2**40 of them, stay inside float64's range:
+#: every float32 (or narrower) value is, so only a float64 buffer's values are ever scaled.
+_PLAIN = 2.0**480
 
 
 class Norm:
-    """A Euclidean norm accumulated chunk by chunk, scaled as LAPACK's ``nrm2`` is, so that
-    squaring neither overflows for huge values nor underflows for tiny ones. The norm is
-    ``scale * sqrt(sumsq)``, kept in that form: the norm itself may be past the largest float
-    even when the ratio of two norms is not."""
+    """A Euclidean norm accumulated chunk by chunk: ``sqrt(sumsq) * 2**exp``."""
 
-    def __init__(self, scale: float = 0.0, sumsq: float = 1.0) -> None:
-        self.scale = scale
-        self.sumsq = sumsq
+    def __init__(self) -> None:
+        self.sumsq, self.exp = 0.0, 0
 
-    def add(self, x: NDArray[np.float64]) -> None:
-        """Add the finite values ``x``."""
+    def add(self, x: NDArray[np.float64], exp: int = 0) -> None:
+        """Add the finite values ``x * 2**exp`` (``x >= 0``)."""
         peak = float(x.max(initial=0.0))
         if peak == 0.0:
             return
-        scaled = x / peak
-        self.merge(Norm(peak, float(np.vdot(scaled, scaled))))
-
-    def merge(self, other: Norm) -> None:
-        """Add the values another norm was accumulated from."""
-        if other.scale == 0.0:
-            return
-        if other.scale > self.scale:
-            self.sumsq = other.sumsq + self.sumsq * (self.scale / other.scale) ** 2
-            self.scale = other.scale
-        else:
-            self.sumsq += other.sumsq * (other.scale / self.scale) ** 2
+        if not 1 / _PLAIN < peak < _PLAIN:  # a power of two keeps the squares in range
+            shift = math.frexp(peak)[1]
+            x, exp = np.ldexp(x, -shift), exp + shift
+        sumsq = float(np.vdot(x, x))
+        if self.sumsq == 0.0 or exp > self.exp:
+            self.sumsq, sumsq, self.exp, exp = sumsq, self.sumsq, exp, self.exp
+        self.sumsq += math.ldexp(sumsq, 2 * (exp - self.exp))
 
     def rms(self, count: int) -> float:
         """The RMS of the ``count`` values added; 0.0 when there are none."""
-        return self.scale * math.sqrt(self.sumsq / count) if count and self.scale else 0.0
+        return math.ldexp(math.sqrt(self.sumsq / count), self.exp) if count else 0.0
 
     def over(self, other: Norm) -> float:
         """``norm(self) / norm(other)``, finite whenever the true ratio is."""
-        if other.scale == 0.0:
-            # A zero reference leaves no scale: any error at all is infinitely large against it.
-            return 0.0 if self.scale == 0.0 else math.inf
+        if other.sumsq == 0.0:  # any error at all is infinitely large against a zero reference
+            return 0.0 if self.sumsq == 0.0 else math.inf
         with np.errstate(over="ignore"):
-            return float(np.float64(self.scale) / other.scale) * math.sqrt(self.sumsq / other.sumsq)
-
-
-def rms_ratio_of(norm_diff: Norm, norm_half: Norm, norm_exp: Norm) -> float:
-    """``rms(a - e) / rms(e)`` from the norms of the differences, of the differences past the
-    largest float (halved), and of the reference."""
-    # Both norms are over the same elements, so their ratio is the ratio of the RMS values.
-    if norm_half.scale == 0.0:
-        return norm_diff.over(norm_exp)
-    # Some |a - e| are past the largest float: work with every difference halved.
-    halved = Norm(norm_diff.scale * 0.5, norm_diff.sumsq)
-    halved.merge(norm_half)
-    return 2.0 * halved.over(norm_exp)
+            return float(np.ldexp(math.sqrt(self.sumsq / other.sumsq), self.exp - other.exp))
 
 
 def finite_rms(x: NDArray[Any]) -> float:
@@ -82,9 +60,10 @@ def finite_rms(x: NDArray[Any]) -> float:
 
 
 def rms_rows(x: NDArray[np.float64], peak: NDArray[np.float64]) -> NDArray[np.float64]:
-    """The RMS of each row of ``x >= 0`` (``[n, m]``), whose largest values are ``peak``:
-    scaled by them, as :class:`Norm` is, so that squaring neither overflows nor underflows."""
+    """The RMS of each row of ``x >= 0`` (``[n, m]``), whose largest values are ``peak``,
+    scaled by them: the rows are a float64 buffer's as often as a float32 one's."""
     safe = np.where(peak > 0, peak, 1.0)
     scaled = x / safe[:, None]
-    sumsq = np.einsum("ij,ij->i", scaled, scaled)
-    return np.where(peak > 0, peak * np.sqrt(sumsq / x.shape[1]), 0.0)
+    return np.where(
+        peak > 0, peak * np.sqrt(np.einsum("ij,ij->i", scaled, scaled) / x.shape[1]), 0.0
+    )

@@ -1,42 +1,33 @@
-"""compare, assert_close, error_map and compare_tensor: where a call enters the comparison, its
-inputs are checked, a criterion chosen per gradient, and each gradient scanned once."""
+"""compare, assert_close, error_map and compare_tensor: a call's inputs checked, a criterion
+chosen per gradient, and each gradient scanned once, a chunk at a time (docs/criterion.md)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol, TypedDict, Unpack, runtime_checkable
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, Protocol, TypedDict, TypeVar, Unpack, runtime_checkable
 
 import numpy as np
 from numpy.typing import NDArray
 
+from .. import _norms
 from .._arrays import as_packed, device_of
 from .._checks import not_a_layout
 from .._dtypes import Precision, default_precision, is_floating, precision_of
 from .._floors import Floors, checked_floors
 from ..layout import GdnBackwardLayout, Segment, layout_caption
 from ..packing import unpack
-from ._criterion import (
-    DEFAULT_TOLERANCES,
-    Criterion,
-    Tolerance,
-    judged_precision,
-    per_grad,
-)
+from ._criterion import DEFAULT_TOLERANCES, Criterion, Tolerance, judged_precision, per_grad
 from ._explain import Evidence, explain
 from ._findings import size_findings, tensor_findings
 from ._records import Comparison, GradComparison, failure_message, read_from
-from ._scan import cause_maps, scan
-
-__all__ = ["Expected", "Judging", "assert_close", "compare", "compare_tensor", "error_map"]
 
 
 @runtime_checkable
 class Expected(Protocol):
-    """What :func:`compare` reads of a fixture (:class:`~gdn_layout.Fixture` is one): the
-    expected buffer and its layout, the floors and term scales that judge it, the inputs the
-    explanations re-run, and a guard that holds its file unchanged while it is read."""
+    """What :func:`compare` reads of a fixture (:class:`~gdn_layout.Fixture` is one)."""
 
     @property
     def packed(self) -> NDArray[Any]: ...
@@ -52,9 +43,8 @@ class Expected(Protocol):
 
 
 class Judging(TypedDict, total=False):
-    """The keywords that choose how a kernel is judged, as every entry point takes them
-    (:func:`compare`, :func:`assert_close`, :meth:`~gdn_layout.suites.Case.compare`,
-    :meth:`~gdn_layout.suites.Case.check`): each is defined once, by :func:`compare`."""
+    """The keywords that choose how a kernel is judged, declared here once for every entry
+    point (:func:`compare`, :func:`assert_close`, ``Case.compare``, ``Case.check``)."""
 
     rtol: Tolerance | None
     atol: Tolerance | None
@@ -68,73 +58,33 @@ def compare(
     expected: NDArray[Any] | Expected,
     layout: GdnBackwardLayout | None = None,
     *,
-    rtol: Tolerance | None = None,
-    atol: Tolerance | None = None,
-    max_rms_ratio: Tolerance | None = None,
-    equal_nan: bool = False,
-    precision: str | None = None,
     floors: Floors | None = None,
     scales: Tolerance | None = None,
+    **judging: Unpack[Judging],
 ) -> Comparison:
     """Compare the packed buffer ``actual`` with ``expected`` under ``layout``.
 
-    ``expected`` is a :class:`~gdn_layout.Fixture` (``compare(actual, fixture)``: its layout,
-    floors and term scales come with it) or a packed buffer with its ``layout``. Buffers are
-    1-D float arrays (float16, bfloat16, float32, float64) of length ``layout.total_elems``,
-    or anything :func:`as_packed` reads as one (a torch tensor, any object with
-    ``__dlpack__`` or ``__array__``); their dtypes may differ. ``rtol``, ``atol`` and
-    ``max_rms_ratio`` are each a float for every gradient or a mapping from gradient name to
-    float. A gradient given none of them is judged by the calibrated criterion of
-    ``precision`` against the fixture's floors (or the defaults); see the module for the
-    criteria and for how NaN and Inf are judged.
-
-    Parameters
-    ----------
-    actual : array_like
-        A 1-D float buffer (float16, bfloat16, float32, float64) of ``layout.total_elems``
-        elements, or what :func:`as_packed` reads as one.
-    expected : Fixture or array_like
-        The fixture, or a buffer as ``actual`` is (their dtypes may differ).
-    layout : GdnBackwardLayout, optional
-        The layout of both; a fixture's own when left out.
-    rtol, atol : float or mapping of str to float, optional
-        Elementwise tolerances, for every gradient or by gradient name; the one left out
-        defaults by the less precise dtype.
-    max_rms_ratio : float or mapping of str to float, optional
-        Judge a gradient by ``rms(a - e) / rms(e) <= max_rms_ratio`` (and by ``rtol``/``atol``
-        too when either is given).
-    equal_nan : bool
-        Whether NaN against NaN matches.
-    precision : str, optional
-        The precision class the kernel computes in, whose floors judge it: ``"float64"``,
-        ``"float32"``, ``"tf32"`` (float32 with matrix products on operands of 10 mantissa
-        bits), ``"bfloat16"`` or ``"float16"``. Left out, the class of the fixture's dtype,
-        and an ``actual`` coarser than the fixture is refused (a stray cast would pass as
-        the coarser class); with bare buffers, the class of the less precise one's dtype. A
-        class whose buffers are more precise than the buffers given is refused.
-    floors : mapping, optional
-        With an array ``expected``: the precision floors of the calibrated criterion
-        (:attr:`~gdn_layout.Fixture.floors`); left out, the defaults.
-    scales : float or mapping of str to float, optional
-        With an array ``expected``: the scale of the terms that form each gradient
-        (:attr:`~gdn_layout.Fixture.scales`); where it is above ``rms(expected)``, no floor
-        of the calibrated criterion is below half the computation dtype's unit roundoff times
-        it.
-
-    Returns
-    -------
-    Comparison
-        One :class:`GradComparison` per gradient.
+    ``expected`` is a fixture (it brings its layout, floors and term scales) or a buffer
+    with its ``layout``. Buffers are 1-D float arrays (float16, bfloat16, float32, float64)
+    of ``layout.total_elems`` elements, or what :func:`as_packed` reads as one; their
+    dtypes may differ. ``rtol``, ``atol``, ``max_rms_ratio`` (a float, or a mapping by
+    gradient name) judge elementwise or by the RMS ratio; a gradient given none is judged
+    by the calibrated criterion of ``precision`` (the class the kernel computes in; by
+    default the fixture's dtype's, with bare buffers the less precise one's). With an array
+    ``expected``, ``floors`` and ``scales`` are the calibrated criterion's
+    (:attr:`~gdn_layout.Fixture.floors`, :attr:`~gdn_layout.Fixture.scales`).
+    ``equal_nan`` makes NaN against NaN match. docs/criterion.md defines each criterion.
 
     Raises
     ------
     TypeError
         A buffer or ``layout`` has the wrong type or dtype, a buffer is a masked array or an
-        ndarray subclass whose values may not be its data, a tolerance is not a number, or
-        ``floors`` or ``scales`` is given with a fixture (it brings its own).
+        ndarray subclass whose values may not be its data, a tolerance is not a number, a
+        keyword is unknown, or ``floors`` or ``scales`` is given with a fixture.
     ValueError
         A buffer has the wrong shape, a tolerance is negative or infinite, a mapping names
-        an unknown gradient, or ``precision`` is unknown or finer than the buffers.
+        an unknown gradient, ``layout`` is not the fixture's, ``precision`` is unknown or
+        finer than the buffers, or a kernel's output is coarser than its fixture's.
 
     See Also
     --------
@@ -156,95 +106,71 @@ def compare(
     True
     >>> compare(noisy, expected, layout, rtol={"dg": 1e-2, "dbeta": 1e-2}).failed
     ('dq', 'dk', 'dv')
-
-    A fixture brings its layout, floors and term scales:
-
-    >>> from gdn_layout import make_fixture
-    >>> from gdn_layout.reference import backward
-    >>> fixture = make_fixture(GdnBackwardLayout(1, 8, 2, 4), regime="mild")
-    >>> kernel = backward(*fixture.inputs, dtype=np.float32)
-    >>> compare(kernel, fixture).passed, compare(kernel, fixture, precision="tf32").passed
-    (True, True)
     """
-    if isinstance(expected, Expected):
-        if floors is not None or scales is not None:
-            raise TypeError(
-                "compare: floors and scales come with the fixture; pass fixture.packed and "
-                "its layout to give others"
-            )
-        if layout is not None and not isinstance(layout, GdnBackwardLayout):
-            raise not_a_layout(layout, "compare")
-        if layout is not None and layout != expected.layout:
-            raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
-        with expected.unchanged():
-            packed = expected.packed
-            return _compare(
-                actual,
-                packed,
-                expected.layout,
-                _Judging(rtol, atol, max_rms_ratio, equal_nan, precision, expected.floors),
-                expected.scales,
-                expected.inputs,
-                fixture_class=precision_of(packed.dtype, "compare: the fixture's dtype"),
-            )
-    if layout is None:
-        raise TypeError("compare: layout is required when expected is an array")
-    floors = None if floors is None else checked_floors(floors, "compare: floors")
-    judging = _Judging(rtol, atol, max_rms_ratio, equal_nan, precision, floors)
-    return _compare(actual, expected, layout, judging, scales)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Judging:
-    """The judging keywords of one call, as given."""
-
-    rtol: Tolerance | None
-    atol: Tolerance | None
-    max_rms_ratio: Tolerance | None
-    equal_nan: bool
-    precision: str | None
-    floors: Floors | None
+    unknown = sorted(set(judging) - set(Judging.__annotations__))
+    if unknown:
+        raise TypeError(f"compare() got an unexpected keyword argument {unknown[0]!r}")
+    if not isinstance(expected, Expected):
+        if layout is None:
+            raise TypeError("compare: layout is required when expected is an array")
+        floors = None if floors is None else checked_floors(floors, "compare: floors")
+        return _compare(actual, expected, layout, judging, floors, scales)
+    if floors is not None or scales is not None:
+        raise TypeError(
+            "compare: floors and scales come with the fixture; pass fixture.packed and "
+            "its layout to give others"
+        )
+    if layout is not None and not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "compare")
+    if layout is not None and layout != expected.layout:
+        raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
+    with expected.unchanged():
+        packed = expected.packed
+        fixture_class = precision_of(packed.dtype, "compare: the fixture's dtype")
+        return _compare(
+            actual, packed, expected.layout, judging, expected.floors, expected.scales,
+            expected.inputs, fixture_class,
+        )  # fmt: skip
 
 
 def _compare(
     actual: object,
     expected: object,
     layout: GdnBackwardLayout,
-    judging: _Judging,
+    judging: Judging,
+    floors: Floors | None,
     scales: Tolerance | None,
     inputs: Sequence[NDArray[Any] | None] | None = None,
     fixture_class: Precision | None = None,
 ) -> Comparison:
-    """:func:`compare` in its two stages: each gradient measured once into its record (its
-    figures and verdict), then, where one fails, :func:`~gdn_layout.check._explain.explain`
-    of the records; with the case's ``inputs``, the explanations re-run the op."""
+    """Each gradient scanned once into its record; where one fails, :func:`explain` of the
+    records (with the case's ``inputs``, the explanations re-run the op)."""
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
     device = device_of(actual)
     mine = _checked_buffer("actual", actual, layout)
     theirs = _checked_buffer("expected", expected, layout)
-    equal_nan = judging.equal_nan
+    equal_nan = judging.get("equal_nan", False)
     if not isinstance(equal_nan, (bool, np.bool_)):
         raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
     buffers = default_precision(mine.dtype, theirs.dtype)
     default_rtol, default_atol = DEFAULT_TOLERANCES[buffers.buffer]
-    rtols = per_grad("rtol", judging.rtol)
-    atols = per_grad("atol", judging.atol)
-    rms_limits = per_grad("max_rms_ratio", judging.max_rms_ratio)
-    tolerated = set(rtols) | set(atols) | set(rms_limits)
+    given = [
+        per_grad("rtol", judging.get("rtol")),
+        per_grad("atol", judging.get("atol")),
+        per_grad("max_rms_ratio", judging.get("max_rms_ratio")),
+    ]
     judged = buffers  # a class is judged in, and checked, only where a gradient is calibrated
-    if any(name not in tolerated for name in layout.names):
-        judged = _judged_class(judging.precision, fixture_class, mine.dtype, theirs.dtype)
+    if any(all(name not in d for d in given) for name in layout.names):
+        judged = _judged_class(judging.get("precision"), fixture_class, mine.dtype, theirs.dtype)
     term = per_grad("scales", scales)
     records = []
     for seg in layout.segments():
         a = mine[seg.offset : seg.offset + seg.length]
         e = theirs[seg.offset : seg.offset + seg.length]
-        r, t, m = (d.get(seg.name) for d in (rtols, atols, rms_limits))
+        r, t, m = (d.get(seg.name) for d in given)
         if r is None and t is None and m is None:
-            criterion = Criterion.calibrated(
-                judging.floors, judged, seg.name, e, term.get(seg.name)
-            )
+            criterion = Criterion.calibrated(floors, judged, seg.name, e, term.get(seg.name))
         else:
             criterion = Criterion.tolerances(
                 default_rtol if r is None else r,
@@ -253,35 +179,28 @@ def _compare(
                 elementwise=m is None or r is not None or t is not None,
             )
         record = scan(seg, a, e, criterion, bool(equal_nan))
-        if not record.passed:  # the maps of a cause cost nothing when everything passes
-            signed, ratio = cause_maps(seg, a, e)
+        if not record.passed:
+            # A second pass, over a failing gradient only: the maps of its cause cost a
+            # passing one nothing.
+            signed, ratio = _cause_maps(seg, a, e)
             record = dataclasses.replace(record, signed_error_map=signed, ratio_map=ratio)
         records.append(record)
     if all(r.passed for r in records):
         return Comparison(layout, tuple(records), device=device)
+    mine_grads, their_grads = unpack(mine, layout), unpack(theirs, layout)
     evidence = Evidence(
-        layout,
-        tuple(records),
-        mine,
-        theirs,
-        unpack(mine, layout),
-        unpack(theirs, layout),
-        inputs,
-        judging.floors,
-        judged,
+        layout, tuple(records), mine, theirs, mine_grads, their_grads, inputs, floors, judged
     )
     explained, whole = explain(evidence)
     return Comparison(layout, explained, whole, device)
 
 
 def _judged_class(
-    precision: str | None,
-    fixture_class: Precision | None,
-    *dtypes: np.dtype[Any],
+    precision: str | None, fixture_class: Precision | None, *dtypes: np.dtype[Any]
 ) -> Precision:
-    """The class judged in: ``precision``, else the fixture's dtype's, else that of the less
-    precise buffer. A kernel coarser than its fixture is refused unless ``precision`` names
-    its class: a stray cast would otherwise pass as the coarser class."""
+    """``precision``, else the fixture's class, else the less precise buffer's. A kernel
+    coarser than its fixture is refused unless ``precision`` names its class: a stray cast
+    would otherwise pass as the coarser class."""
     if precision is not None or fixture_class is None:
         return judged_precision(precision, "compare", *dtypes)
     buffers = default_precision(*dtypes)
@@ -307,30 +226,13 @@ def assert_close(
 ) -> Comparison:
     """:func:`compare`, raising AssertionError naming each failing gradient; for pytest.
 
-    Returns the :class:`Comparison` when every gradient passes.
-
-    Parameters
-    ----------
-    actual, expected, layout, floors, scales
-        As for :func:`compare`.
-    **judging
-        The judging keywords of :func:`compare` (:class:`Judging`), as it takes them.
-
-    Returns
-    -------
-    Comparison
-        One :class:`GradComparison` per gradient.
+    Takes what :func:`compare` takes; returns the :class:`Comparison` when every gradient
+    passes, and raises as :func:`compare` does.
 
     Raises
     ------
     AssertionError
         A gradient fails; the message names each failing gradient and its worst element.
-    TypeError
-        A buffer or ``layout`` has the wrong type or dtype, a buffer is a masked array or an
-        ndarray subclass whose values may not be its data, or a tolerance is not a number.
-    ValueError
-        A buffer has the wrong shape, a tolerance is negative or infinite, or a mapping names
-        an unknown gradient.
 
     See Also
     --------
@@ -365,25 +267,9 @@ def error_map(
 ) -> NDArray[np.float64]:
     """The largest ``|a - e|`` of one gradient over (sequence position, head), for plots.
 
-    ``[S, H]`` for every gradient but ``dstate``, whose map is ``[N, H]`` over (key row
-    ``i``, head); a non-finite mismatch is ``inf``, a matching non-finite pair 0. A map whose
-    per-batch maps (``B * S * H`` cells) would pass 2**20 cells is binned, each cell the
-    largest error of a block of positions (:attr:`GradComparison.error_map_bins`), so that
-    its memory is bounded.
-
-    Parameters
-    ----------
-    actual, expected : numpy.ndarray
-        1-D float buffers of ``layout.total_elems`` elements.
-    layout : GdnBackwardLayout
-        The layout of both.
-    name : str
-        The gradient, ``"dq"`` to ``"dstate"``.
-
-    Returns
-    -------
-    numpy.ndarray
-        A read-only float64 map, ``[S, H]`` (``[N, H]`` for ``dstate``), binned when large.
+    ``[S, H]`` (``dstate``: ``[N, H]`` over key row and head), read-only; a non-finite
+    mismatch is ``inf``. Past 2**20 per-batch cells it is binned
+    (:attr:`GradComparison.error_map_bins`).
 
     Raises
     ------
@@ -428,11 +314,9 @@ def compare_tensor(
     precision: str | None = None,
     func: str = "compare_states",
 ) -> GradComparison:
-    """One tensor besides the gradients (``y``, ``h``, ``dh``, ``final_state``) judged as a
-    gradient is: by the calibrated criterion of ``precision`` (as :func:`compare` takes it)
-    against ``floors`` (``{precision: {name: (rms, max)}}``, a fixture's
-    :attr:`~gdn_layout.Fixture.state_floors`), the worst element named in the tensor's own
-    axes (``b, c, h, i, j`` for ``h`` and ``dh``).
+    """One tensor besides the gradients (``y``, ``h``, ``dh``, ``final_state``) judged by
+    the calibrated criterion of ``precision`` against ``floors`` (a fixture's
+    :attr:`~gdn_layout.Fixture.state_floors`), its worst element in its own axes.
 
     Raises
     ------
@@ -453,22 +337,14 @@ def compare_tensor(
     if array.shape != expected.shape:
         raise ValueError(f"{func}: {name} must have shape {expected.shape}, got {array.shape}")
     seg = Segment(name, 0, expected.size, expected.shape)
-    a, e = array.reshape(-1), np.asarray(expected).reshape(-1)
     judged = judged_precision(precision, func, array.dtype, expected.dtype)
+    e = np.asarray(expected).reshape(-1)
     criterion = Criterion.calibrated(floors, judged, name, e)
-    result = scan(seg, a, e, criterion, False)
+    result = scan(seg, array.reshape(-1), e, criterion, False)
     if result.passed:
         return result
-
-    def score(part: NDArray[np.float64], truth: NDArray[np.float64]) -> float:
-        # the whole tensor's criterion: its floors as errors of the whole
-        return criterion.score(part, truth)
-
-    found = tensor_findings(name, array, np.asarray(expected), score)
+    found = tensor_findings(name, array, np.asarray(expected), criterion.score)
     return dataclasses.replace(result, findings=found)
-
-
-# -- validation ----------------------------------------------------------------------------
 
 
 def _checked_buffer(
@@ -502,8 +378,6 @@ def _check_plain_values(which: str, buffer: np.ndarray[Any, Any], func: str) -> 
     """Refuse arrays whose values are not their data: a mask, or a subclass that changes
     what indexing or conversion gives. A memory map is its data."""
     kind = type(buffer)
-    if kind is np.ndarray or kind is np.memmap:
-        return
     if isinstance(buffer, np.ma.MaskedArray):
         raise TypeError(
             f"{func}: {which} is a masked array; its masked elements would be compared as the "
@@ -516,3 +390,226 @@ def _check_plain_values(which: str, buffer: np.ndarray[Any, Any], func: str) -> 
             f"{', '.join(changed)}: its values may not be its data. Pass np.asarray(x) to "
             "compare the data"
         )
+
+
+# -- the scan: one pass over a gradient, in chunks of at most CHUNK_ELEMENTS elements --------
+#
+# A gradient ``[d0, d1, d2, *rest]`` is visited as *lines*, runs of ``prod(rest)`` elements
+# that share one cell ``(d0, d1, d2)`` of the per-batch error map: a chunk is whole lines, or
+# a piece of one long line (a dstate row of N * N elements is never converted at once).
+# A per-batch map past MAP_CELLS cells is binned: each cell the largest error (and count of
+# elements out) of a block of positions, the second axis binned first, the third past
+# MAP_COLUMNS, the batch only when one row per batch element is too many (docs/memory.md).
+
+_Cell = TypeVar("_Cell", bound=np.generic)
+
+#: The most cells of a per-batch error map: 8 MiB of float64.
+MAP_CELLS: Final = 1 << 20
+#: The most columns (the third axis) of a binned map, so that the rows keep a useful number.
+MAP_COLUMNS: Final = 1 << 10
+
+
+def _element_chunks(shape: tuple[int, ...], chunk: int | None = None) -> Iterator[tuple[int, int]]:
+    """``(start, stop)`` ranges covering ``shape`` in C order: whole lines, or pieces of one."""
+    chunk = _norms.CHUNK_ELEMENTS if chunk is None else chunk
+    size, line = math.prod(shape), math.prod(shape[3:])
+    if size == 0:
+        return
+    if line <= chunk:
+        step = line * (chunk // line)
+        yield from ((start, min(start + step, size)) for start in range(0, size, step))
+        return
+    for begin in range(0, size, line):
+        for start in range(begin, begin + line, chunk):
+            yield start, min(start + chunk, begin + line)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _ErrorMap:
+    """The largest error, and the count of elements out, per (binned) ``(d0, d1, d2)`` cell."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        batch, self.period, self.width = shape[0], shape[1], shape[2]
+        self.line = math.prod(shape[3:])
+        self.bins = (1, 1, 1)
+        budget = MAP_CELLS // max(batch, 1)  # cells for each batch element
+        if self.period * self.width > budget:
+            col_bin = _ceil(self.width, MAP_COLUMNS) if self.width > MAP_COLUMNS else 1
+            cols = _ceil(self.width, col_bin)
+            if budget >= cols:
+                self.bins = (1, _ceil(self.period, budget // cols), col_bin)
+            else:  # even one row per batch element is too many: the batch binned too
+                self.bins = (_ceil(batch, MAP_CELLS // cols), max(self.period, 1), col_bin)
+        cells = (_ceil(batch, self.bins[0]), _ceil(self.period, self.bins[1]))
+        self.cols = _ceil(self.width, self.bins[2])
+        self.cells = np.zeros((*cells, self.cols))
+        self.counts = np.zeros((*cells, self.cols), dtype=np.int64)
+
+    def lines_of(self, start: int, size: int) -> tuple[NDArray[np.int64], int]:
+        """The cell of each run of a chunk, and the run's length (a line, or the chunk)."""
+        line = self.line if start % self.line == 0 and size % self.line == 0 else size
+        index = np.arange(start // self.line, start // self.line + size // line, dtype=np.int64)
+        if self.bins == (1, 1, 1):  # the cells in C order are the lines
+            return index, line
+        rest, col = np.divmod(index, self.width)
+        batch, row = np.divmod(rest, self.period)
+        block = batch // self.bins[0] * self.cells.shape[1] + row // self.bins[1]
+        return block * self.cols + col // self.bins[2], line
+
+    def update(self, start: int, errors: NDArray[np.float64], out: NDArray[np.bool_]) -> None:
+        cells, line = self.lines_of(start, errors.size)
+        np.maximum.at(self.cells.reshape(-1), cells, errors.reshape(-1, line).max(axis=1))
+        np.add.at(self.counts.reshape(-1), cells, out.reshape(-1, line).sum(axis=1))
+
+
+def scan(
+    seg: Segment,
+    actual: NDArray[Any],
+    expected: NDArray[Any],
+    criterion: Criterion,
+    equal_nan: bool,
+) -> GradComparison:
+    """One gradient's figures, error maps and verdict under ``criterion``, in one pass."""
+    shape, elementwise = seg.shape, criterion.counts_elements
+    emap = _ErrorMap(shape)  # over (b, s, h), or (b, h, i) for dstate, turned to (b, i, h)
+    nan_a = inf_a = nan_e = inf_e = mismatches = bad_count = bad_nan = 0
+    max_abs = max_rel = 0.0
+    norm_diff, norm_exp = _norms.Norm(), _norms.Norm()
+    best, worst_index, worst_a, worst_e = -math.inf, None, 0.0, 0.0
+    for start, stop in _element_chunks(shape):
+        a = actual[start:stop].astype(np.float64)
+        e = expected[start:stop].astype(np.float64)
+        a_nan, e_nan, a_inf, e_inf = np.isnan(a), np.isnan(e), np.isinf(a), np.isinf(e)
+        nan_a, nan_e = nan_a + int(a_nan.sum()), nan_e + int(e_nan.sum())
+        inf_a, inf_e = inf_a + int(a_inf.sum()), inf_e + int(e_inf.sum())
+        finite = ~(a_nan | e_nan | a_inf | e_inf)
+        abs_e = np.where(finite, np.abs(e), 0.0)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(finite, np.abs(a - e), 0.0)
+        bad = ~finite & (a != e) & ~(equal_nan & a_nan & e_nan)  # the non-finite mismatches
+        bad_count += int(bad.sum())
+        bad_nan += int((bad & (a_nan | e_nan)).sum())
+        allowed = criterion.allowances(abs_e)
+        counted = ((diff > allowed) | bad) if elementwise else bad  # what the criterion counts
+        mismatches += int(counted.sum())
+        if finite.any():
+            max_abs = max(max_abs, float(diff.max()))
+            with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+                rel = np.where(diff == 0, 0.0, diff / abs_e)
+            overflowed = np.isinf(diff)  # both finite, yet |a - e| is past the largest float
+            if overflowed.any():
+                half = np.abs(a[overflowed] * 0.5 - e[overflowed] * 0.5)
+                rel[overflowed] = half / (abs_e[overflowed] * 0.5)
+                norm_diff.add(half, 1)  # |a - e| as 2 * |a/2 - e/2|
+            norm_diff.add(np.where(overflowed, 0.0, diff))
+            max_rel = max(max_rel, float(rel.max()))
+            norm_exp.add(abs_e)
+        score = diff - allowed if elementwise else diff.copy()
+        score[~finite] = -math.inf  # matching non-finite pairs are never the worst
+        score[bad] = math.inf
+        local = int(np.argmax(score))
+        if worst_index is None or score[local] > best:
+            best, worst_index = float(score[local]), start + local
+            worst_a, worst_e = float(a[local]), float(e[local])
+        emap.update(start, np.where(bad, np.inf, diff), counted)
+    rms_ratio = norm_diff.over(norm_exp)
+    if bad_count:  # the error of a non-finite mismatch is NaN (or Inf), whatever the rest is
+        max_abs = max_rel = rms_ratio = math.nan if bad_nan else math.inf
+    worst = None if worst_index is None else tuple(map(int, np.unravel_index(worst_index, shape)))
+    batch_cells, counts, bins = emap.cells, emap.counts, emap.bins
+    transpose = seg.axes[1] == "h"
+    if transpose:  # [B, H, N] to [B, N, H]
+        batch_cells = np.ascontiguousarray(batch_cells.transpose(0, 2, 1))
+        counts = np.ascontiguousarray(counts.transpose(0, 2, 1))
+    return GradComparison(
+        name=seg.name,
+        shape=shape,
+        actual_dtype=actual.dtype.name,
+        expected_dtype=expected.dtype.name,
+        size=seg.length,
+        criterion=criterion,
+        max_abs_error=max_abs,
+        max_rel_error=max_rel,
+        rms_ratio=rms_ratio,
+        mismatches=mismatches,
+        nonfinite_mismatches=bad_count,
+        nan_actual=nan_a,
+        inf_actual=inf_a,
+        nan_expected=nan_e,
+        inf_expected=inf_e,
+        worst=worst,
+        worst_actual=None if worst is None else worst_a,
+        worst_expected=None if worst is None else worst_e,
+        error_map=_read_only(batch_cells.max(axis=0, initial=0.0)),
+        batch_error_map=_read_only(batch_cells),
+        mismatch_map=_read_only(counts),
+        error_map_bins=(bins[2], bins[1]) if transpose else (bins[1], bins[2]),
+        batch_bins=bins[0],
+    )
+
+
+def _cause_maps(
+    seg: Segment, actual: NDArray[Any], expected: NDArray[Any]
+) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+    """A failing gradient's signed error (the ``a - e`` of largest magnitude, NaN for a
+    non-finite mismatch) and ratio (``<a, e> / <e, e>`` of the finite pairs) per cell of
+    its batch error map; ``dstate``'s over ``[H, N, N]``, so that a transpose is mirrored."""
+    if seg.name != "dstate":
+        geometry = _ErrorMap(seg.shape)
+        maps = _CauseMap(geometry.cells.shape)
+        for start, stop in _element_chunks(seg.shape):
+            cells, line = geometry.lines_of(start, stop - start)
+            maps.update(cells, actual[start:stop], expected[start:stop], line)
+        return maps.signed_and_ratio()
+    heads, n = seg.shape[1], seg.shape[2]
+    fold = max(1, math.ceil(math.sqrt(heads * n * n / MAP_CELLS)))
+    side = _ceil(n, fold)
+    maps = _CauseMap((heads, side, side))
+    # Each element's cell is worked out apart: a dozen arrays of the chunk's length.
+    for start, stop in _element_chunks(seg.shape, _norms.CHUNK_ELEMENTS // 8):
+        head, rest = np.divmod(np.arange(start, stop, dtype=np.int64) % (heads * n * n), n * n)
+        row, col = np.divmod(rest, n)
+        cells = (head * side + row // fold) * side + col // fold
+        maps.update(cells, actual[start:stop], expected[start:stop], 1)
+    return maps.signed_and_ratio()
+
+
+class _CauseMap:
+    """Signed-error and ratio cells folded from chunks of runs of ``line`` elements."""
+
+    def __init__(self, shape: tuple[int, ...]) -> None:
+        self.peak = np.full(shape, -1.0)
+        self.signed, self.dot, self.norm = np.zeros(shape), np.zeros(shape), np.zeros(shape)
+
+    def update(self, cells: NDArray[np.int64], a: NDArray[Any], e: NDArray[Any], line: int) -> None:
+        a, e = a.astype(np.float64), e.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            diff = np.where(a == e, 0.0, a - e)  # equal infinities match
+            finite = np.isfinite(diff)
+            size = np.where(finite, np.abs(diff), np.inf).reshape(-1, line)
+            at = size.argmax(axis=1)
+            rows = np.arange(at.size)
+            peaks = size[rows, at]
+            signed = np.where(finite, diff, np.nan).reshape(-1, line)[rows, at]
+            both = np.isfinite(a) & np.isfinite(e)
+            dots = np.where(both, a * e, 0.0).reshape(-1, line).sum(axis=1)
+            norms = np.where(both, e * e, 0.0).reshape(-1, line).sum(axis=1)
+        peak = self.peak.reshape(-1)
+        np.maximum.at(peak, cells, peaks)
+        won = peaks >= peak[cells]  # the run that holds its cell's largest error so far
+        self.signed.reshape(-1)[cells[won]] = signed[won]
+        np.add.at(self.dot.reshape(-1), cells, dots)
+        np.add.at(self.norm.reshape(-1), cells, norms)
+
+    def signed_and_ratio(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(self.norm > 0, self.dot / self.norm, np.nan)
+        return _read_only(self.signed), _read_only(ratio)
+
+
+def _read_only(cells: NDArray[_Cell]) -> NDArray[_Cell]:
+    cells.flags.writeable = False
+    return cells

@@ -1,9 +1,6 @@
-"""The criteria a gradient is judged by, as one type: :class:`Criterion`.
+"""The criteria a gradient is judged by, as one type: :class:`Criterion` (docs/criterion.md).
 
-Elementwise tolerances, an RMS ratio, both, or the calibrated criterion against a fixture's
-measured floors: docs/criterion.md says how each is judged, the floors, ``K`` and the term
-scales. Changing a criterion changes this module alone: its limits, verdict, words, JSON
-and its score for the findings.
+Changing a criterion changes this module alone: its limits, verdict, words, JSON and score.
 """
 
 from __future__ import annotations
@@ -22,42 +19,22 @@ from .._floors import Floors
 from .._norms import finite_rms, rms_rows
 from ..layout import GRADIENT_NAMES
 
-__all__ = [
-    "DEFAULT_FLOORS",
-    "DEFAULT_TOLERANCES",
-    "Criterion",
-    "K",
-    "Mode",
-    "Scores",
-    "Tolerance",
-    "floor_for",
-    "json_float",
-    "judged_precision",
-    "per_grad",
-    "row_scores",
-    "step_scores",
-]
-
 Number = float | np.floating[Any] | np.integer[Any]
 #: A tolerance for every gradient, or a mapping from gradient name to its tolerance.
 Tolerance = Number | Mapping[str, Number]
 
-#: How far above its floor a correct kernel's error may be, by precision class: 16 for float32
-#: and tf32, 8 for bfloat16 and float16, 64 for float64 (whose truth is itself a float64
-#: computation whose own error adds to the kernel's). docs/criterion.md says how each was
-#: chosen: the floors are the worst of the correct forms a kernel of the class computes, and
-#: the factor is the margin that rounding order alone (a sum taken in another order, a
-#: gradient of a few elements) still needs above them.
+#: How far above its floors a correct kernel's errors may be, by precision class
+#: (docs/criterion.md says how each was chosen; float64's truth is itself rounded).
 K: Final = {"float64": 64.0, "float32": 16.0, "tf32": 16.0, "bfloat16": 8.0, "float16": 8.0}
 #: Floors for fixtures that carry none, by class: ``(rms, max)`` for every gradient.
 DEFAULT_FLOORS: Final = {p.name: p.default_floors for p in PRECISIONS.values()}
+#: Default (rtol, atol) by the less precise of the two dtypes, as torch.testing chooses them.
+DEFAULT_TOLERANCES: Final = {d.name: d.tolerances for d in DTYPES.values()}
 
 
-def floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[float, ...]:
-    """The floor used for gradient ``grad`` judged in ``precision``: ``(rms, max)``, with the
-    ``reach`` when the fixture measured it. The measured one when ``floors`` has it (for
-    float64, float32's times ``2**-29``), else :data:`DEFAULT_FLOORS`; never below half the
-    buffers' unit roundoff."""
+def _floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[float, ...]:
+    """``(rms, max[, reach])`` of ``grad`` in ``precision``: measured (float64's are
+    float32's times ``2**-29``), else the defaults; never below half the unit roundoff."""
     source = "float32" if precision.name == "float64" else precision.name
     measured = (floors or {}).get(source, {}).get(grad)
     least = precision.unit_roundoff / 2
@@ -65,45 +42,25 @@ def floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[f
         rms, peak = precision.default_floors
         return (max(rms, least), max(peak, least))
     factor = precision.unit_roundoff / PRECISIONS[source].unit_roundoff
-    rms, peak = measured[0] * factor, measured[1] * factor
-    return (max(rms, least), max(peak, least), *measured[2:])
-
-
-Mode = Literal["elementwise", "rms", "both", "calibrated"]
+    return (max(measured[0] * factor, least), max(measured[1] * factor, least), *measured[2:])
 
 
 @dataclass(frozen=True)
 class Criterion:
     """How one gradient is judged: its limits, its verdict, and the words that state them.
 
-    A :class:`~gdn_layout.GradComparison` keeps the one it was judged by as
-    :attr:`~gdn_layout.GradComparison.criterion`; :func:`~gdn_layout.compare` makes it with
-    :meth:`tolerances` (``rtol``, ``atol`` or ``max_rms_ratio`` given) or :meth:`calibrated`.
+    Made by :func:`~gdn_layout.compare` with :meth:`tolerances` or :meth:`calibrated` and
+    kept as :attr:`~gdn_layout.GradComparison.criterion`; docs/criterion.md defines each.
 
     Attributes
     ----------
     mode : {"elementwise", "rms", "both", "calibrated"}
-        Elementwise tolerances, the RMS ratio alone, both, or the calibrated floors.
-    rtol, atol : float
-        The elementwise tolerances; calibrated: 0 and the largest error of one element allowed.
-    max_rms_ratio : float or None
-        The largest ``rms(a - e) / rms(e)`` allowed, or None.
-    floor : (float, float) or None
-        Calibrated: the ``(rms, max)`` floors relative to ``rms(expected)``.
-    precision : Precision or None
-        Calibrated: the precision class the floors are for (by default that of the less
-        precise of the two buffers).
-    reach : float or None
-        Calibrated, when the fixture measured it: how far the correct forms of the class
-        round beyond the step-by-step form on this case (the floor over the step-by-step
-        form's).
-    scale : float
-        Calibrated: ``rms(expected)``, the finite values'.
-    least : float
-        Calibrated: the least error either floor stands for, half the unit roundoff times the
-        larger of ``scale`` and the terms' scale.
-    term_scale : float or None
-        Calibrated: the scale of the gradient's terms, when it set ``least``.
+    rtol, atol, max_rms_ratio : float
+        The limits (calibrated: ``atol`` is the largest error of one element allowed).
+    floor, precision, reach, scale, least, term_scale
+        Calibrated: the ``(rms, max)`` floors over ``rms(expected)``, the class they are for,
+        the case's correct forms' rounding over the step-by-step form's, ``rms(expected)``,
+        the least error a floor stands for, and the terms' scale when it set ``least``.
 
     See Also
     --------
@@ -122,7 +79,7 @@ class Criterion:
     True
     """
 
-    mode: Mode
+    mode: Literal["elementwise", "rms", "both", "calibrated"]
     rtol: float = 0.0
     atol: float = 0.0
     max_rms_ratio: float | None = None
@@ -144,10 +101,8 @@ class Criterion:
     ) -> Criterion:
         """Elementwise tolerances (``numpy.isclose``'s), an RMS ratio, or both."""
         if max_rms_ratio is None:
-            mode: Mode = "elementwise"
-        else:
-            mode = "both" if elementwise else "rms"
-        return cls(mode, rtol, atol, max_rms_ratio)
+            return cls("elementwise", rtol, atol)
+        return cls("both" if elementwise else "rms", rtol, atol, max_rms_ratio)
 
     @classmethod
     def calibrated(
@@ -158,21 +113,16 @@ class Criterion:
         expected: NDArray[Any],
         term_scale: float | None = None,
     ) -> Criterion:
-        """The calibrated criterion of gradient ``grad`` judged in ``precision`` (a class or
-        its name): RMS error and
-        largest error within its ``K`` times its floors, no floor below half the buffers' unit
-        roundoff times rms(expected), nor below half the computation dtype's times
-        ``term_scale`` (a kernel that stores bfloat16 computes in float32)."""
+        """The calibrated criterion of ``grad`` judged in ``precision`` (a class or its name)."""
         if isinstance(precision, str):
             precision = precision_of(precision, "Criterion.calibrated: precision")
         scale = finite_rms(expected)
         by_scale = precision.unit_roundoff / 2 * scale
         by_terms = precision.compute_roundoff / 2 * (term_scale or 0.0)
-        floor = floor_for(floors, precision, grad)
+        floor = _floor_for(floors, precision, grad)
         rms_error = max(floor[0] * scale, by_scale, by_terms)
         return cls(
             "calibrated",
-            rtol=0.0,
             atol=K[precision.name] * max(floor[1] * scale, by_scale, by_terms),
             max_rms_ratio=K[precision.name] * rms_error / scale if scale > 0 else math.inf,
             floor=(floor[0], floor[1]),
@@ -190,27 +140,16 @@ class Criterion:
 
     @property
     def limit(self) -> float:
-        """The calibrated bound on ``error_floor_ratio``, :data:`K` of the dtype; else NaN."""
+        """The calibrated bound on ``error_floor_ratio``, :data:`K` of the class; else NaN."""
         return math.nan if self.precision is None else K[self.precision.name]
 
     @property
     def precision_name(self) -> str | None:
-        """The name of the class judged in, or None for a criterion not calibrated."""
         return None if self.precision is None else self.precision.name
-
-    def _reach_words(self) -> str:
-        """How far this case's correct forms round beyond the step-by-step form, in words."""
-        if self.reach is None or self.reach <= 1.5:
-            return ""
-        return (
-            f"; a correct {self.precision_name} kernel reaches {self.reach:.3g}x the "
-            "step-by-step form's rounding here"
-        )
 
     @property
     def errors(self) -> tuple[float, float]:
-        """The calibrated floors as errors: ``(rms, max)`` of ``a - e`` that rounding accounts
-        for; ``(0, 0)`` for other criteria."""
+        """The calibrated floors as errors, ``(rms, max)`` of ``a - e``; else ``(0, 0)``."""
         if self.floor is None:
             return (0.0, 0.0)
         return (
@@ -219,8 +158,7 @@ class Criterion:
         )
 
     def ratio(self, rms_ratio: float, max_abs_error: float) -> float | None:
-        """The larger of the RMS error and the largest error, each over its floor; None for a
-        criterion that is not calibrated."""
+        """The larger of the RMS error and the largest error over its floor; None uncalibrated."""
         if self.floor is None:
             return None
         if math.isnan(rms_ratio) or math.isnan(max_abs_error):
@@ -228,10 +166,9 @@ class Criterion:
         rms_floor, max_floor = self.errors
         if max_floor == 0:
             return 0.0 if max_abs_error == 0 else math.inf
-        by_max = max_abs_error / max_floor
         if self.scale == 0:  # the RMS error is at most the largest one, and the floors agree
-            return by_max
-        return max(rms_ratio * self.scale / rms_floor, by_max)
+            return max_abs_error / max_floor
+        return max(rms_ratio * self.scale / rms_floor, max_abs_error / max_floor)
 
     def passes(
         self, rms_ratio: float, max_abs_error: float, mismatches: int, nonfinite: int
@@ -241,7 +178,7 @@ class Criterion:
         if self.max_rms_ratio is not None:
             passed = passed and rms_ratio <= self.max_rms_ratio
         ratio = self.ratio(rms_ratio, max_abs_error)
-        return passed and (ratio is None or ratio <= self.limit)  # calibrated: the ratio's
+        return passed and (ratio is None or ratio <= self.limit)
 
     @property
     def words(self) -> str:
@@ -252,11 +189,10 @@ class Criterion:
         if self.max_rms_ratio is None:
             return tolerances
         rms = f"rms ratio<={self.max_rms_ratio:.3g}"
-        return f"{tolerances} {rms}" if self.mode == "both" else rms
+        return rms if self.mode == "rms" else f"{tolerances} {rms}"
 
     def floor_words(self) -> str:
-        """The calibrated floors in words, as a report's line states them; ``""`` for other
-        criteria.
+        """The calibrated floors as a report's line states them; ``""`` for other criteria.
 
         >>> import numpy as np
         >>> Criterion.calibrated(None, "float32", "dq", np.ones(8)).floor_words()
@@ -264,16 +200,21 @@ class Criterion:
         """
         if self.floor is None or self.precision is None:
             return ""
-        terms = (
-            ""
-            if self.term_scale is None
-            else f", none below {self.precision.compute_roundoff / 2:.3g} x "
-            f"{self.term_scale:.3g}, the scale of its terms"
-        )
-        return (
+        words = (
             f"floors for {self.precision.name}: rms ratio {self.floor[0]:.3g}, "
-            f"max error {self.floor[1]:.3g} x rms(expected){terms}{self._reach_words()}"
+            f"max error {self.floor[1]:.3g} x rms(expected)"
         )
+        if self.term_scale is not None:
+            words += (
+                f", none below {self.precision.compute_roundoff / 2:.3g} x "
+                f"{self.term_scale:.3g}, the scale of its terms"
+            )
+        if self.reach is not None and self.reach > 1.5:
+            words += (
+                f"; a correct {self.precision.name} kernel reaches {self.reach:.3g}x the "
+                "step-by-step form's rounding here"
+            )
+        return words
 
     @property
     def bound_words(self) -> str:
@@ -285,29 +226,19 @@ class Criterion:
         return f"|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|"
 
     def allowed(self, expected: float | None) -> float:
-        """The error allowed to one element whose expected value is ``expected``:
-        ``atol + rtol * |expected|`` (0 for a value that is None or not finite).
-
-        >>> Criterion.tolerances(1e-2, 1e-3).allowed(-2.0)
-        0.021
-        """
+        """The error one element whose expected value is ``expected`` may have (0 if not finite)."""
         if expected is None or not math.isfinite(expected):
             return 0.0
         return float(self.allowances(np.array([abs(expected)]))[0])
 
     def allowances(self, magnitude: NDArray[np.float64]) -> NDArray[np.float64]:
-        """:meth:`allowed` of each element at once, from the finite ``|expected|``: the one
-        place a criterion's elementwise bound is written."""
+        """``atol + rtol * |expected|`` of each element, from ``magnitude``: the one place the
+        elementwise bound is written."""
         allowed: NDArray[np.float64] = self.atol + self.rtol * magnitude
         return allowed
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe fields, under the keys a comparison's ``to_dict`` has always had; a
-        non-finite float becomes ``"inf"``/``"nan"``.
-
-        >>> Criterion.tolerances(1e-4, 1e-6).to_dict()["rtol"]
-        0.0001
-        """
+        """JSON-safe fields, a non-finite float as ``"inf"``/``"nan"``."""
         return {
             "mode": self.mode,
             "rtol": json_float(self.rtol),
@@ -320,13 +251,8 @@ class Criterion:
         }
 
     def score(self, actual: NDArray[Any], expected: NDArray[Any]) -> float:
-        """The error of ``actual`` against ``expected`` (any two arrays of one shape: a
-        gradient, or a part of one) over what this criterion allows: at most 1 passes.
-
-        Calibrated, the RMS error and the largest error over ``K`` times the floors (as
-        errors of the whole gradient); elementwise, the largest ``|a - e|`` over ``atol +
-        rtol * |e|``; by RMS ratio, ``rms(a - e) / rms(e)`` over its limit. Non-finite
-        values score ``inf``."""
+        """The error of ``actual`` against ``expected`` (two arrays of one shape) over what
+        this criterion allows: at most 1 passes; non-finite values score ``inf``."""
         a = np.asarray(actual, np.float64).reshape(1, -1)
         e = np.asarray(expected, np.float64).reshape(1, -1)
         return float(row_scores(self, a, e)[0])
@@ -335,8 +261,7 @@ class Criterion:
 def row_scores(
     criterion: Criterion, actual: NDArray[np.float64], expected: NDArray[np.float64]
 ) -> NDArray[np.float64]:
-    """:meth:`Criterion.score` of each row of two ``[n, m]`` float64 arrays at once: what
-    the findings' per-step scores need, in a few passes rather than ``n`` calls."""
+    """:meth:`Criterion.score` of each row of two ``[n, m]`` float64 arrays at once."""
     c = criterion
     n, m = actual.shape
     if m == 0:
@@ -374,11 +299,8 @@ def step_scores(
 
 
 def json_float(x: float | None) -> float | str | None:
-    """``x`` as strict JSON takes it: a non-finite float becomes ``"inf"``, ``"-inf"`` or
-    ``"nan"``."""
-    if x is None or math.isfinite(x):
-        return x
-    return str(float(x))
+    """``x`` as strict JSON takes it: a non-finite float as ``"inf"``, ``"-inf"`` or ``"nan"``."""
+    return x if x is None or math.isfinite(x) else str(float(x))
 
 
 def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:
@@ -387,15 +309,9 @@ def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:
         return np.where(error == 0, 0.0, error / allowed)
 
 
-#: Default (rtol, atol) by the less precise of the two dtypes, as torch.testing.assert_close
-#: chooses them; longdouble is judged like float64.
-DEFAULT_TOLERANCES: Final = {d.name: d.tolerances for d in DTYPES.values()}
-
-
 def judged_precision(precision: object, func: str, *dtypes: np.dtype[Any]) -> Precision:
-    """The class ``precision`` names (None: that of the less precise of ``dtypes``); a class
-    whose buffers are more precise than those given is a ValueError: their rounding alone
-    would exceed its floors."""
+    """The class ``precision`` names (None: the less precise dtype's); one finer than the
+    buffers is a ValueError: their rounding alone would exceed its floors."""
     buffers = default_precision(*dtypes)
     if precision is None:
         return buffers
@@ -422,21 +338,20 @@ def per_grad(what: str, value: Tolerance | None) -> dict[str, float]:
     """The values given for ``what``, by gradient name; names left out are absent."""
     if value is None:
         return {}
-    if isinstance(value, Mapping):
-        unknown = sorted(str(k) for k in value if k not in GRADIENT_NAMES)
-        if unknown:
-            raise ValueError(
-                f"compare: {what} has unknown gradient names {unknown}; "
-                f"expected names among {', '.join(GRADIENT_NAMES)}"
-            )
-        return {name: _number(f"{what}[{name!r}]", value[name]) for name in value}
-    return dict.fromkeys(GRADIENT_NAMES, _number(what, value))
+    if not isinstance(value, Mapping):
+        return dict.fromkeys(GRADIENT_NAMES, _number(what, value))
+    unknown = sorted(str(k) for k in value if k not in GRADIENT_NAMES)
+    if unknown:
+        raise ValueError(
+            f"compare: {what} has unknown gradient names {unknown}; "
+            f"expected names among {', '.join(GRADIENT_NAMES)}"
+        )
+    return {name: _number(f"{what}[{name!r}]", value[name]) for name in value}
 
 
 class Scores:
-    """Each gradient's criterion as the findings' score
-    (:data:`~gdn_layout.check._findings.Score`, with its per-step ``steps``); a gradient of
-    another layout is judged by the calibrated criterion of ``judged`` against ``floors``."""
+    """Each gradient's criterion as the findings' score (with its per-step ``steps``); a
+    gradient of another layout is judged calibrated in ``judged`` against ``floors``."""
 
     def __init__(
         self, criteria: Mapping[str, Criterion], floors: Floors | None, judged: Precision
@@ -463,16 +378,14 @@ class Scores:
         term: float | None,
         least: tuple[float, float] | None,
     ) -> Criterion:
-        """Gradient ``name``'s criterion made again against other expected ``values`` (a
-        re-run's), with floors no lower than ``least`` (the re-run's own rounding) and the
-        dtype term scale ``term``: what a misreading is judged by. Explicit tolerances stay
-        as they were."""
+        """``name``'s criterion made again against a re-run's ``values``, its floors at least
+        ``least`` (the re-run's rounding), its term scale ``term``; tolerances stay."""
         given = self.criteria[name]
         if given.mode != "calibrated":
             return given
         merged = self.floors
-        if least is not None:  # the fixture's floors, or the reading's rounding if more
+        if least is not None:
             source = PRECISIONS["float32"] if self.judged.name == "float64" else self.judged
-            base = floor_for(self.floors, source, name)
+            base = _floor_for(self.floors, source, name)
             merged = {source.name: {name: (max(base[0], least[0]), max(base[1], least[1]))}}
         return Criterion.calibrated(merged, self.judged, name, values, term)

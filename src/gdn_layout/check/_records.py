@@ -1,4 +1,4 @@
-"""The records a comparison returns, and their text, HTML and JSON views."""
+"""The records a comparison returns, their text, HTML and JSON views, and its failure text."""
 
 from __future__ import annotations
 
@@ -19,57 +19,41 @@ from ._findings import Finding
 if TYPE_CHECKING:
     from .._picture import Picture
 
-__all__ = ["Comparison", "GradComparison", "failure_message"]
-
-
-#: ``field`` metadata of what ``to_dict`` leaves out of its loop over the fields: the maps,
-#: which are for plots, and the verdict, which it says last.
+#: ``field`` metadata of what ``to_dict`` leaves out: the maps (for plots) and the verdict.
 _NOT_JSON: Final = {"json": False}
 
 
 @dataclass(frozen=True)
 class GradComparison:
-    """How one gradient of an actual buffer compares with the expected one: what was measured,
-    and the :class:`~gdn_layout.check.Criterion` it was judged by (its figures are read off
-    ``grad.criterion``; ``.words`` says it in words).
+    """How one gradient of an actual buffer compares with the expected one: what was
+    measured, and the :class:`~gdn_layout.check.Criterion` it was judged by.
 
     Attributes
     ----------
-    name, shape, size
-        ``"dq"``, ..., ``"dstate"``; its shape and number of elements.
-    actual_dtype, expected_dtype
-        The two buffers' dtype names.
+    name, shape, size, actual_dtype, expected_dtype
+        ``"dq"``, ..., ``"dstate"``; its shape, element count and the two dtypes' names.
     criterion
-        The :class:`~gdn_layout.check.Criterion` the gradient was judged by.
+        The :class:`~gdn_layout.check.Criterion` it was judged by.
     max_abs_error, max_rel_error, rms_ratio
-        Max ``|a - e|``, max ``|a - e| / |e|`` and ``rms(a - e) / rms(e)`` over pairs both
-        finite; NaN when a non-finite mismatch involves a NaN, else Inf when there is one.
-    mismatches
-        What the criterion counts: elements out of tolerance, non-finite mismatches included.
-    nonfinite_mismatches
-        Pairs with a non-finite side that do not match.
+        Over the pairs both finite; NaN (or Inf) when a non-finite mismatch is there.
+    mismatches, nonfinite_mismatches
+        Elements the criterion counts (non-finite mismatches included); non-finite ones.
     nan_actual, inf_actual, nan_expected, inf_expected
         NaN/Inf counts on each side.
     worst, worst_actual, worst_expected
-        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance (a
-        non-finite mismatch first, ties to the first in C order; None when empty), and the
-        two values there.
-    passed
-        The verdict, worked out when the record is made.
-    error_floor_ratio
-        The calibrated criterion's figure (docs/criterion.md); None under explicit tolerances.
-    error_map, batch_error_map, mismatch_map
+        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance, and the
+        two values there; None when empty.
+    passed, error_floor_ratio
+        The verdict, and the calibrated criterion's figure (None under tolerances).
+    error_map, batch_error_map, mismatch_map, error_map_bins, batch_bins
         Read-only maps of the largest ``|a - e|`` per ``[S, H]`` cell (``[N, H]`` for
-        ``dstate``), the same per batch element, and the count of mismatches per cell; binned
-        past 2**20 cells (docs/memory.md). For plots; not in equality or ``to_dict``.
-    error_map_bins, batch_bins
-        Positions a map cell covers along each axis, and batch elements an entry covers.
+        ``dstate``), per batch element, and the mismatches per cell, binned past 2**20 cells
+        (docs/memory.md), with the positions and batch elements a cell covers. For plots.
     findings
-        What explains a failing gradient, most specific first (docs/findings.md); not in
-        equality.
+        What explains a failing gradient, most specific first (docs/findings.md).
     signed_error_map, ratio_map
-        A failing gradient's maps of its cause (else None): the signed ``a - e`` of largest
-        magnitude and ``<a, e> / <e, e>`` per cell (``dstate``'s ``[H, N, N]``). For plots.
+        A failing gradient's signed ``a - e`` of largest magnitude and ``<a, e> / <e, e>``
+        per cell (``dstate``'s ``[H, N, N]``); else None. For plots.
 
     See Also
     --------
@@ -112,7 +96,6 @@ class GradComparison:
     worst: tuple[int, ...] | None
     worst_actual: float | None
     worst_expected: float | None
-    #: The verdict, given once when the record is made (``to_dict`` says it last).
     passed: bool = field(init=False, metadata=_NOT_JSON)
     error_floor_ratio: float | None = field(init=False, metadata=_NOT_JSON)
     error_map: NDArray[np.float64] = field(compare=False, repr=False, metadata=_NOT_JSON)
@@ -131,11 +114,10 @@ class GradComparison:
     )
 
     def __post_init__(self) -> None:
-        c = self.criterion  # the frozen record's verdict, set once
-        verdict = c.passes(self.rms_ratio, self.max_abs_error, self.mismatches,
-                           self.nonfinite_mismatches)  # fmt: skip
+        c, rms, peak = self.criterion, self.rms_ratio, self.max_abs_error  # the verdict, once
+        verdict = c.passes(rms, peak, self.mismatches, self.nonfinite_mismatches)
         object.__setattr__(self, "passed", verdict)
-        object.__setattr__(self, "error_floor_ratio", c.ratio(self.rms_ratio, self.max_abs_error))
+        object.__setattr__(self, "error_floor_ratio", c.ratio(rms, peak))
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -149,25 +131,28 @@ class GradComparison:
 
     def where(self) -> str:
         """The worst element as an index expression, e.g. ``"dk[0, 17, 3, 5]"``."""
-        if self.worst is None:
-            return f"{self.name}[]"
-        return f"{self.name}[{', '.join(map(str, self.worst))}]"
+        return f"{self.name}[{', '.join(map(str, self.worst or ()))}]"
 
     def __str__(self) -> str:
-        """The one-line :meth:`summary` with the verdict."""
         return f"{'ok' if self.passed else 'FAIL'} {self.summary()}"
 
     def summary(self) -> str:
         """One line: the worst element, its values and why the gradient passes or fails."""
         if self.worst is None:
             return f"{self.name}: empty"
-        head = (
-            f"{self.where()}: actual {_value(self.worst_actual)} "
-            f"expected {_value(self.worst_expected)}"
-        )
-        facts = self._verdict()
-        if self.nonfinite_mismatches:
-            n = self.nonfinite_mismatches
+        c, n, out = self.criterion, self.nonfinite_mismatches, f"{self.mismatches} of {self.size}"
+        facts = [f"{self.where()}: actual {_value(self.worst_actual)} expected "
+                 f"{_value(self.worst_expected)}"]  # fmt: skip
+        if c.mode == "calibrated":
+            facts.append(
+                f"error/floor {self._ratio()} ({c.floor_words()}); {out} over the max error"
+            )
+        elif c.counts_elements:
+            here = c.allowed(self.worst_expected)
+            facts.append(f"{out} out of tolerance ({c.bound_words}; here {here:.3g})")
+        if c.mode in ("rms", "both"):
+            facts.append(self._rms())
+        if n:
             facts.append(f"{n} non-finite mismatch{'' if n == 1 else 'es'}")
         if self.nan_actual or self.nan_expected or self.inf_actual or self.inf_expected:
             facts.append(
@@ -178,58 +163,44 @@ class GradComparison:
             f"max abs {self.max_abs_error:.3g}, max rel {self.max_rel_error:.3g}, "
             f"rms ratio {self.rms_ratio:.3g}"
         )
-        return f"{head}; " + "; ".join(facts)
-
-    def _verdict(self) -> list[str]:
-        """Why the gradient passes or fails: its figures against its criterion's limits."""
-        c = self.criterion
-        if c.mode == "calibrated":
-            ratio = self.error_floor_ratio
-            verb = "<=" if ratio is not None and ratio <= c.limit else ">"
-            return [
-                f"error/floor {fmt_float(ratio)} {verb} {c.limit:g} ({c.floor_words()}); "
-                f"{self.mismatches} of {self.size} over the max error"
-            ]
-        facts = []
-        if c.counts_elements:
-            facts.append(
-                f"{self.mismatches} of {self.size} out of tolerance "
-                f"({c.bound_words}; here {c.allowed(self.worst_expected):.3g})"
-            )
-        if c.max_rms_ratio is not None:
-            verb = "<=" if self.rms_ratio <= c.max_rms_ratio else ">"
-            facts.append(f"rms ratio {self.rms_ratio:.3g} {verb} {c.max_rms_ratio:.3g}")
-        return facts
+        return "; ".join(facts)
 
     def title(self) -> str:
         """The verdict as a picture's title says it, e.g. ``"dk FAIL: 3 of 48 out"``."""
-        c = self.criterion
-        ratio = f"error/floor {fmt_float(self.error_floor_ratio)} > {c.limit:g}"
+        c, n = self.criterion, self.nonfinite_mismatches
         if self.passed:
             return f"{self.name} ok: max |a-e| {fmt_float(self.max_abs_error)}"
         if c.counts_elements and self.mismatches:
             head = f"{self.name} FAIL: {self.mismatches} of {self.size} out"
             if self.worst is not None:
                 head += f", worst [{', '.join(map(str, self.worst))}]"
-            return head + (f"\n{ratio}" if c.mode == "calibrated" else "")
-        if self.nonfinite_mismatches:
-            n = self.nonfinite_mismatches
+            return head + (f"\nerror/floor {self._ratio()}" if c.floor else "")
+        if n:
             return f"{self.name} FAIL: {n} NaN/Inf mismatch{'' if n == 1 else 'es'}"
-        if c.mode == "calibrated":
-            return f"{self.name} FAIL: {ratio}"
-        return f"{self.name} FAIL: rms ratio {fmt_float(self.rms_ratio)} > {c.max_rms_ratio:.3g}"
+        return f"{self.name} FAIL: " + (f"error/floor {self._ratio()}" if c.floor else self._rms())
+
+    def _ratio(self) -> str:
+        ratio, limit = self.error_floor_ratio, self.criterion.limit
+        return (
+            f"{fmt_float(ratio)} {'<=' if ratio is not None and ratio <= limit else '>'} {limit:g}"
+        )
+
+    def _rms(self) -> str:
+        limit = self.criterion.max_rms_ratio or 0.0
+        return (
+            f"rms ratio {self.rms_ratio:.3g} {'<=' if self.rms_ratio <= limit else '>'} {limit:.3g}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-safe facts (no maps), the criterion's fields among them, then ``axes`` and
         the verdict; a non-finite float becomes ``"inf"``/``"nan"``."""
         data: dict[str, Any] = {}
         for f in fields(self):
-            if f.metadata.get("json", True):
-                value = getattr(self, f.name)
-                if isinstance(value, Criterion):  # its keys sit beside the figures
-                    data.update(value.to_dict())
-                else:
-                    data[f.name] = _json(value)
+            value = getattr(self, f.name)
+            if isinstance(value, Criterion):  # its keys sit beside the figures
+                data.update(value.to_dict())
+            elif f.metadata.get("json", True):
+                data[f.name] = _json(value)
         data.update(
             axes=list(self.axes),
             error_floor_ratio=json_float(self.error_floor_ratio),
@@ -258,14 +229,13 @@ class Comparison:
     buffer_findings: tuple[Finding, ...] = field(default=(), compare=False)
     #: The device ``actual`` was copied from (``"cuda:0"``); None for host memory.
     device: str | None = field(default=None, compare=False)
-    #: The names of the gradients that failed, in packing order: read off the records once.
+    #: The names of the gradients that failed, in packing order.
     failed: tuple[str, ...] = field(init=False)
-    #: Whether every gradient passed.
     passed: bool = field(init=False)
 
     def __post_init__(self) -> None:
         failed = tuple(g.name for g in self.grads if not g.passed)
-        object.__setattr__(self, "failed", failed)  # the frozen record's own derived fields
+        object.__setattr__(self, "failed", failed)  # the frozen record's derived fields
         object.__setattr__(self, "passed", not failed)
 
     @property
@@ -274,8 +244,7 @@ class Comparison:
         return (*self.buffer_findings, *(f for g in self.grads for f in g.findings))
 
     def causes(self, width: int = 0) -> list[str]:
-        """One ``"likely cause: ..."`` line per finding, wrapped to ``width`` columns when it
-        is positive."""
+        """One ``"likely cause: ..."`` line per finding, wrapped to a positive ``width``."""
         lines = [f"likely cause: {f.text}" for f in self.findings]
         if width <= 0:
             return lines
@@ -314,7 +283,7 @@ class Comparison:
     def _columns(self) -> list[tuple[str, str, list[str]]]:
         """Every column: header, alignment and one cell per gradient."""
         gs = self.grads
-        columns = [
+        return [
             ("grad", "l", [g.name for g in gs]),
             ("shape", "l", [str(g.shape) for g in gs]),
             ("dtypes", "l", [f"{g.actual_dtype}/{g.expected_dtype}" for g in gs]),
@@ -329,7 +298,6 @@ class Comparison:
             ("criterion", "l", [g.criterion.words for g in gs]),
             ("result", "l", ["ok" if g.passed else "FAIL" for g in gs]),
         ]
-        return columns
 
     def table(self, *, wide: bool = False, width: int = 100, causes: bool = True) -> str:
         """The report as text: a title, the table and, where every gradient shares them, the
@@ -341,45 +309,36 @@ class Comparison:
         (``shape``, ``max rel``, ...) until every line fits ``width`` characters; a last line
         names what was left out. ``wide=True`` shows every column.
         """
-        below = self.causes(0 if wide else width) if causes else []
-        return "\n".join([*self._table(wide, width), *below])
-
-    def _table(self, wide: bool, width: int) -> list[str]:
-        """:meth:`table`'s lines without the causes below it."""
         columns = self._columns()
-        if wide:
-            return [self._title(), _render(columns)]
-        by_name = {header: cells for header, _, cells in columns}
-        shared = []
-        skip = set()
-        for header in ("dtypes", "criterion"):
-            if len(set(by_name[header])) == 1 and self.grads:
-                shared.append(
-                    by_name[header][0]
-                    if header == "criterion"
-                    else by_name[header][0].replace("/", " against ")
-                )
-                skip.add(header)
-        if all(g.error_floor_ratio is None for g in self.grads):
-            skip.add("error/floor")
-        for header in ("nan a/e", "inf a/e"):
-            if all(cell == "0/0" for cell in by_name[header]):
-                skip.add(header)
-        kept = [c for c in columns if c[0] not in skip]
-        dropped = []
-        for header in _DROP_ORDER:
-            if _width(kept) <= width:
-                break
-            if any(c[0] == header for c in kept):
-                kept = [c for c in kept if c[0] != header]
-                dropped.append(header)
         lines = [self._title()]
-        if shared:
-            lines.append("; ".join(shared))
-        lines.append(_render(kept))
-        if dropped:
-            lines.append(f"(left out to fit {width} columns: {', '.join(dropped)}; wide shows all)")
-        return lines
+        if wide:
+            lines.append(_render(columns))
+        else:
+            cells = {header: cells for header, _, cells in columns}
+            shared = [h for h in ("dtypes", "criterion") if self.grads and len(set(cells[h])) == 1]
+            if shared:
+                lines.append("; ".join(cells[h][0].replace("/", " against ") if h == "dtypes"
+                                       else cells[h][0] for h in shared))  # fmt: skip
+            skip = set(shared)
+            if all(g.error_floor_ratio is None for g in self.grads):
+                skip.add("error/floor")
+            skip |= {h for h in ("nan a/e", "inf a/e") if set(cells[h]) <= {"0/0"}}
+            kept = [c for c in columns if c[0] not in skip]
+            dropped = []
+            for header in _DROP_ORDER:
+                if max(map(len, _render(kept).splitlines())) <= width:
+                    break
+                if header in {c[0] for c in kept}:
+                    kept = [c for c in kept if c[0] != header]
+                    dropped.append(header)
+            lines.append(_render(kept))
+            if dropped:
+                lines.append(
+                    f"(left out to fit {width} columns: {', '.join(dropped)}; wide shows all)"
+                )
+        if causes:
+            lines.extend(self.causes(0 if wide else width))
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return self.table()
@@ -465,10 +424,6 @@ _DROP_ORDER = ("shape", "max rel", "dtypes", "criterion", "inf a/e", "nan a/e", 
 def _render(columns: list[tuple[str, str, list[str]]]) -> str:
     rows = [list(row) for row in zip(*(c[2] for c in columns), strict=True)]
     return text_table([c[0] for c in columns], rows, align="".join(c[1] for c in columns))
-
-
-def _width(columns: list[tuple[str, str, list[str]]]) -> int:
-    return max(len(line) for line in _render(columns).splitlines())
 
 
 def _value(x: float | None) -> str:
