@@ -293,19 +293,6 @@ def test_a_failed_save_leaves_nothing_behind(
         assert target.read_bytes() == b"old"
 
 
-def test_a_failed_tensor_write_leaves_nothing_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    fixture = _fixture()
-    # Three tensors are written, then the fourth name is one the fixture does not have.
-    monkeypatch.setattr(
-        gdn_layout.files._safetensors, "data_order", lambda codes: [*sorted(codes)[:3], "nope"]
-    )
-    with pytest.raises(KeyError, match="nope"):
-        save_fixture(tmp_path / "x.safetensors", fixture)
-    assert list(tmp_path.iterdir()) == []
-
-
 def test_save_never_replaces_a_file_that_appears_meanwhile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
