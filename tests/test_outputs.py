@@ -1,5 +1,5 @@
-"""``files._outputs``: kernel output in any form, and a report that reads well: dtype
-spellings, flags, widths."""
+"""Kernel outputs in every file kind ``open_packed`` reads, and the report the command line
+prints of them."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 from safetensors.numpy import save_file
 
 from gdn_layout import GdnBackwardLayout, __version__, compare, load_fixture, unpack
-from gdn_layout._arrays import as_packed
 from gdn_layout.cli import _parser
 from gdn_layout.files import FixtureError, open_packed, save_fixture
 from gdn_layout.generate import make_fixture
@@ -166,35 +165,6 @@ def test_torch_save_files(case: Path, tmp_path: Path) -> None:
     )
 
 
-def test_any_array_in_python(case: Path) -> None:
-    fx = load_fixture(case)
-    kernel = _kernel(case)
-
-    class Wrapped:
-        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
-            return kernel
-
-    assert compare(Wrapped(), fx.packed, LAYOUT).failed == ("dk",)  # type: ignore[arg-type]
-    assert as_packed(kernel) is kernel
-    with pytest.raises(TypeError, match="must be an array"):
-        compare([0.0] * LAYOUT.total_elems, fx.packed, LAYOUT)  # type: ignore[arg-type]
-
-
-@pytest.mark.slow  # imports torch: about a second, once per process
-def test_torch_tensors_are_read_without_a_copy(case: Path) -> None:
-    torch = pytest.importorskip("torch")
-    fx = load_fixture(case)
-    tensor = torch.from_numpy(_kernel(case))
-    view = as_packed(tensor)
-    assert np.shares_memory(view, tensor.numpy())
-    assert compare(tensor, fx.packed, LAYOUT, floors=fx.floors).failed == ("dk",)
-    half = tensor.to(torch.bfloat16)
-    viewed = as_packed(half)
-    assert viewed.dtype == ml_dtypes.bfloat16
-    assert np.shares_memory(viewed, half.view(torch.int16).numpy())
-    assert compare(half, fx.packed, LAYOUT, floors=fx.floors).failed == ("dk",)
-
-
 # -- report clarity ---------------------------------------------------------------------------
 
 
@@ -320,21 +290,3 @@ def test_a_npy_that_is_not_floating_is_the_users_error(
     for result in (run("compare", path, case), run("inspect", path, *FLAGS)):
         assert_user_error(result, "a packed gradient has a floating dtype, got")
         assert hint in result.stderr
-
-
-def test_error_map_reads_any_array_as_compare_does(case: Path) -> None:
-    from gdn_layout.check import error_map
-
-    class Wrapped:
-        def __init__(self, array: np.ndarray) -> None:
-            self.array = array
-
-        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
-            return self.array
-
-    expected = np.array(load_fixture(case).packed)
-    actual = _kernel(case)
-    np.testing.assert_array_equal(
-        error_map(Wrapped(actual), Wrapped(expected), LAYOUT, "dk"),  # type: ignore[arg-type]
-        error_map(actual, expected, LAYOUT, "dk"),
-    )

@@ -77,12 +77,10 @@ def _link_new(tmp: Path, path: Path) -> None:
     """Give ``tmp`` the name ``path``, which must not exist: a hard link fails if it does."""
     try:
         os.link(tmp, path)
-    except FileExistsError:
-        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it") from None
-    except OSError:  # pragma: no cover - a filesystem without hard links
-        if os.path.lexists(path):
+    except OSError as err:
+        if isinstance(err, FileExistsError) or os.path.lexists(path):
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it") from None
-        os.rename(tmp, path)
+        os.rename(tmp, path)  # pragma: no cover - a filesystem without hard links
 
 
 def write_folder(
@@ -397,18 +395,8 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def open_regular(path: Path, *, dir_fd: int | None = None) -> BinaryIO:
-    """Open ``path`` (in the open folder ``dir_fd`` when given) for binary reading, refusing
-    what is not a regular file before opening it (a FIFO's open would wait) and after.
-
-    Raises
-    ------
-    FileNotFoundError
-        ``path`` does not exist.
-    NotRegularFileError
-        ``path`` is a folder, a FIFO, a device or a socket.
-    OSError
-        Any other failure to reach the file (a symlink loop, no permission, ...).
-    """
+    """Open ``path`` (in the open folder ``dir_fd`` when given) for binary reading; a
+    :class:`NotRegularFileError` before opening it (a FIFO's open would wait) and after."""
     name = path.name if dir_fd is not None else path
     _require_regular(os.stat(name, dir_fd=dir_fd).st_mode, path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)

@@ -185,13 +185,7 @@ class Fixture:
 
     def check_unchanged(self) -> None:
         """Raise :class:`FixtureError` if the mapped file changed since it was loaded (size,
-        modification time or inode); see docs/files.md, *Memory mapping*.
-
-        Raises
-        ------
-        FixtureError
-            The mapped file was truncated, grown, rewritten, replaced or removed.
-        """
+        modification time or inode); see docs/files.md, *Memory mapping*."""
         if self.stamp is not None and self.path is not None:
             self.stamp.check(self.path)
 
@@ -284,21 +278,8 @@ def _check_provenance(regime: object, seed: object, compute_dtype: object, where
 def save_fixture(
     path: str | os.PathLike[str], fixture: Fixture, *, overwrite: bool = False
 ) -> Path:
-    """Write ``fixture`` to ``path`` as a safetensors file, atomically (docs/files.md).
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The file to write.
-    fixture : Fixture
-        What to write.
-    overwrite : bool
-        Replace an existing file.
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``.
+    """Write ``fixture`` to ``path`` as a safetensors file, atomically (docs/files.md);
+    replace an existing regular file only with ``overwrite``. Return ``path``.
 
     Raises
     ------
@@ -330,22 +311,10 @@ def save_fixture(
 
 
 def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
-    """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer).
-
-    A file under :data:`MAP_THRESHOLD` is read into memory, a larger one memory-mapped
+    """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer):
+    its tensors read-only, ``path`` and ``writer_version`` set. A file of
+    :data:`MAP_THRESHOLD` bytes or more is memory-mapped unless ``mmap`` is false
     (docs/files.md, *Memory mapping*).
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The fixture file.
-    mmap : bool
-        Memory-map a file of :data:`MAP_THRESHOLD` bytes or more rather than read it.
-
-    Returns
-    -------
-    Fixture
-        Its tensors read-only, ``path`` and ``writer_version`` set.
 
     Raises
     ------
@@ -369,9 +338,8 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
 def load_checked(
     path: Path, *, size: int | None, sha256: str, said: str, dir_fd: int | None = None
 ) -> Fixture:
-    """:func:`load_fixture`, refusing a file whose size (checked first) or SHA-256 is not the
-    given one; the bytes hashed are those the fixture holds. ``said`` introduces the expected
-    values in messages; ``dir_fd`` is the open folder ``path`` is named in."""
+    """:func:`load_fixture` of a file whose size (checked first) and SHA-256 must be these
+    (``said`` introduces them in messages), named in the open folder ``dir_fd``."""
     return _load(path, True, size, sha256, said, dir_fd)
 
 
