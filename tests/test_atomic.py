@@ -254,18 +254,23 @@ def test_a_full_disk_names_the_file(
 
 
 def test_a_read_only_folder_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a read-only filesystem: no file is created, and removing the temporary fails too.
     real_open = os.open
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
 
     def read_only(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if flags & os.O_CREAT:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+            refused(path)
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", read_only)
+    monkeypatch.setattr(os, "unlink", refused)
     target = tmp_path / "x.safetensors"
     with pytest.raises(OSError, match="Read-only file system") as info:
         save_fixture(target, make_fixture(LAYOUT))
-    assert info.value.filename == str(target)
+    assert str(info.value) == f"[Errno 30] Read-only file system: '{target}'"
 
 
 @pytest.mark.skipif(

@@ -142,6 +142,23 @@ def test_load_memory_maps_a_large_file(saved: Path, monkeypatch: pytest.MonkeyPa
     assert not in_memory.q.flags.writeable
 
 
+def test_unchanged_says_what_it_does_and_holds_no_writer_off(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gdn_layout.files._mapping, "MAP_THRESHOLD", 0)
+    fixture = load_fixture(saved)
+    assert "lease" not in (Fixture.unchanged.__doc__ or "")  # none is taken
+    held = fixture.unchanged()
+    held.__enter__()
+    start = time.monotonic()
+    with open(saved, "r+b") as file:  # a writer is not held off...
+        file.write(saved.read_bytes()[:8])
+    os.utime(saved, ns=(0, 0))
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(FixtureError, match="changed while it was judged"):
+        held.__exit__(None, None, None)  # ...and what it did is found on the way out
+
+
 def test_a_multi_gib_fixture_opens_without_being_read(tmp_path: Path) -> None:
     layout = GdnBackwardLayout(1, 32768, 16, 128, carry_state=True)
     meta = _fixture(regime="zero", seed=0).metadata() | {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -116,11 +117,12 @@ def test_npz_files(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     grads["dq"] = grads["dq"][:, :2]
     np.savez(tmp_path / "short.npz", **grads)  # type: ignore[arg-type]
     assert_user_error(run("compare", "short.npz", case, cwd=tmp_path), "its gradients do not pack")
-    # A member that says it holds more than the memory left is refused before it is read.
+    # Members that say they hold more than the memory left are refused before they are read.
     monkeypatch.setattr("gdn_layout.files._outputs.available_memory", lambda: (64, "a test"))
     assert_user_error(
         run("compare", "packed.npz", case, cwd=tmp_path),
-        "packed.npz: its member 'packed.npy' says it holds",
+        "packed.npz: its 2 members say they hold",
+        "in all, more than the 64 B available (a test)",
     )
     monkeypatch.undo()
     grads = _gradients(case)
@@ -140,6 +142,45 @@ def test_npz_files(case: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert open_packed(str(tmp_path / "named.pt")).kind == "safetensors"
     (tmp_path / "broken.npz").write_bytes(b"PK\x03\x04 not a zip")
     assert_user_error(run("compare", "broken.npz", case, cwd=tmp_path), "not a .npz or torch.save")
+
+
+def test_npz_members_are_refused_by_their_sum_before_inflating(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "two.npz"
+    np.savez_compressed(path, a=np.zeros(1 << 18), b=np.zeros(1 << 18))  # 2 MiB each, inflated
+    assert path.stat().st_size < 1 << 16
+    monkeypatch.setattr("gdn_layout.files._outputs.available_memory", lambda: (3 << 20, "a test"))
+    monkeypatch.setattr(np, "load", lambda *args, **kwargs: pytest.fail("inflated"))
+    with pytest.raises(
+        ValueError, match=r"two\.npz: its 2 members say they hold 4\.0 MiB in all, more"
+    ):
+        open_packed(str(path))
+
+
+class _Payload:
+    """A pickled call, which a weights-only load refuses."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.slow  # imports torch: about a second, once per process
+def test_a_pickled_payload_in_a_pt_is_refused_in_one_line_and_never_run(
+    case: Path, tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    marker = tmp_path / "ran"
+    torch.save({"packed": _Payload(marker)}, tmp_path / "evil.pt")
+    assert_user_error(
+        run("compare", "evil.pt", case, cwd=tmp_path),
+        "evil.pt: cannot be read by torch.load(weights_only=True), which runs no code from",
+        "posix.system",
+    )
+    assert not marker.exists()
 
 
 @pytest.mark.slow  # imports torch: about a second, once per process

@@ -67,7 +67,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     except OSError as err:
         raise _naming(err, path, tmp) from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a read-only folder's EROFS: the first error stands
             os.unlink(tmp)
     _fsync_dir(path.parent)
     return path

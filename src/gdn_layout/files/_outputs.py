@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import zipfile
 from pathlib import Path
 from typing import Any, Final, NamedTuple
@@ -189,14 +190,12 @@ def _zipped(path: str, file: Path) -> PackedFile:
             f"{path}: not a .npz or torch.save file ({error}; torch.save's format before "
             "PyTorch 1.6 is not read: save with torch 1.6 or later)"
         ) from None
-    room = available_memory()
-    for member in members:  # a declared size is checked before anything is inflated
-        if room is not None and member.file_size > room[0]:
-            raise ValueError(
-                f"{path}: its member {member.filename!r} says it holds "
-                f"{human_bytes(member.file_size)}, more than the {human_bytes(room[0])} "
-                f"available ({room[1]})"
-            )
+    room, total = available_memory(), sum(m.file_size for m in members)
+    if room is not None and total > room[0]:  # from the zip's directory, before inflating
+        raise ValueError(
+            f"{path}: its {len(members)} members say they hold {human_bytes(total)} in all, "
+            f"more than the {human_bytes(room[0])} available ({room[1]})"
+        )
     if any(m.filename.endswith("/data.pkl") or m.filename == "data.pkl" for m in members):
         return _arrays(path, ".pt", _torch_arrays(path, file))
     others = [m.filename for m in members if not m.filename.endswith(".npy")]
@@ -226,8 +225,13 @@ def _torch_arrays(path: str, file: Path) -> dict[str, NDArray[Any]]:
     try:
         loaded = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's own errors: not a file it reads with weights only
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        # A refused pickle: torch's advice to load it unsafely first, then what it refused.
+        pickled = isinstance(error, pickle.UnpicklingError) and len(lines) > 1
+        why = lines[1] if pickled else lines[0] if lines else type(error).__name__
         raise ValueError(
-            f"{path}: cannot be read by torch.load(weights_only=True): {error}"
+            f"{path}: cannot be read by torch.load(weights_only=True), which runs no code "
+            f"from the file: {why}"
         ) from None
     arrays = {}
     for name, value in loaded.items() if isinstance(loaded, dict) else [("", loaded)]:
