@@ -361,7 +361,14 @@ def _load(
     if sha256 is not None:
         check_digest(hashlib.sha256(data.data).hexdigest(), sha256, path, said)
     header = safetensors.parse_header(safetensors.of_buffer(data), data.size, path)
-    return _build(path, _metadata(path, header), header, data, None)
+    return fixture_of(path, header, data, None)
+
+
+def fixture_of(
+    path: Path, header: safetensors.Header, buffer: NDArray[np.uint8], stamp: FileStamp | None
+) -> Fixture:
+    """The fixture whose file at ``path``, with this parsed ``header``, holds ``buffer``."""
+    return _build(path, _metadata(path, header), header, buffer, stamp)
 
 
 def _load_mapped(

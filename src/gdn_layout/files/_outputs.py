@@ -20,7 +20,7 @@ from ..layout import GdnBackwardLayout
 from . import _mapping
 from . import _safetensors as safetensors
 from ._atomic import open_regular
-from ._fixture import FORMAT, Fixture, load_fixture
+from ._fixture import FORMAT, Fixture, fixture_of
 from ._mapping import FileStamp, held, map_file, read_all
 from ._safetensors import FixtureError
 
@@ -104,11 +104,13 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     if kind == "zip":
         return _zipped(path, file)
     if kind == "fixture":
-        if not _is_fixture(file):
-            packed, stamp = _plain_safetensors(file)
-            return PackedFile(path, "safetensors", packed, None, stamp=stamp)
-        fx = load_fixture(path)
-        return PackedFile(path, kind, fx.packed, fx.layout, fx.floors, fx, fx.stamp)
+        buffer, stamp = _contents(file)
+        header = safetensors.parse_header(safetensors.of_buffer(buffer), buffer.size, file)
+        meta = header.metadata
+        if isinstance(meta, dict) and meta.get("format") == FORMAT:
+            fx = fixture_of(file, header, buffer, stamp)
+            return PackedFile(path, kind, fx.packed, fx.layout, fx.floors, fx, fx.stamp)
+        return PackedFile(path, "safetensors", _plain(file, header, buffer), None, stamp=stamp)
     if dtype is None:
         raise ValueError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
     resolved = resolve(dtype, "dtype")
@@ -141,24 +143,30 @@ def _npy(path: str, head: bytes, status: os.stat_result) -> PackedFile:
             packed = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OverflowError, MemoryError) as error:
         # Python objects, a damaged header, or a shape no array can have
-        raise ValueError(f"{path}: cannot be read as a packed buffer: {error}") from None
+        claimed = _claimed(Path(path))
+        raise ValueError(f"{path}: cannot be read as a packed buffer: {claimed}{error}") from None
     stamp = FileStamp.of(Path(path), status) if isinstance(packed, np.memmap) else None
     return PackedFile(path, ".npy", packed, None, stamp=stamp)
 
 
-def _is_fixture(path: Path) -> bool:
-    """Whether a safetensors file says it is a gdn-layout fixture (a damaged one counts)."""
+def _claimed(path: Path) -> str:
+    """What a .npy header claims ("its header claims shape (...) of float32; "), or ""."""
     try:
-        meta = safetensors.read_header(path).metadata
-    except (FixtureError, ImportError):
-        return True  # load_fixture says what is wrong
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
+        with open(path, "rb") as file:
+            read = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(np.lib.format.read_magic(file))
+            if read is None:
+                return ""
+            shape, _, dtype = read(file)
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return ""
+    return f"its header claims shape {tuple(shape)} of {dtype}; "
 
 
-def _plain_safetensors(path: Path) -> tuple[NDArray[Any], FileStamp | None]:
-    """The tensor named ``packed`` of a safetensors file, or its only one, flattened."""
-    buffer, stamp = _contents(path)
-    header = safetensors.parse_header(safetensors.of_buffer(buffer), buffer.size, path)
+def _plain(path: Path, header: safetensors.Header, buffer: NDArray[np.uint8]) -> NDArray[Any]:
+    """The tensor named ``packed`` of a plain safetensors file, or its only one, flattened."""
     safetensors.check_tiling(header.entries, header.size - header.data_start, path)
     by_name = {e.name: e for e in header.entries}
     entry = by_name.get("packed", header.entries[0] if len(by_name) == 1 else None)
@@ -168,7 +176,7 @@ def _plain_safetensors(path: Path) -> tuple[NDArray[Any], FileStamp | None]:
             "name the packed gradient 'packed', or write it alone"
         )
     start = header.data_start
-    return buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1), stamp
+    return buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
 
 
 def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:

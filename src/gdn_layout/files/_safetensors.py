@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -19,7 +18,7 @@ from numpy.typing import NDArray
 
 from .._checks import MAX_NBYTES, array_can_exist
 from .._dtypes import BF16_HINT, DTYPES
-from ._atomic import NotRegularFileError, open_regular
+from ._atomic import NotRegularFileError
 
 #: The largest header read or written: 1 MiB (a fixture's is about 2 KiB; the official
 #: reader's limit is 100 MB). Checked before the header is read.
@@ -145,12 +144,6 @@ def reading(path: Path) -> Iterator[None]:
 def reason(err: OSError) -> str:
     """What went wrong in ``err``, without the file name it may repeat."""
     return err.strerror or str(err)
-
-
-def read_header(path: Path) -> Header:
-    """The checked header of the safetensors file at ``path`` (FixtureError if it is not one)."""
-    with reading(path), open_regular(path) as file:
-        return parse_header(of_file(file), os.fstat(file.fileno()).st_size, path)
 
 
 #: Reads ``count`` bytes at ``offset`` (fewer at the end) of a file or a buffer.
