@@ -1,7 +1,6 @@
-"""Files and folders written whole or not at all (``files._atomic``): a write leaves at most
-the temporary of a killed writer, which the next write of the same target removes, never a
-live writer's work; a replacement keeps the mode and owner of what it replaces; errors name
-the user's path."""
+"""Files and folders written whole or not at all (docs/files.md, *Saving*): at most a killed
+writer's temporary is left, and the next write removes it, never a live writer's; a
+replacement keeps the mode and owner of what it replaces; errors name the user's path."""
 
 from __future__ import annotations
 
@@ -76,9 +75,7 @@ def _others(folder: Path, *keep: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="temporaries are reclaimed through flock")
-@pytest.mark.parametrize(
-    "name", ["x.safetensors", "a\nb.safetensors", "\u00e9" * 60 + ".st", "\U0001f600" * 55]
-)
+@pytest.mark.parametrize("name", ["a\nb.safetensors", "\U0001f600" * 55])
 def test_a_killed_writer_s_temporary_is_removed_by_the_next_write_of_its_file(
     tmp_path: Path, name: str
 ) -> None:
@@ -111,7 +108,6 @@ def test_a_live_writer_keeps_its_temporary(tmp_path: Path) -> None:
 
 
 def _in_new_pid_namespace() -> tuple[str, ...] | None:
-    """The command prefix that runs a program in a PID namespace of its own, or None."""
     command = ("unshare", "--pid", "--fork", "--kill-child=SIGKILL")
     try:
         done = subprocess.run(
@@ -148,9 +144,7 @@ def test_a_live_writer_in_another_pid_namespace_keeps_its_temporary(tmp_path: Pa
 @pytest.mark.parametrize(
     "name",
     [
-        ".x.safetensors.123.abcdef12.tmp",  # the names temporaries once had
         ".x.safetensors." + "0" * 32 + ".gdn-lock",
-        ".x.safetensors." + "0" * 32 + ".0",
         ".x.safetensors.0123456789abcdef.gdn-tmp.bak",  # a temporary's name, and more
         ".y.safetensors.0123456789abcdef.gdn-tmp",  # another file's temporary
     ],
@@ -190,45 +184,29 @@ def test_a_replaced_file_keeps_its_mode_and_is_private_while_written(tmp_path: P
     assert _others(tmp_path) == ["secret.bin"]
 
 
-def _fifo(path: Path) -> Path:
-    os.mkfifo(path)
-    return path
+def _node(kind: str, path: Path) -> None:
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    elif kind == "a character device":
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    elif kind == "a symbolic link":
+        (path.parent / "target.safetensors").write_bytes(b"theirs")
+        path.symlink_to("target.safetensors")
+    else:
+        path.mkdir()
 
 
-def _null_device(path: Path) -> Path:
-    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
-    return path
-
-
-def _link(path: Path) -> Path:
-    (path.parent / "target.safetensors").write_bytes(b"theirs")
-    path.symlink_to("target.safetensors")
-    return path
-
-
-def _folder(path: Path) -> Path:
-    path.mkdir()
-    return path
+_ROOT = pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs the superuser")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
 @pytest.mark.parametrize(
-    ("make", "kind"),
-    [
-        (_fifo, "a FIFO"),
-        pytest.param(
-            _null_device,
-            "a character device",
-            marks=pytest.mark.skipif(
-                os.name != "posix" or os.geteuid() != 0, reason="only the superuser makes devices"
-            ),
-        ),
-        (_link, "a symbolic link"),
-        (_folder, "a folder"),
-    ],
+    "kind",
+    ["a FIFO", pytest.param("a character device", marks=_ROOT), "a symbolic link", "a folder"],
 )
-def test_overwrite_replaces_only_a_regular_file(tmp_path: Path, make: Any, kind: str) -> None:
-    node = make(tmp_path / "x.safetensors")
+def test_overwrite_replaces_only_a_regular_file(tmp_path: Path, kind: str) -> None:
+    node = tmp_path / "x.safetensors"
+    _node(kind, node)
     before = os.lstat(node)
     with pytest.raises(files.NotRegularFileError, match=f"not replaced: .*{kind}") as info:
         save_fixture(node, make_fixture(LAYOUT), overwrite=True)
@@ -276,18 +254,23 @@ def test_a_full_disk_names_the_file(
 
 
 def test_a_read_only_folder_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As on a read-only filesystem: no file is created, and removing the temporary fails too.
     real_open = os.open
+
+    def refused(path: Any, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
 
     def read_only(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if flags & os.O_CREAT:
-            raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
+            refused(path)
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", read_only)
+    monkeypatch.setattr(os, "unlink", refused)
     target = tmp_path / "x.safetensors"
     with pytest.raises(OSError, match="Read-only file system") as info:
         save_fixture(target, make_fixture(LAYOUT))
-    assert info.value.filename == str(target)
+    assert str(info.value) == f"[Errno 30] Read-only file system: '{target}'"
 
 
 @pytest.mark.skipif(
@@ -305,9 +288,7 @@ def test_a_folder_without_write_permission_names_the_file(tmp_path: Path) -> Non
         folder.chmod(0o755)
 
 
-@pytest.mark.skipif(
-    os.name != "posix" or os.geteuid() != 0, reason="only the superuser gives files away"
-)
+@_ROOT
 def test_a_replaced_file_keeps_its_setuid_bits_and_owner(tmp_path: Path) -> None:
     fixture = make_fixture(LAYOUT)
     path = save_fixture(tmp_path / "x.safetensors", fixture)
@@ -366,9 +347,7 @@ def test_a_folder_is_replaced_whole_and_keeps_its_mode(tmp_path: Path, old: str)
         assert stat.S_IMODE(target.stat().st_mode) == 0o2750
 
 
-@pytest.mark.skipif(
-    os.name != "posix" or os.geteuid() != 0, reason="only the superuser gives folders away"
-)
+@_ROOT
 def test_a_replaced_folder_keeps_its_owner(tmp_path: Path) -> None:
     target = tmp_path / "suite"
     target.mkdir()
@@ -471,23 +450,10 @@ def test_a_mount_point_is_refused_in_one_line(tmp_path: Path) -> None:
     assert _others(tmp_path) == ["mnt"]
 
 
-def test_a_read_only_folder_is_replaced_and_keeps_its_mode(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Its mode comes once the new folder is in place (a read-only one would bar the moves
-    # for its owner), and a read-only old folder is opened up to be removed.
+def test_a_read_only_folder_is_replaced_and_keeps_its_mode(tmp_path: Path) -> None:
     target = _old_folder(tmp_path)
     target.chmod(0o555)
-    real, modes = files._install, []
-
-    def install(built: Path, *args: Any, **kwargs: Any) -> Any:
-        modes.append(stat.S_IMODE(built.stat().st_mode))
-        return real(built, *args, **kwargs)
-
-    monkeypatch.setattr(files, "_install", install)
     _write(target)
-    assert len(modes) == 1
-    assert modes[0] & stat.S_IWUSR
     assert stat.S_IMODE(target.stat().st_mode) == 0o555
     assert sorted(os.listdir(target)) == ["new.txt"]
     assert _others(tmp_path) == ["suite"]
@@ -506,18 +472,7 @@ def test_an_error_before_the_work_names_the_folder(
     assert _others(tmp_path) == []
 
 
-def test_names_that_share_their_first_64_bytes_share_no_temporary(tmp_path: Path) -> None:
-    stem = "x" * 64
-    theirs = files._temporary(tmp_path / (stem + "b"))
-    theirs.write_text("another file's temporary")
-    files.atomic_write(tmp_path / (stem + "a"), lambda out: out.write(b"new"), overwrite=False)
-    assert theirs.read_text() == "another file's temporary"
-    assert files._temporary(tmp_path / (stem + "a")).name != theirs.name
-
-
-@pytest.mark.skipif(
-    os.name != "posix" or os.geteuid() != 0, reason="only the superuser gives folders away"
-)
+@_ROOT
 def test_another_user_s_look_alike_folder_is_never_touched(tmp_path: Path) -> None:
     target = tmp_path / "suite"
     planted = files._temporary(target)
@@ -527,23 +482,3 @@ def test_another_user_s_look_alike_folder_is_never_touched(tmp_path: Path) -> No
     os.chown(planted, 65534, 65534)
     _write(target)
     assert (planted / "keys.txt").read_text() == "theirs"
-
-
-def test_an_old_folder_moved_aside_is_not_another_writer_s_to_take(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    target = _old_folder(tmp_path)
-    real, seen = files._exchange, []
-
-    def and_another_writer(a: Path, b: Path) -> bool:
-        done = bool(real(a, b))
-        seen.append(sorted(os.listdir(a)))  # the old folder, where a is now
-        files._remove_abandoned(target, lambda f: [p.name for p in f.glob("*.txt")], None)
-        seen.append(sorted(os.listdir(a)))  # still there: it is locked
-        return done
-
-    monkeypatch.setattr(files, "_exchange", and_another_writer)
-    _write(target)
-    assert seen == [["old.txt"], ["old.txt"]]
-    assert sorted(os.listdir(target)) == ["new.txt"]
-    assert _others(tmp_path) == ["suite"]

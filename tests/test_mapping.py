@@ -1,12 +1,7 @@
-"""``files._mapping``: what a reader holds stays what it checked.
-
-Files that change under a reader: truncated, rewritten or swapped for a FIFO after they were
-checked or loaded, and suites of many files. Each is a FixtureError naming the file (or a
-problem `verify` lists), never a SIGBUS, a hang or a silent pass.
-
-What could kill the process (a SIGBUS) runs in a fresh interpreter, so that the old behaviour
-shows as a failed test rather than a dead pytest session.
-"""
+"""Files that change under a reader (docs/files.md, *Memory mapping*): truncated, rewritten
+or swapped for a FIFO after they were checked or loaded. Each is a FixtureError naming the
+file (or a problem ``verify`` lists), never a SIGBUS, a hang or a silent pass; what could
+kill the process runs in a fresh interpreter."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The files: fixtures (inputs, output and packed gradient, in safetensors) and kernel outputs.
-
-The fixture format (tensors and ``__metadata__``) is in README.md, *Fixtures*; saving,
-loading and memory mapping in docs/files.md. The record and its files are in
-``files._fixture``, the format in ``files._safetensors``, atomic writes in ``files._atomic``,
-memory maps in ``files._mapping``, kernel outputs in ``files._outputs``.
+"""Fixtures (inputs, output and packed gradient, in safetensors) and kernel outputs: the
+format is in README.md, *Fixtures*; saving, loading and memory mapping in docs/files.md.
 
 >>> import tempfile, pathlib
 >>> import numpy as np

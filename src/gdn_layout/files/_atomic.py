@@ -1,6 +1,5 @@
 """Files and folders written whole or not at all, and files opened for reading only when they
-are regular files: docs/files.md, *Saving* and *Suites: all or nothing*.
-"""
+are regular files: docs/files.md, *Saving* and *Suites: all or nothing*."""
 
 from __future__ import annotations
 
@@ -16,9 +15,7 @@ import stat
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, BinaryIO, Final, TypeVar
-
-__all__ = ["NotRegularFileError", "atomic_write", "open_regular", "write_folder"]
+from typing import IO, BinaryIO, TypeVar
 
 try:
     import fcntl
@@ -26,10 +23,7 @@ except ImportError:  # pragma: no cover - not POSIX: nothing is locked, nothing 
     fcntl = None  # type: ignore[assignment]
 
 _T = TypeVar("_T")
-
-#: A temporary's name: ``.{target}.{token}.gdn-tmp``, the target's name cut to 64 bytes.
-_SUFFIX: Final = ".gdn-tmp"
-_NAME_BYTES: Final = 64
+_DIRECTORY = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0)
 
 
 class NotRegularFileError(OSError):
@@ -37,15 +31,14 @@ class NotRegularFileError(OSError):
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: bool) -> Path:
-    """Call ``write`` on a temporary file next to ``path``, flush it to disk, then move it to
-    ``path``; return ``path``.
+    """Call ``write`` on a temporary file next to ``path``, fsync it and move it to ``path``.
 
     Raises
     ------
     FileExistsError
         ``path`` exists and ``overwrite`` is false (checked again as the file moves in).
     NotRegularFileError
-        ``path`` is a folder, a FIFO, a device, a socket or a symbolic link: never replaced.
+        ``path`` is not a regular file (a folder, a FIFO, a device, a symbolic link).
     FileNotFoundError
         The folder of ``path`` does not exist.
     OSError
@@ -59,7 +52,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     _remove_abandoned(path)
     tmp = _temporary(path)
     try:
-        # Replacing, the file is its owner's alone until it has the old one's mode.
+        # A replacement is its owner's alone until it has the old file's mode.
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         with os.fdopen(os.open(tmp, flags, 0o666 if old is None else 0o600), "wb") as out:
             _lock(out.fileno())
@@ -74,7 +67,7 @@ def atomic_write(path: Path, write: Callable[[IO[bytes]], None], *, overwrite: b
     except OSError as err:
         raise _naming(err, path, tmp) from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a read-only folder's EROFS: the first error stands
             os.unlink(tmp)
     _fsync_dir(path.parent)
     return path
@@ -84,12 +77,10 @@ def _link_new(tmp: Path, path: Path) -> None:
     """Give ``tmp`` the name ``path``, which must not exist: a hard link fails if it does."""
     try:
         os.link(tmp, path)
-    except FileExistsError:
-        raise FileExistsError(f"{path} exists; pass overwrite=True to replace it") from None
-    except OSError:  # pragma: no cover - a filesystem without hard links
-        if os.path.lexists(path):
+    except OSError as err:
+        if isinstance(err, FileExistsError) or os.path.lexists(path):
             raise FileExistsError(f"{path} exists; pass overwrite=True to replace it") from None
-        os.rename(tmp, path)
+        os.rename(tmp, path)  # pragma: no cover - a filesystem without hard links
 
 
 def write_folder(
@@ -103,15 +94,14 @@ def write_folder(
     """Build a folder with ``fill`` (given a new empty folder next to ``target``), then put it
     at ``target``; return what ``fill`` returned.
 
-    With ``overwrite``, a ``target`` ``replaceable`` has no objection to (it returns why not,
-    or None) is exchanged with the new folder, checked again, and of it only the entries
-    ``own`` names removed (None: unfinished work, removed whole); see docs/files.md.
+    With ``overwrite``, a ``target`` that ``replaceable`` does not object to (it returns why
+    not, or None) is exchanged with the new folder, checked again, and of it only the entries
+    ``own`` names are removed (None: unfinished work, removed whole).
 
     Raises
     ------
     FileExistsError
-        ``target`` exists and is not empty (without ``overwrite``), is not a folder, or is not
-        ``replaceable``.
+        ``target`` is not a folder, is not empty (without ``overwrite``) or not replaceable.
     OSError
         ``fill`` or a move failed: nothing of the new folder is left, and the error names
         ``target`` where it named the temporary folder.
@@ -153,10 +143,10 @@ def write_folder(
 
 @contextlib.contextmanager
 def _locked_folder(path: Path) -> Iterator[None]:
-    """Within the block, the folder at ``path`` (if any) is locked as a temporary is: moved
-    aside, it is this writer's to remove, not another writer's to reclaim."""
+    """The folder at ``path`` (if any) locked as a temporary is, so that once moved aside it
+    is this writer's to remove, not another's to reclaim."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(path, _DIRECTORY)
     except OSError:  # missing, or not a folder: _install says what
         yield
         return
@@ -224,13 +214,12 @@ def _require_replaceable(
 
 
 def _remove_own(folder: Path, own: Callable[[Path], Iterable[str] | None]) -> None:
-    """Remove the regular files of ``folder`` that ``own`` names, then it if it is empty; all
-    of it when ``own`` names nothing (None: unfinished work). The last name (a manifest) goes
-    last, and only when nothing else is left: a folder that keeps something of someone
-    else's keeps saying what in it was its own. Files go through the open folder, so a link
-    planted in its place leads nowhere else."""
+    """Remove the regular files of ``folder`` that ``own`` names, through the open folder (a
+    link planted in its place leads nowhere else), then it if empty; all of it when ``own``
+    names nothing. The last name (a manifest) goes only when nothing else is left, so that a
+    folder keeping something of someone else's still says what in it was its own."""
     try:
-        fd = os.open(folder, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_DIRECTORY", 0))
+        fd = os.open(folder, _DIRECTORY)
     except OSError:
         return
     try:
@@ -269,21 +258,18 @@ def _same(fd: int, path: Path) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
-# -- temporaries ----------------------------------------------------------------------------------
-
-
 def _prefix(target: Path) -> str:
-    """The start of every temporary's name of ``target``: its name, or, past 64 bytes, their
-    first 48 and a digest of the whole (names that share a beginning share no temporary)."""
+    """The start of a temporary's name of ``target``: ``.NAME.``, a name over 64 bytes cut to
+    48 and a digest of the whole (names that share a beginning share no temporary)."""
     name = os.fsencode(target.name)
-    if len(name) > _NAME_BYTES:
+    if len(name) > 64:
         name = name[:48] + b"~" + hashlib.sha256(name).hexdigest()[:12].encode()
     return "." + os.fsdecode(name) + "."
 
 
 def _temporary(target: Path) -> Path:
     """A fresh name next to ``target`` for a temporary of its write."""
-    return target.with_name(f"{_prefix(target)}{secrets.token_hex(8)}{_SUFFIX}")
+    return target.with_name(f"{_prefix(target)}{secrets.token_hex(8)}.gdn-tmp")
 
 
 def _lock(fd: int) -> None:
@@ -298,14 +284,12 @@ def _remove_abandoned(
     own: Callable[[Path], Iterable[str] | None] | None = None,
     replaceable: Callable[[Path], str | None] | None = None,
 ) -> None:
-    """Remove the temporaries of earlier writes of ``target`` whose writer has ended and
-    that this user owns: a file, or a folder as :func:`write_folder` removes one it replaced
-    (with ``own``). Given ``replaceable`` (a write that replaces), a whole folder (it says
-    nothing against it, and every file ``own`` names is there) left where ``target`` is
-    missing, by a writer stopped between two renames, is moved back instead."""
+    """Remove this user's temporaries of earlier writes of ``target`` whose writer has ended
+    (folders as :func:`_remove_own` does). Given ``replaceable``, a whole folder left where
+    ``target`` is missing (a writer stopped between two renames) is moved back instead."""
     if fcntl is None:  # pragma: no cover
         return
-    pattern = re.compile(re.escape(_prefix(target)) + "[0-9a-f]{16}" + re.escape(_SUFFIX))
+    pattern = re.compile(re.escape(_prefix(target)) + "[0-9a-f]{16}" + re.escape(".gdn-tmp"))
     with contextlib.suppress(OSError), os.scandir(target.parent) as entries:
         found = [Path(e.path) for e in entries if pattern.fullmatch(e.name)]
     for path in found:
@@ -329,21 +313,17 @@ def _unlocked(path: Path) -> Iterator[str | None]:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         status = os.fstat(fd)
-        mode = status.st_mode
-        if status.st_uid != os.geteuid():  # another user's: never this writer's work
-            yield None
-            return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # its writer runs
+            if status.st_uid != os.geteuid():  # another user's: never this writer's work
+                raise OSError
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while its writer runs
+        except OSError:
             yield None
             return
+        mode = status.st_mode
         yield "folder" if stat.S_ISDIR(mode) else "file" if stat.S_ISREG(mode) else None
     finally:
         os.close(fd)
-
-
-# -- the system's part ----------------------------------------------------------------------------
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -365,17 +345,13 @@ def _exchange(a: Path, b: Path) -> bool:
 
 def _naming(err: OSError, path: Path, temporary: Path) -> OSError:
     """``err`` naming ``path``, the user's, where it named nothing or ``temporary``."""
-    name = os.fspath(temporary)
-    where = os.fsdecode(err.filename) if err.filename is not None else None
+    name, where = os.fspath(temporary), err.filename
+    where = os.fsdecode(where) if where is not None else ""
     if err.errno is None or where == os.fspath(path):
         return err
-    if where is not None and where.startswith(name):
-        where = os.fspath(path) + where[len(name) :]
-    elif not where:
-        where = os.fspath(path)
-    else:
-        return err
-    return type(err)(err.errno, err.strerror, where)
+    if where.startswith(name) or not where:
+        return type(err)(err.errno, err.strerror, os.fspath(path) + where[len(name) :])
+    return err
 
 
 def _status(path: Path) -> os.stat_result | None:
@@ -386,9 +362,8 @@ def _status(path: Path) -> os.stat_result | None:
 
 
 def _replaced(path: Path) -> os.stat_result | None:
-    """The status of the file ``path`` names, which a write may replace; None when there is
-    none. Anything but a regular file is refused: a write never replaces a device or a FIFO
-    (as root, ``/dev/null``) with a file."""
+    """The status of the regular file a write may replace (None when there is none); never a
+    link, a device or a FIFO (as root, ``/dev/null``)."""
     status = _status(path)
     if status is not None and stat.S_ISLNK(status.st_mode):
         raise NotRegularFileError(
@@ -400,13 +375,12 @@ def _replaced(path: Path) -> os.stat_result | None:
 
 
 def _keep_identity(fd: int, old: os.stat_result | None) -> None:
-    """Give the new file or folder ``fd`` the permission bits, and where allowed the owner,
-    of ``old`` (when it is of the same kind)."""
+    """Give ``fd`` the permission bits, and where allowed the owner, of ``old`` (when it is
+    of the same kind)."""
     if old is None or stat.S_IFMT(old.st_mode) != stat.S_IFMT(os.fstat(fd).st_mode):
         return
     if hasattr(os, "fchown") and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
-        # An ordinary user cannot give a file away: it becomes theirs.
-        with contextlib.suppress(PermissionError):
+        with contextlib.suppress(PermissionError):  # an ordinary user cannot give files away
             os.fchown(fd, old.st_uid, old.st_gid)
     os.fchmod(fd, stat.S_IMODE(old.st_mode))  # after the owner, which clears setuid and setgid
 
@@ -420,23 +394,9 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-# -- reading --------------------------------------------------------------------------------------
-
-
 def open_regular(path: Path, *, dir_fd: int | None = None) -> BinaryIO:
-    """Open ``path`` (relative to the open folder ``dir_fd`` when given) for binary reading,
-    refusing anything that is not a regular file.
-    Checked before opening (a FIFO's open would wait for a writer) and again after.
-
-    Raises
-    ------
-    FileNotFoundError
-        ``path`` does not exist.
-    NotRegularFileError
-        ``path`` is a folder, a FIFO, a device or a socket.
-    OSError
-        Any other failure to reach the file (a symlink loop, no permission, ...).
-    """
+    """Open ``path`` (in the open folder ``dir_fd`` when given) for binary reading; a
+    :class:`NotRegularFileError` before opening it (a FIFO's open would wait) and after."""
     name = path.name if dir_fd is not None else path
     _require_regular(os.stat(name, dir_fd=dir_fd).st_mode, path)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
@@ -451,19 +411,17 @@ def open_regular(path: Path, *, dir_fd: int | None = None) -> BinaryIO:
     return file
 
 
+_KINDS = (
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
 def _require_regular(mode: int, path: Path, what: str = "") -> None:
     if not stat.S_ISREG(mode):
-        raise NotRegularFileError(f"{path}: {what}not a regular file: it is {_kind(mode)}")
-
-
-def _kind(mode: int) -> str:
-    kinds = (
-        (stat.S_ISREG, "a regular file"),
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((name for test, name in kinds if test(mode)), "of another kind")
+        kind = next((name for test, name in _KINDS if test(mode)), "of another kind")
+        raise NotRegularFileError(f"{path}: {what}not a regular file: it is {kind}")

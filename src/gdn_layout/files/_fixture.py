@@ -1,4 +1,4 @@
-"""The fixture record, and its safetensors files."""
+"""The fixture record and its safetensors files (README.md, *Fixtures*; docs/files.md)."""
 
 from __future__ import annotations
 
@@ -25,22 +25,11 @@ from ..regimes import REGIMES
 from . import _mapping
 from . import _safetensors as safetensors
 from ._atomic import atomic_write, open_regular
-from ._mapping import MAP_THRESHOLD, FileStamp, buffered, check_digest, held, map_file, read_all
+from ._mapping import MAP_THRESHOLD, FileStamp, check_digest, held, map_file, read_all
 from ._safetensors import Entry, FixtureError, dtype_code
 
-__all__ = [
-    "FORMAT",
-    "FORMAT_VERSION",
-    "MAP_THRESHOLD",
-    "FileStamp",
-    "Fixture",
-    "FixtureError",
-    "GdnInputs",
-    "check_seed",
-    "load_fixture",
-    "resolve_dtype",
-    "save_fixture",
-]
+__all__ = ["FORMAT", "FORMAT_VERSION", "MAP_THRESHOLD", "Fixture", "FixtureError", "GdnInputs"]
+__all__ += ["load_fixture", "save_fixture"]
 
 #: The ``format`` metadata value that marks a gdn-layout fixture.
 FORMAT: Final = "gdn-layout-fixture"
@@ -48,8 +37,7 @@ FORMAT: Final = "gdn-layout-fixture"
 FORMAT_VERSION: Final = 1
 #: The tensors of a fixture file, in the reference's argument order then ``y`` and ``packed``.
 TENSOR_NAMES: Final = ("q", "k", "v", "g", "beta", "state", "dy", "y", "packed")
-#: The states a fixture may also hold: the state after the last step (whenever the state is
-#: carried), and with ``states_chunk`` the state entering each chunk and its cotangent.
+#: The states a fixture may also hold (the final state; with ``states_chunk``, h and dh).
 STATE_NAMES: Final = ("final_state", "h", "dh")
 #: The tensors besides the gradients that have precision floors (``state_floors``).
 STATE_FLOOR_NAMES: Final = ("y", *STATE_NAMES)
@@ -116,14 +104,12 @@ class Fixture:
     regime: str | None = field(default=None, kw_only=True)
     seed: int | None = field(default=None, kw_only=True)
     compute_dtype: str | None = field(default=None, kw_only=True)
-    #: The precision floors measured when the fixture was made (see :mod:`gdn_layout.check`):
-    #: ``{dtype: {gradient: (rms, max)}}``, or None.
+    #: The precision floors measured when it was made: ``{dtype: {gradient: (rms, max)}}``.
     floors: Floors | None = field(default=None, kw_only=True)
-    #: The state after the last step, ``[B, H, N, N]`` (see :func:`make_fixture`), or None.
+    #: The state after the last step, ``[B, H, N, N]``, or None.
     final_state: NDArray[Any] | None = field(default=None, kw_only=True)
     #: The state entering each chunk of ``states_chunk`` steps and its cotangent,
-    #: ``[B, ceil(S / states_chunk), H, N, N]`` each (:func:`~gdn_layout.reference.chunk_states`),
-    #: or None.
+    #: ``[B, ceil(S / states_chunk), H, N, N]`` each, or None.
     h: NDArray[Any] | None = field(default=None, kw_only=True)
     dh: NDArray[Any] | None = field(default=None, kw_only=True)
     states_chunk: int | None = field(default=None, kw_only=True)
@@ -132,8 +118,7 @@ class Fixture:
     #: The file this fixture was loaded from, and the gdn-layout version that wrote it.
     path: Path | None = field(default=None, kw_only=True)
     writer_version: str | None = field(default=None, kw_only=True)
-    #: The file the arrays are memory-mapped from, as it was when loaded; None when they are
-    #: in memory. Set by :func:`load_fixture`.
+    #: The mapped file as it was when loaded; None when the arrays are in memory.
     stamp: FileStamp | None = field(default=None, kw_only=True, repr=False)
     layout: GdnBackwardLayout = field(init=False)
     grads: GdnGrads = field(init=False, repr=False)
@@ -157,13 +142,11 @@ class Fixture:
             layout = GdnBackwardLayout.from_inputs(self.q, self.g, self.state)
         except (TypeError, ValueError) as err:
             raise ValueError(f"Fixture: {err}") from None
-        if (self.h is None) != (self.dh is None) or (self.h is None) != (self.states_chunk is None):
+        states = {n: getattr(self, n) is not None for n in ("h", "dh", "states_chunk")}
+        if len(set(states.values())) > 1:
             raise ValueError(
                 "Fixture: h, dh and states_chunk are given together or not at all; got "
-                + ", ".join(
-                    f"{n} {'given' if getattr(self, n) is not None else 'None'}"
-                    for n in ("h", "dh", "states_chunk")
-                )
+                + ", ".join(f"{n} {'given' if s else 'None'}" for n, s in states.items())
             )
         if self.states_chunk is not None:
             chunk = integer(self.states_chunk, "Fixture: states_chunk", least=1, or_none=True)
@@ -197,26 +180,19 @@ class Fixture:
 
     @property
     def mapped(self) -> bool:
-        """Whether the tensors are memory-mapped from ``path`` (a file of
-        :data:`MAP_THRESHOLD` bytes or more) rather than held in memory."""
+        """Whether the tensors are memory-mapped from ``path`` rather than held in memory."""
         return self.stamp is not None
 
     def check_unchanged(self) -> None:
         """Raise :class:`FixtureError` if the mapped file changed since it was loaded (size,
-        modification time or inode); see docs/files.md, *Memory mapping*.
-
-        Raises
-        ------
-        FixtureError
-            The mapped file was truncated, grown, rewritten, replaced or removed.
-        """
+        modification time or inode); see docs/files.md, *Memory mapping*."""
         if self.stamp is not None and self.path is not None:
             self.stamp.check(self.path)
 
     def unchanged(self) -> contextlib.AbstractContextManager[None]:
-        """A context holding a mapped fixture's file as loaded: checked on entry and exit, and
-        on Linux under a read lease in between (a writer waits, up to
-        ``/proc/sys/fs/lease-break-time``, instead of a read faulting); see docs/files.md.
+        """A context in which a mapped fixture is judged: its file is checked against the
+        stamp taken at loading on entry and again on exit (nothing holds writers off in
+        between: a change is found at the exit); see docs/files.md.
 
         Raises
         ------
@@ -229,13 +205,8 @@ class Fixture:
     def scales(self) -> dict[str, float]:
         """The scale of the terms forming each gradient that can be far below them,
         ``{"dg": ...}``, for :func:`~gdn_layout.compare`'s ``scales=``; computed once."""
-        return term_scales(
-            self.q,
-            self.k,
-            self.grads.dq,
-            self.grads.dk,
-            per_channel=self.layout.gate_per_channel,
-        )
+        per_channel = self.layout.gate_per_channel
+        return term_scales(self.q, self.k, self.grads.dq, self.grads.dk, per_channel=per_channel)
 
     @property
     def inputs(self) -> GdnInputs:
@@ -255,12 +226,9 @@ class Fixture:
             "gdn_layout_version": __version__,
             "layout": json.dumps(self.layout.to_dict(), sort_keys=True),
         }
-        if self.seed is not None:
-            meta["seed"] = str(self.seed)
-        if self.regime is not None:
-            meta["regime"] = self.regime
-        if self.compute_dtype is not None:
-            meta["compute_dtype"] = self.compute_dtype
+        for key in ("seed", "regime", "compute_dtype"):
+            if getattr(self, key) is not None:
+                meta[key] = str(getattr(self, key))
         if self.floors is not None:
             meta["floors"] = encode_floors(self.floors)
         if self.states_chunk is not None:
@@ -307,29 +275,11 @@ def _check_provenance(regime: object, seed: object, compute_dtype: object, where
         raise ValueError(f"{where}: compute_dtype must be a str or None, got {compute_dtype!r}")
 
 
-# -- files ---------------------------------------------------------------------------------------
-
-
 def save_fixture(
     path: str | os.PathLike[str], fixture: Fixture, *, overwrite: bool = False
 ) -> Path:
-    """Write ``fixture`` to ``path`` as a safetensors file, atomically; return the path.
-
-    A reader sees the old file or the new one, never half of one (docs/files.md).
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The file to write.
-    fixture : Fixture
-        What to write.
-    overwrite : bool
-        Replace an existing file.
-
-    Returns
-    -------
-    pathlib.Path
-        ``path``.
+    """Write ``fixture`` to ``path`` as a safetensors file, atomically (docs/files.md);
+    replace an existing regular file only with ``overwrite``. Return ``path``.
 
     Raises
     ------
@@ -350,8 +300,7 @@ def save_fixture(
     """
     if not isinstance(fixture, Fixture):
         raise TypeError(f"save_fixture: fixture must be a Fixture, got {type(fixture).__name__}")
-    tensors = fixture.tensors()
-    metadata = fixture.metadata()
+    tensors, metadata = fixture.tensors(), fixture.metadata()
     for name, array in tensors.items():
         dtype_code(array.dtype, name)  # before the file is created
 
@@ -362,23 +311,10 @@ def save_fixture(
 
 
 def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
-    """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer).
-
-    A file under :data:`MAP_THRESHOLD` is read into memory, a larger one memory-mapped
+    """Read a fixture written by :func:`save_fixture` (or any conforming safetensors writer):
+    its tensors read-only, ``path`` and ``writer_version`` set. A file of
+    :data:`MAP_THRESHOLD` bytes or more is memory-mapped unless ``mmap`` is false
     (docs/files.md, *Memory mapping*).
-
-    Parameters
-    ----------
-    path : str or os.PathLike
-        The fixture file.
-    mmap : bool
-        Memory-map the tensors of a file of :data:`MAP_THRESHOLD` bytes or more rather than
-        read them.
-
-    Returns
-    -------
-    Fixture
-        Its tensors read-only, ``path`` and ``writer_version`` set.
 
     Raises
     ------
@@ -402,9 +338,8 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
 def load_checked(
     path: Path, *, size: int | None, sha256: str, said: str, dir_fd: int | None = None
 ) -> Fixture:
-    """:func:`load_fixture`, refusing a file whose size (checked first) or SHA-256 is not the
-    given one; the bytes hashed are those the fixture holds. ``said`` introduces the expected
-    values in messages; ``dir_fd`` is the open folder ``path`` is named in."""
+    """:func:`load_fixture` of a file whose size (checked first) and SHA-256 must be these
+    (``said`` introduces them in messages), named in the open folder ``dir_fd``."""
     return _load(path, True, size, sha256, said, dir_fd)
 
 
@@ -416,7 +351,6 @@ def _load(
     said: str,
     dir_fd: int | None = None,
 ) -> Fixture:
-    """The fixture at ``path`` (its name in the open folder ``dir_fd`` when given)."""
     with safetensors.reading(path), open_regular(path, dir_fd=dir_fd) as file:
         status = os.fstat(file.fileno())
         if size is not None and status.st_size != size:
@@ -426,72 +360,35 @@ def _load(
         data = read_all(file, status.st_size, path)
     if sha256 is not None:
         check_digest(hashlib.sha256(data.data).hexdigest(), sha256, path, said)
-    plan = _plan(
-        path, safetensors.parse_header(safetensors.reader_of_buffer(data), data.size, path)
-    )
-    return _build(path, plan, data, None)
+    header = safetensors.parse_header(safetensors.of_buffer(data), data.size, path)
+    return fixture_of(path, header, data, None)
+
+
+def fixture_of(
+    path: Path, header: safetensors.Header, buffer: NDArray[np.uint8], stamp: FileStamp | None
+) -> Fixture:
+    """The fixture whose file at ``path``, with this parsed ``header``, holds ``buffer``."""
+    return _build(path, _metadata(path, header), header, buffer, stamp)
 
 
 def _load_mapped(
     path: Path, file: BinaryIO, status: os.stat_result, sha256: str | None, said: str
 ) -> Fixture:
-    """The fixture in the open ``file``, mapped after it is read and hashed (a read cannot
-    fault)."""
-    plan = _plan(
-        path, safetensors.parse_header(safetensors.reader_of_file(file), status.st_size, path)
-    )
+    """The fixture in the open ``file``, mapped once it is read and hashed (a read of a file
+    cut short fails where a read of a mapping would fault)."""
+    header = safetensors.parse_header(safetensors.of_file(file), status.st_size, path)
+    metadata = _metadata(path, header)
     if sha256 is not None:
         file.seek(0)
-        check_digest(hashlib.file_digest(buffered(file), "sha256").hexdigest(), sha256, path, said)
+        digest = hashlib.file_digest(file, "sha256").hexdigest()  # type: ignore[arg-type]
+        check_digest(digest, sha256, path, said)
     buffer, stamp = map_file(file, status, path)
-    return _build(path, plan, buffer, stamp)
+    return _build(path, metadata, header, buffer, stamp)
 
 
-def _plan(path: Path, header: safetensors.Header) -> tuple[dict[str, str], safetensors.Header]:
-    """The metadata of a fixture's header, and the header, once both are checked."""
-    metadata = _parse_metadata(header.metadata, path)
-    _check_entries(header.entries, _layout_of(metadata, path), _chunk_of(metadata, path), path)
-    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
-    return metadata, header
-
-
-def _build(
-    path: Path,
-    plan: tuple[dict[str, str], safetensors.Header],
-    buffer: NDArray[np.uint8],
-    stamp: FileStamp | None,
-) -> Fixture:
-    metadata, header = plan  # buffer has the header's size: both come from one status
-    start = header.data_start
-    arrays = {
-        e.name: buffer[start + e.start : start + e.end].view(e.dtype).reshape(e.shape)
-        for e in header.entries
-    }
-    try:
-        seed = int(metadata["seed"]) if "seed" in metadata else None
-        floors = decode_floors(metadata["floors"]) if "floors" in metadata else None
-        state_floors = (
-            decode_floors(metadata["state_floors"], STATE_FLOOR_NAMES, "state_floors")
-            if "state_floors" in metadata
-            else None
-        )
-        return Fixture(
-            **arrays,
-            regime=metadata.get("regime"),
-            seed=seed,
-            compute_dtype=metadata.get("compute_dtype"),
-            floors=floors,
-            states_chunk=_chunk_of(metadata, path),
-            state_floors=state_floors,
-            path=path,
-            writer_version=metadata.get("gdn_layout_version"),
-            stamp=stamp,
-        )
-    except (TypeError, ValueError) as err:
-        raise FixtureError(f"{path}: {err}") from None
-
-
-def _parse_metadata(meta: object, path: Path) -> dict[str, str]:
+def _metadata(path: Path, header: safetensors.Header) -> dict[str, str]:
+    """The metadata of a fixture's header, once the header is checked as a fixture's."""
+    meta = header.metadata
     if meta is None:
         raise FixtureError(f"{path}: not a gdn-layout fixture: the header has no __metadata__")
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
@@ -509,7 +406,42 @@ def _parse_metadata(meta: object, path: Path) -> dict[str, str]:
     seed = meta.get("seed")
     if seed is not None and not (seed.isascii() and seed.isdigit()):
         raise FixtureError(f"{path}: metadata seed must be a non-negative integer, got {seed!r}")
+    _check_entries(header.entries, _layout_of(meta, path), _chunk_of(meta, path), path)
+    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
     return meta
+
+
+def _build(
+    path: Path,
+    metadata: dict[str, str],
+    header: safetensors.Header,
+    buffer: NDArray[np.uint8],  # of the header's size: both come from one status
+    stamp: FileStamp | None,
+) -> Fixture:
+    start = header.data_start
+    arrays = {
+        e.name: buffer[start + e.start : start + e.end].view(e.dtype).reshape(e.shape)
+        for e in header.entries
+    }
+
+    def floors(key: str, *names: Any) -> Floors | None:
+        return decode_floors(metadata[key], *names) if key in metadata else None
+
+    try:
+        return Fixture(
+            **arrays,
+            regime=metadata.get("regime"),
+            seed=int(metadata["seed"]) if "seed" in metadata else None,
+            compute_dtype=metadata.get("compute_dtype"),
+            floors=floors("floors"),
+            states_chunk=_chunk_of(metadata, path),
+            state_floors=floors("state_floors", STATE_FLOOR_NAMES, "state_floors"),
+            path=path,
+            writer_version=metadata.get("gdn_layout_version"),
+            stamp=stamp,
+        )
+    except (TypeError, ValueError) as err:
+        raise FixtureError(f"{path}: {err}") from None
 
 
 def _layout_of(meta: Mapping[str, str], path: Path) -> GdnBackwardLayout:
@@ -538,9 +470,8 @@ def _check_entries(
 ) -> None:
     names = {e.name for e in entries}
     required = set(TENSOR_NAMES) - (set() if layout.carry_state else {"state"})
-    missing: list[str] = [n for n in TENSOR_NAMES if n in required - names]
     states = {"h", "dh"} if chunk is not None else set()
-    missing += [n for n in ("h", "dh") if n in states - names]
+    missing = [n for n in (*TENSOR_NAMES, "h", "dh") if n in (required | states) - names]
     if missing:
         raise FixtureError(f"{path}: missing tensor(s) {', '.join(missing)} required by {layout!r}")
     unexpected = sorted(names - required - states - {"final_state"})
@@ -550,21 +481,15 @@ def _check_entries(
             f"{path}: unexpected tensor(s) {', '.join(unexpected)} for {layout!r}{extra}"
         )
     by_name = {e.name: e for e in entries}
-    for name in (*TENSOR_NAMES, *STATE_NAMES):
-        entry = by_name.get(name)
-        if entry is None:
-            continue
-        expected = tensor_shape(layout, name, chunk)
+    for entry in (by_name[n] for n in (*TENSOR_NAMES, *STATE_NAMES) if n in by_name):
+        expected = tensor_shape(layout, entry.name, chunk)
         if entry.shape != expected:
             raise FixtureError(
-                f"{path}: tensor {name!r} has shape {entry.shape}, expected {expected} "
+                f"{path}: tensor {entry.name!r} has shape {entry.shape}, expected {expected} "
                 f"for {layout!r}"
             )
         if entry.dtype != by_name["q"].dtype:
             raise FixtureError(
-                f"{path}: tensor {name!r} has dtype {entry.dtype}, expected "
+                f"{path}: tensor {entry.name!r} has dtype {entry.dtype}, expected "
                 f"{by_name['q'].dtype} like 'q' (a fixture holds one dtype)"
             )
-
-
-# -- any packed buffer --------------------------------------------------------------------------

@@ -1,10 +1,5 @@
-"""A suite's ``manifest.json``: its one writer and its one reader.
-
-The manifest lists each fixture of a suite with its layout, regime, seed, size and SHA-256.
-Writing a suite refuses to replace a folder whose manifest this library did not write, and
-loading one refuses a manifest it cannot trust; both read it here, the same way: a regular
-file of bounded size, JSON, of this format, naming each plain file once.
-"""
+"""A suite's ``manifest.json``, listing each fixture with its layout, regime, seed, size and
+SHA-256: its one writer and its one reader (docs/files.md, *Suites: all or nothing*)."""
 
 from __future__ import annotations
 
@@ -16,8 +11,6 @@ from typing import Any, Final
 from ._atomic import open_regular
 from ._fixture import FORMAT, FORMAT_VERSION
 from ._safetensors import FixtureError
-
-__all__ = ["MANIFEST", "NotASuite", "manifest_entry", "manifest_text", "read_manifest"]
 
 #: The name of a suite's manifest, in the suite's folder.
 MANIFEST: Final = "manifest.json"
@@ -37,9 +30,8 @@ class NotASuite(FixtureError):
 
 
 def read_manifest(folder: Path, *, dir_fd: int | None = None) -> list[dict[str, Any]]:
-    """The fixture entries of the manifest of the suite in ``folder`` (read through the open
-    folder ``dir_fd`` when given), each with a plain, distinct ``file`` name and a
-    ``sha256``; :class:`NotASuite` for anything else."""
+    """The entries of the manifest in ``folder`` (through the open folder ``dir_fd``), each
+    with a plain, distinct ``file`` name and a ``sha256``; :class:`NotASuite` otherwise."""
     path = folder / MANIFEST
     try:
         with open_regular(path, dir_fd=dir_fd) as file:

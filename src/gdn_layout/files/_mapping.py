@@ -1,45 +1,26 @@
-"""Files read while other processes may change them: small ones read into memory in one pass,
-large ones memory-mapped and stamped (size, modification time, inode) so that a change is
-found before their contents are judged, and after.
-
-As with ``numpy.memmap`` and safetensors, a mapped file cut short in place by another program
-can fault its reader (SIGBUS) at the next read of a page past the new end; this library's own
-writers never truncate in place: they replace the file whole.
-"""
+"""Files read while other programs may change them: small ones read whole, large ones
+memory-mapped and stamped; docs/files.md, *Memory mapping*."""
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO, Final, NamedTuple, cast
+from typing import BinaryIO, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
 from ._safetensors import FixtureError, reason
 
-__all__ = [
-    "MAP_THRESHOLD",
-    "FileStamp",
-    "buffered",
-    "check_digest",
-    "held",
-    "map_file",
-    "read_all",
-]
-
-#: Files smaller than this many bytes (64 MiB) are read into memory by :func:`load_fixture`
-#: even with ``mmap=True``: nothing another process does to the file can then change or break
-#: the loaded fixture, and it holds no file descriptor. Larger files are memory-mapped.
+#: Files smaller than this (64 MiB) are read into memory by :func:`load_fixture` even with
+#: ``mmap=True``; larger ones are memory-mapped.
 MAP_THRESHOLD: Final = 64 * 2**20
 
 
 class FileStamp(NamedTuple):
-    """What tells a file's contents apart without reading them: its absolute path (``where``),
-    size, modification time, inode and device, as :func:`os.stat` gives them."""
+    """A file's absolute path (``where``), size, modification time, inode and device."""
 
     where: str
     size: int
@@ -56,13 +37,8 @@ class FileStamp(NamedTuple):
     def check(
         self, path: Path, now: FileStamp | None = None, when: str = "since it was loaded"
     ) -> None:
-        """Raise :class:`FixtureError` naming ``path`` if the file is no longer the one stamped
-        (``now``, or what :func:`os.stat` says of it now): truncated, grown, rewritten,
-        replaced or gone.
-
-        A rewrite that keeps the size and falls within the filesystem's timestamp granularity
-        (nanoseconds to a few milliseconds on Linux) of the stamped one is not seen.
-        """
+        """FixtureError naming ``path`` if the file is no longer the one stamped (``now``, or
+        as :func:`os.stat` finds it)."""
         if now is None:
             try:
                 now = FileStamp.of(path, os.stat(self.where))
@@ -87,9 +63,7 @@ class FileStamp(NamedTuple):
 
 @contextlib.contextmanager
 def held(stamp: FileStamp | None, path: Path) -> Iterator[None]:
-    """Within the block, the file ``stamp`` describes is judged: :class:`FixtureError` naming
-    ``path`` if it changed before the block, or after it. Nothing to do for ``stamp`` None
-    (in memory)."""
+    """The file ``stamp`` describes checked before and after the block (nothing for None)."""
     if stamp is not None:
         stamp.check(path)
     yield
@@ -100,8 +74,7 @@ def held(stamp: FileStamp | None, path: Path) -> Iterator[None]:
 def map_file(
     file: BinaryIO, status: os.stat_result, path: Path
 ) -> tuple[NDArray[np.uint8], FileStamp]:
-    """The open ``file`` memory-mapped read-only, and the stamp of ``status``, its status
-    when it was opened: :class:`FixtureError` if it has changed since."""
+    """The open ``file`` mapped read-only, and the stamp of ``status``, checked once mapped."""
     stamp = FileStamp.of(path, status)
     try:
         buffer: NDArray[np.uint8] = (
@@ -116,16 +89,12 @@ def map_file(
 
 
 def read_all(file: BinaryIO, size: int, path: Path) -> NDArray[np.uint8]:
-    """All ``size`` bytes of the open ``file`` as a read-only array, read from its start;
-    :class:`FixtureError` if the file turns out shorter or longer."""
+    """All ``size`` bytes of the open ``file`` as a read-only array; FixtureError if it
+    turns out shorter or longer."""
     buffer = np.empty(size, np.uint8)
-    view, stream = buffer.data, buffered(file)
     file.seek(0)
     done = 0
-    while done < size:
-        count = stream.readinto(view[done:])
-        if not count:
-            break
+    while done < size and (count := file.readinto(buffer.data[done:])):  # type: ignore[attr-defined]
         done += count
     if done < size or file.read(1):
         now = f"{done} bytes" if done < size else "more"
@@ -134,13 +103,7 @@ def read_all(file: BinaryIO, size: int, path: Path) -> NDArray[np.uint8]:
     return buffer
 
 
-def buffered(file: BinaryIO) -> io.BufferedIOBase:
-    """``file`` as what ``files._atomic.open_regular`` returns: with ``readinto``."""
-    return cast(io.BufferedIOBase, file)
-
-
 def check_digest(digest: str, expected: str, path: Path, said: str) -> None:
-    """:class:`FixtureError` naming ``path`` if ``digest`` is not ``expected``, the value that
-    ``said`` introduces ("the manifest says")."""
+    """FixtureError naming ``path`` if ``digest`` is not ``expected`` (what ``said`` says)."""
     if digest != expected:
         raise FixtureError(f"{path}: SHA-256 {digest}, {said} {expected}")

@@ -1,10 +1,12 @@
-"""Any file that holds a packed gradient: a fixture, a plain safetensors file, a .npy or raw
-bytes, known by its content; read into memory, or memory-mapped when large."""
+"""A kernel's output in any file that holds a packed gradient, known by its content
+(docs/cli.md, *inspect*)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import zipfile
 from pathlib import Path
 from typing import Any, Final, NamedTuple
 
@@ -18,9 +20,9 @@ from ..layout import GdnBackwardLayout
 from . import _mapping
 from . import _safetensors as safetensors
 from ._atomic import open_regular
-from ._fixture import FORMAT, Fixture, load_fixture
+from ._fixture import FORMAT, Fixture, fixture_of
 from ._mapping import FileStamp, held, map_file, read_all
-from ._safetensors import FixtureError, looks_like_safetensors
+from ._safetensors import FixtureError
 
 __all__ = ["FILE_KINDS", "PackedFile", "open_packed"]
 
@@ -28,16 +30,14 @@ __all__ = ["FILE_KINDS", "PackedFile", "open_packed"]
 FILE_KINDS: Final = (
     "a fixture, a plain safetensors file, a .npy, a .npz, a torch.save file (.pt) or a raw file"
 )
-#: The names a file of several arrays may give the packed gradient: ``packed``, or each
-#: gradient by its name (``dstate`` when the state is carried).
+#: The gradients a file of several arrays may hold by name (``dstate`` when carried).
 _GRADIENTS: Final = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
 
 
 class PackedFile(NamedTuple):
-    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"`` (a
-    plain safetensors file), ``".npy"``, ``".npz"``, ``".pt"`` or ``"raw"``; ``layout`` is a
-    fixture's, or that of gradients given by name; ``floors`` a fixture's (``fixture`` the
-    fixture itself), else None.
+    """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"``,
+    ``".npy"``, ``".npz"``, ``".pt"`` or ``"raw"``; ``layout`` is a fixture's or that of
+    gradients given by name; ``floors`` and ``fixture`` a fixture's, else None.
 
     See Also
     --------
@@ -50,38 +50,34 @@ class PackedFile(NamedTuple):
     layout: GdnBackwardLayout | None
     floors: Floors | None = None
     fixture: Fixture | None = None
-    #: The file ``packed`` is memory-mapped from, as it was when opened; None when ``packed``
-    #: is in memory (a file smaller than :data:`~gdn_layout.files.MAP_THRESHOLD`).
+    #: The file ``packed`` is memory-mapped from, as it was when opened; None in memory.
     stamp: FileStamp | None = None
 
     @property
     def scales(self) -> dict[str, float] | None:
-        """A fixture's :attr:`Fixture.scales`, read from its arrays now (within
-        :meth:`unchanged`, for a mapped one), else None."""
+        """A fixture's :attr:`Fixture.scales`, else None."""
         return None if self.fixture is None else self.fixture.scales
 
     def unchanged(self) -> contextlib.AbstractContextManager[None]:
-        """A context in which a memory-mapped ``packed`` is held as its file was when opened
-        (see :meth:`Fixture.unchanged`): :class:`FixtureError` if it changed before or during
-        the block; nothing to hold for a buffer in memory."""
+        """A mapped ``packed`` checked against its file as opened, on entry and on exit, as
+        :meth:`Fixture.unchanged` does."""
         return held(self.stamp, Path(self.path))
 
 
 def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
-    """Read a packed buffer from a fixture, a safetensors file, a .npy or a raw file.
+    """Read a packed buffer from a fixture, a safetensors, .npy, .npz, torch.save or raw file.
 
-    Read into memory or mapped as :func:`~gdn_layout.load_fixture` does (a .npy file mapped by
-    :func:`numpy.load`); a mapped file can be held by :meth:`PackedFile.unchanged`.
+    Read into memory or mapped as :func:`~gdn_layout.load_fixture` does (a .npy mapped by
+    :func:`numpy.load`); no pickle in a file is ever run.
 
     Parameters
     ----------
     path
-        The file, its kind known from its first bytes (docs/cli.md, *inspect*): a
-        fixture, a safetensors, ``.npz`` or ``torch.save`` file (its only tensor, the one
-        named ``packed``, or ``dq`` ... ``dstate`` packed, which give the layout), a .npy or
-        a raw file.
+        The file, its kind known from its first bytes (docs/cli.md, *inspect*). A file of
+        several arrays gives its only one, the one named ``packed``, or ``dq`` ... ``dstate``
+        packed (which give the layout).
     dtype
-        The dtype of a raw binary file; fixtures and .npy files carry their own.
+        The dtype of a raw binary file; the other kinds carry their own.
 
     Raises
     ------
@@ -99,117 +95,38 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     file = Path(path)
     try:
         with safetensors.reading(file), open_regular(file) as stream:
-            head = stream.read(9)
-            status = os.fstat(stream.fileno())
+            head, status = stream.read(9), os.fstat(stream.fileno())
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such file") from None
-    source = _read_packed(path, file, head, status.st_size, dtype)
-    if source.stamp is None and isinstance(source.packed, np.memmap):  # a .npy, mapped by NumPy
-        source = source._replace(stamp=FileStamp.of(file, status))
-    return source
-
-
-def _read_packed(
-    path: str, file: Path, head: bytes, size: int, dtype: DTypeLike | None
-) -> PackedFile:
-    kind = _sniff(file, head, size)
+    kind = _sniff(file.name.lower(), head, status.st_size)
+    if kind == ".npy":
+        return _npy(path, head, status)
     if kind == "zip":
         return _zipped(path, file)
     if kind == "fixture":
-        if not _is_fixture(file):
-            packed, stamp = _plain_safetensors(file)
-            return PackedFile(path, "safetensors", packed, None, stamp=stamp)
-        fixture = load_fixture(path)
-        packed, stamp = fixture.packed, fixture.stamp
-        return PackedFile(path, kind, packed, fixture.layout, fixture.floors, fixture, stamp)
-    if kind == ".npy":
-        if not head.startswith(b"\x93NUMPY"):
-            raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
-        try:
-            with np.errstate(over="ignore"):  # NumPy warns as it sizes a claimed huge shape
-                packed = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, EOFError, OverflowError, MemoryError) as error:
-            # Python objects, a damaged header, or a shape no array can have
-            raise ValueError(
-                f"{path}: cannot be read as a packed buffer: {_claimed(file)}{error}"
-            ) from None
-        return PackedFile(path, kind, packed, None)
+        buffer, stamp = _contents(file)
+        header = safetensors.parse_header(safetensors.of_buffer(buffer), buffer.size, file)
+        meta = header.metadata
+        if isinstance(meta, dict) and meta.get("format") == FORMAT:
+            fx = fixture_of(file, header, buffer, stamp)
+            return PackedFile(path, kind, fx.packed, fx.layout, fx.floors, fx, fx.stamp)
+        return PackedFile(path, "safetensors", _plain(file, header, buffer), None, stamp=stamp)
     if dtype is None:
         raise ValueError(f"{path}: a raw binary file needs --dtype (and the layout flags)")
     resolved = resolve(dtype, "dtype")
-    if size % resolved.itemsize:
-        raise ValueError(f"{path}: {size} bytes is not a whole number of {resolved.name} elements")
+    if status.st_size % resolved.itemsize:
+        raise ValueError(
+            f"{path}: {status.st_size} bytes is not a whole number of {resolved.name} elements"
+        )
     raw, stamp = _contents(file)
     return PackedFile(path, kind, raw.view(resolved), None, stamp=stamp)
 
 
-def _claimed(path: Path) -> str:
-    """What a .npy header claims, e.g. ``"its header claims shape (4294967296,) of float32;
-    "``; empty when the header cannot be read."""
-    try:
-        with open(path, "rb") as file:
-            version = np.lib.format.read_magic(file)
-            read = {
-                (1, 0): np.lib.format.read_array_header_1_0,
-                (2, 0): np.lib.format.read_array_header_2_0,
-            }.get(version)
-            if read is None:
-                return ""
-            shape, _, dtype = read(file)
-    except (OSError, ValueError, SyntaxError, TypeError):
-        return ""
-    return f"its header claims shape {tuple(shape)} of {dtype}; "
-
-
-def _is_fixture(path: Path) -> bool:
-    """Whether a safetensors file says it is a gdn-layout fixture (a damaged one counts)."""
-    try:
-        meta = safetensors.read_header(path).metadata
-    except (FixtureError, ImportError):
-        return True  # load_fixture says what is wrong
-    return isinstance(meta, dict) and meta.get("format") == FORMAT
-
-
-def _plain_safetensors(path: Path) -> tuple[NDArray[Any], FileStamp | None]:
-    """The tensor named ``packed`` of a safetensors file, or its only one, flattened, and
-    the stamp of the file it is mapped from (None when read into memory)."""
-    buffer, stamp = _contents(path)
-    header = safetensors.parse_header(safetensors.reader_of_buffer(buffer), buffer.size, path)
-    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
-    by_name = {e.name: e for e in header.entries}
-    entry = by_name.get("packed")
-    if entry is None and len(header.entries) == 1:
-        entry = header.entries[0]
-    if entry is None:
-        names = ", ".join(sorted(by_name)) or "none"
-        raise FixtureError(
-            f"{path}: a safetensors file with tensors {names}: name the packed gradient "
-            "'packed', or write it alone"
-        )
-    start = header.data_start
-    packed = buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
-    return packed, stamp
-
-
-def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:
-    """The whole file as read-only bytes: read into memory when it is smaller than
-    :data:`~gdn_layout.files.MAP_THRESHOLD`, else memory-mapped, with its stamp."""
-    try:
-        with safetensors.reading(path), open_regular(path) as file:
-            status = os.fstat(file.fileno())
-            if status.st_size < _mapping.MAP_THRESHOLD or not status.st_size:
-                return read_all(file, status.st_size, path), None
-            return map_file(file, status, path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such file") from None
-
-
-def _sniff(path: Path, head: bytes, size: int) -> str:
+def _sniff(name: str, head: bytes, size: int) -> str:
     """What a file holds, from its first bytes; a damaged fixture or .npy by its name."""
-    name = path.name.lower()
     if head.startswith(b"\x93NUMPY"):
         return ".npy"
-    if looks_like_safetensors(head, size):  # whatever its name says
+    if safetensors.looks_like_safetensors(head, size):  # whatever its name says
         return "fixture"
     if head.startswith(b"PK\x03\x04") or name.endswith((".npz", ".pt", ".pth")):
         return "zip"  # numpy.savez and torch.save (since PyTorch 1.6) write zip archives
@@ -218,10 +135,61 @@ def _sniff(path: Path, head: bytes, size: int) -> str:
     return "fixture" if name.endswith(".safetensors") else "raw"
 
 
+def _npy(path: str, head: bytes, status: os.stat_result) -> PackedFile:
+    if not head.startswith(b"\x93NUMPY"):
+        raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
+    try:
+        with np.errstate(over="ignore"):  # NumPy warns as it sizes a claimed huge shape
+            packed = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, EOFError, OverflowError, MemoryError) as error:
+        # Python objects, a damaged header, or a shape no array can have
+        claimed = _claimed(Path(path))
+        raise ValueError(f"{path}: cannot be read as a packed buffer: {claimed}{error}") from None
+    stamp = FileStamp.of(Path(path), status) if isinstance(packed, np.memmap) else None
+    return PackedFile(path, ".npy", packed, None, stamp=stamp)
+
+
+def _claimed(path: Path) -> str:
+    """What a .npy header claims ("its header claims shape (...) of float32; "), or ""."""
+    try:
+        with open(path, "rb") as file:
+            read = {
+                (1, 0): np.lib.format.read_array_header_1_0,
+                (2, 0): np.lib.format.read_array_header_2_0,
+            }.get(np.lib.format.read_magic(file))
+            if read is None:
+                return ""
+            shape, _, dtype = read(file)
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return ""
+    return f"its header claims shape {tuple(shape)} of {dtype}; "
+
+
+def _plain(path: Path, header: safetensors.Header, buffer: NDArray[np.uint8]) -> NDArray[Any]:
+    """The tensor named ``packed`` of a plain safetensors file, or its only one, flattened."""
+    safetensors.check_tiling(header.entries, header.size - header.data_start, path)
+    by_name = {e.name: e for e in header.entries}
+    entry = by_name.get("packed", header.entries[0] if len(by_name) == 1 else None)
+    if entry is None:
+        raise FixtureError(
+            f"{path}: a safetensors file with tensors {', '.join(sorted(by_name)) or 'none'}: "
+            "name the packed gradient 'packed', or write it alone"
+        )
+    start = header.data_start
+    return buffer[start + entry.start : start + entry.end].view(entry.dtype).reshape(-1)
+
+
+def _contents(path: Path) -> tuple[NDArray[np.uint8], FileStamp | None]:
+    """The whole file as read-only bytes, read or memory-mapped as a fixture is."""
+    with safetensors.reading(path), open_regular(path) as file:
+        status = os.fstat(file.fileno())
+        if status.st_size < _mapping.MAP_THRESHOLD:
+            return read_all(file, status.st_size, path), None
+        return map_file(file, status, path)
+
+
 def _zipped(path: str, file: Path) -> PackedFile:
     """The packed gradient of a ``.npz`` or a ``torch.save`` file (both zip archives)."""
-    import zipfile
-
     try:
         with zipfile.ZipFile(file) as archive:
             members = archive.infolist()
@@ -230,14 +198,12 @@ def _zipped(path: str, file: Path) -> PackedFile:
             f"{path}: not a .npz or torch.save file ({error}; torch.save's format before "
             "PyTorch 1.6 is not read: save with torch 1.6 or later)"
         ) from None
-    room = available_memory()
-    for member in members:  # a declared size is checked before anything is inflated
-        if room is not None and member.file_size > room[0]:
-            raise ValueError(
-                f"{path}: its member {member.filename!r} says it holds "
-                f"{human_bytes(member.file_size)}, more than the {human_bytes(room[0])} "
-                f"available ({room[1]})"
-            )
+    room, total = available_memory(), sum(m.file_size for m in members)
+    if room is not None and total > room[0]:  # from the zip's directory, before inflating
+        raise ValueError(
+            f"{path}: its {len(members)} members say they hold {human_bytes(total)} in all, "
+            f"more than the {human_bytes(room[0])} available ({room[1]})"
+        )
     if any(m.filename.endswith("/data.pkl") or m.filename == "data.pkl" for m in members):
         return _arrays(path, ".pt", _torch_arrays(path, file))
     others = [m.filename for m in members if not m.filename.endswith(".npy")]
@@ -267,14 +233,18 @@ def _torch_arrays(path: str, file: Path) -> dict[str, NDArray[Any]]:
     try:
         loaded = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # torch's own errors: not a file it reads with weights only
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        # A refused pickle: torch's advice to load it unsafely first, then what it refused.
+        pickled = isinstance(error, pickle.UnpicklingError) and len(lines) > 1
+        why = lines[1] if pickled else lines[0] if lines else type(error).__name__
         raise ValueError(
-            f"{path}: cannot be read by torch.load(weights_only=True): {error}"
+            f"{path}: cannot be read by torch.load(weights_only=True), which runs no code "
+            f"from the file: {why}"
         ) from None
-    items = loaded.items() if isinstance(loaded, dict) else [("", loaded)]
     arrays = {}
-    for name, value in items:
+    for name, value in loaded.items() if isinstance(loaded, dict) else [("", loaded)]:
         if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
-            what = type(value).__name__ if not isinstance(value, torch.Tensor) else value.layout
+            what = value.layout if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(
                 f"{path}: holds {what} under {name!r}; expected a dense tensor or a dict of "
                 "dense tensors"
@@ -296,13 +266,10 @@ def _arrays(path: str, kind: str, arrays: dict[str, NDArray[Any]]) -> PackedFile
             f"{path}: holds {', '.join(sorted(arrays)) or 'nothing'}; expected one array, one "
             "named 'packed', or the gradients dq, dk, dv, dg, dbeta (and dstate)"
         )
-    grads = [arrays[n] for n in _GRADIENTS[:5]]
-    dstate = arrays.get("dstate")
+    dq, dk, dv, dg, dbeta, dstate = (arrays.get(n) for n in _GRADIENTS)
     try:
-        layout = GdnBackwardLayout.from_grads(
-            grads[0], grads[1], grads[2], grads[3], grads[4], dstate
-        )
-        packed = pack(grads[0], grads[1], grads[2], grads[3], grads[4], dstate, layout=layout)
+        layout = GdnBackwardLayout.from_grads(dq, dk, dv, dg, dbeta, dstate)
+        packed = pack(dq, dk, dv, dg, dbeta, dstate, layout=layout)  # type: ignore[arg-type]
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: its gradients do not pack: {error}") from None
     return PackedFile(path, kind, packed, layout)

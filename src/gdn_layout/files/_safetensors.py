@@ -1,20 +1,13 @@
-"""The safetensors format, read and written with NumPy alone.
-
-One header encoder and one parser, the official writer's data order, and recognising a
-safetensors file by its first bytes. Only the dtypes a fixture holds are supported (their codes
-are in :data:`gdn_layout._dtypes.DTYPES`): ``F64``, ``F32``, ``F16`` and ``BF16`` (which needs
-ml_dtypes).
-
-A header is at most :data:`MAX_HEADER` bytes (1 MiB), checked before it is read
-(docs/files.md, *Loading*).
+"""The safetensors format, read and written with NumPy alone, for the dtypes a fixture holds
+(``F64``, ``F32``, ``F16``, ``BF16`` with ml_dtypes); its limits are in docs/files.md, *Loading*.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,53 +18,17 @@ from numpy.typing import NDArray
 
 from .._checks import MAX_NBYTES, array_can_exist
 from .._dtypes import BF16_HINT, DTYPES
-from ._atomic import NotRegularFileError, open_regular
+from ._atomic import NotRegularFileError
 
-__all__ = [
-    "DTYPE_NAMES",
-    "MAX_HEADER",
-    "Entry",
-    "FixtureError",
-    "Header",
-    "check_tiling",
-    "dtype_code",
-    "dtype_of_code",
-    "looks_like_safetensors",
-    "parse_header",
-    "read_header",
-    "reader_of_buffer",
-    "reader_of_file",
-    "reason",
-    "write",
-]
-
-#: The largest header read or written, in bytes: 1 MiB, where a fixture's header (states and
-#: floors included) is about 2 KiB. Checked before the header is read, it bounds the time and
-#: memory of parsing it (the official reader's limit is 100 MB).
+#: The largest header read or written: 1 MiB (a fixture's is about 2 KiB; the official
+#: reader's limit is 100 MB). Checked before the header is read.
 MAX_HEADER: Final = 1 << 20
 #: The dtypes a fixture can hold, by name.
 DTYPE_NAMES: Final = tuple(DTYPES)
 _BY_CODE: Final = {d.code: d for d in DTYPES.values()}
 # Valid safetensors codes that a fixture never holds, to tell "unsupported" from "unknown".
 _OTHER_CODES: Final = frozenset(
-    (
-        "BOOL",
-        "U8",
-        "I8",
-        "U16",
-        "I16",
-        "U32",
-        "I32",
-        "U64",
-        "I64",
-        "C64",
-        "F8_E5M2",
-        "F8_E4M3",
-        "F8_E8M0",
-        "F6_E2M3",
-        "F6_E3M2",
-        "F4",
-    )
+    "BOOL U8 I8 U16 I16 U32 I32 U64 I64 C64 F8_E5M2 F8_E4M3 F8_E8M0 F6_E2M3 F6_E3M2 F4".split()  # noqa: SIM905
 )
 
 
@@ -105,9 +62,6 @@ class Header(NamedTuple):
     size: int
 
 
-# -- dtypes -------------------------------------------------------------------------------------
-
-
 def dtype_code(dtype: np.dtype[Any], where: str) -> str:
     """The safetensors code of ``dtype``; a TypeError naming ``where`` for any other dtype."""
     known = DTYPES.get(dtype.name)
@@ -138,34 +92,23 @@ def dtype_of_code(code: str, name: str, path: Path) -> np.dtype[Any]:
     raise FixtureError(f"{path}: tensor {name!r} has unknown dtype {code!r}")
 
 
-# -- writing ------------------------------------------------------------------------------------
-
-
-def data_order(codes: Mapping[str, str]) -> list[str]:
-    """The official writer's order of tensors ``name -> code``: wider dtypes first, then by
-    name, so that every tensor stays aligned."""
-    return sorted(codes, key=lambda name: (-_BY_CODE[codes[name]].itemsize, name))
-
-
-def encode_header(
-    specs: Mapping[str, tuple[str, tuple[int, ...], int]],
-    metadata: Mapping[str, str],
-    order: list[str],
-) -> bytes:
-    """The 8-byte length and the JSON header for tensors ``name -> (code, shape, nbytes)``
-    stored in ``order``."""
+def write(out: IO[bytes], tensors: Mapping[str, NDArray[Any]], metadata: Mapping[str, str]) -> None:
+    """Write ``tensors`` and ``metadata`` to ``out`` as the official writer does: wider dtypes
+    first, then by name, the header padded with spaces to a multiple of 8. Every dtype and
+    the header's size (a ValueError past :data:`MAX_HEADER`) are checked before writing."""
+    codes = {name: dtype_code(array.dtype, name) for name, array in tensors.items()}
+    order = sorted(codes, key=lambda name: (-_BY_CODE[codes[name]].itemsize, name))
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
     start = 0
     for name in order:
-        code, shape, nbytes = specs[name]
+        nbytes = tensors[name].nbytes
         header[name] = {
-            "dtype": code,
-            "shape": list(shape),
+            "dtype": codes[name],
+            "shape": list(tensors[name].shape),
             "data_offsets": [start, start + nbytes],
         }
         start += nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    # Spaces up to a multiple of 8, as the official writer pads, so the data section is aligned.
     text += b" " * (-len(text) % 8)
     if len(text) > MAX_HEADER:  # no reader of this package would take it
         key, value = max(metadata.items(), key=lambda item: len(item[1]), default=("", ""))
@@ -173,54 +116,16 @@ def encode_header(
             f"the header would be {len(text)} bytes, over the {MAX_HEADER}-byte (1 MiB) cap; "
             f"the longest metadata value, {key!r}, has {len(value)} characters"
         )
-    return len(text).to_bytes(8, "little") + text
-
-
-def write(out: IO[bytes], tensors: Mapping[str, NDArray[Any]], metadata: Mapping[str, str]) -> None:
-    """Write ``tensors`` and string ``metadata`` to ``out`` as one safetensors file.
-
-    Every dtype (:func:`dtype_code`) and the header's size (at most :data:`MAX_HEADER`: a
-    ValueError) are checked before anything is written.
-    """
-    codes = {name: dtype_code(array.dtype, name) for name, array in tensors.items()}
-    order = data_order(codes)
-    specs = {name: (codes[name], a.shape, a.nbytes) for name, a in tensors.items()}
-    out.write(encode_header(specs, metadata, order))
+    out.write(len(text).to_bytes(8, "little") + text)
     for name in order:
-        flat = np.ascontiguousarray(tensors[name]).reshape(-1)
-        out.write(flat.view(np.uint8).data)
-
-
-# -- reading ------------------------------------------------------------------------------------
+        out.write(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8).data)
 
 
 def looks_like_safetensors(head: bytes, size: int) -> bool:
-    """Whether a file of ``size`` bytes that starts with ``head`` (at least 9 bytes when the
-    file has them) starts like safetensors: a little-endian u64 header length that fits the
-    file, then a JSON object."""
+    """Whether a file of ``size`` bytes starting with ``head`` (its first 9) starts like
+    safetensors: a header length that fits the file, then a JSON object."""
     length = int.from_bytes(head[:8], "little")
     return len(head) >= 9 and head[8:9] == b"{" and 2 <= length <= size - 8
-
-
-def read_header(path: Path) -> Header:
-    """Read and check the header of the safetensors file at ``path``.
-
-    Only a regular file is opened (a FIFO or a device is refused before it is opened), and a
-    header longer than :data:`MAX_HEADER` is refused before it is read, so that parsing it
-    takes bounded time and memory.
-
-    Raises
-    ------
-    FileNotFoundError
-        There is no file at ``path``.
-    FixtureError
-        ``path`` is not a regular file or cannot be read, the header is longer than
-        :data:`MAX_HEADER`, or the length, the JSON or an entry is malformed.
-    ImportError
-        A tensor is BF16 and ml_dtypes is not installed.
-    """
-    with reading(path), open_regular(path) as f:
-        return parse_header(reader_of_file(f), os.fstat(f.fileno()).st_size, path)
 
 
 @contextmanager
@@ -236,12 +141,17 @@ def reading(path: Path) -> Iterator[None]:
         raise FixtureError(f"{path}: cannot be read: {reason(err)}") from None
 
 
+def reason(err: OSError) -> str:
+    """What went wrong in ``err``, without the file name it may repeat."""
+    return err.strerror or str(err)
+
+
 #: Reads ``count`` bytes at ``offset`` (fewer at the end) of a file or a buffer.
 Reader = Callable[[int, int], bytes]
 
 
-def reader_of_file(file: IO[bytes]) -> Reader:
-    """A :data:`Reader` of an open binary file."""
+def of_file(file: IO[bytes]) -> Reader:
+    """A :data:`Reader` of an open file."""
 
     def read(offset: int, count: int) -> bytes:
         file.seek(offset)
@@ -250,29 +160,14 @@ def reader_of_file(file: IO[bytes]) -> Reader:
     return read
 
 
-def reader_of_buffer(buffer: NDArray[np.uint8]) -> Reader:
-    """A :data:`Reader` of bytes already in memory."""
-
-    def read(offset: int, count: int) -> bytes:
-        return buffer[offset : offset + count].tobytes()
-
-    return read
+def of_buffer(buffer: NDArray[np.uint8]) -> Reader:
+    """A :data:`Reader` of bytes in memory."""
+    return lambda offset, count: buffer[offset : offset + count].tobytes()
 
 
 def parse_header(read: Reader, size: int, path: Path) -> Header:
-    """Check and parse the header of a safetensors file of ``size`` bytes that ``read`` reads;
-    ``path`` names it in errors. See :func:`read_header`.
-
-    Raises
-    ------
-    FixtureError
-        The length, the JSON or an entry is malformed, the header is longer than
-        :data:`MAX_HEADER`, or the file is shorter than it says.
-    OSError
-        ``read`` failed.
-    ImportError
-        A tensor is BF16 and ml_dtypes is not installed.
-    """
+    """The checked header of a safetensors file of ``size`` bytes that ``read`` reads: its
+    length checked against :data:`MAX_HEADER` before it is read, then every entry."""
     if size < 8:
         raise FixtureError(
             f"{path}: truncated: {size} bytes, shorter than the 8-byte header length"
@@ -324,20 +219,12 @@ def check_tiling(entries: list[Entry], data_size: int, path: Path) -> None:
         )
 
 
-def reason(err: OSError) -> str:
-    """What went wrong in ``err``, without the file name it may repeat."""
-    return err.strerror or str(err)
-
-
 def _parse_json(raw: bytes, path: Path) -> dict[str, Any]:
     def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         result = dict(pairs)
-        if len(result) != len(pairs):  # a set, not list.count: linear in the number of keys
-            seen: set[str] = set()
-            duplicates: set[str] = set()
-            for key, _ in pairs:
-                (duplicates if key in seen else seen).add(key)
-            raise FixtureError(f"{path}: header has duplicate keys {sorted(duplicates)[:10]}")
+        if len(result) != len(pairs):
+            twice = sorted(k for k, n in Counter(k for k, _ in pairs).items() if n > 1)
+            raise FixtureError(f"{path}: header has duplicate keys {twice[:10]}")
         return result
 
     try:
@@ -371,11 +258,11 @@ def _parse_entry(name: str, spec: object, path: Path) -> Entry:
         raise FixtureError(
             f"{where}: shape must be a list of non-negative integers, got {shape!r:.100}"
         )
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_is_uint(o) for o in offsets)
-        or offsets[0] > offsets[1]
+    if not (
+        isinstance(offsets, list)
+        and len(offsets) == 2
+        and all(_is_uint(o) for o in offsets)
+        and offsets[0] <= offsets[1]
     ):
         raise FixtureError(
             f"{where}: data_offsets must be [begin, end] with 0 <= begin <= end, "
