@@ -262,7 +262,7 @@ def _literal(text: str) -> str:
 
 def test_only_the_six_fields_are_dataclass_fields() -> None:
     layout = GdnBackwardLayout(2, 3, 4, 8, gate_per_channel=True, carry_state=True)
-    _ = layout.total_elems, layout.cuts, layout.shapes  # computed and kept
+    _ = layout.total_elems, layout.shapes  # computed and kept
     assert dataclasses.asdict(layout) == {
         "batch": 2,
         "seq": 3,

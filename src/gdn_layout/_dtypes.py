@@ -32,22 +32,14 @@ BF16_HINT: Final = (
 class DType(NamedTuple):
     """A floating dtype gdn-layout handles, with its facts: one record of :data:`DTYPES`."""
 
-    #: NumPy's name (ml_dtypes' for bfloat16).
-    name: str
-    #: Its safetensors code.
-    code: str
-    #: Bytes per element.
+    name: str  # NumPy's (ml_dtypes' for bfloat16)
+    code: str  # safetensors'
     itemsize: int
-    #: Half its machine epsilon: the largest relative error of rounding to it.
-    unit_roundoff: float
-    #: ``torch.testing.assert_close``'s default ``(rtol, atol)`` for it.
-    tolerances: tuple[float, float]
-    #: Every accepted spelling (lower case): the name, the safetensors code, then others.
-    spellings: tuple[str, ...]
-    #: The precision class its buffers are judged in by default (:data:`PRECISIONS`).
-    precision: str
-    #: Whether ml_dtypes defines it (an optional extra) rather than NumPy.
-    ml_dtypes: bool = False
+    unit_roundoff: float  # half the machine epsilon: the largest relative rounding error
+    tolerances: tuple[float, float]  # torch.testing.assert_close's default (rtol, atol)
+    spellings: tuple[str, ...]  # every accepted one, lower case: the name, the code, others
+    precision: str  # the class its buffers are judged in by default (PRECISIONS)
+    ml_dtypes: bool = False  # defined by ml_dtypes (an optional extra), not NumPy
 
     def numpy(self) -> np.dtype[Any]:
         """The NumPy dtype; for one of ml_dtypes', an ImportError naming the extra without it."""
@@ -78,24 +70,16 @@ _BY_SPELLING: Final = {alias: d for d in DTYPES.values() for alias in d.spelling
 
 
 class Precision(NamedTuple):
-    """A precision class: what a kernel computes in, and how it is judged.
+    """A precision class: what a kernel computes in, judged against the floors of its class
+    times its margin ``K`` (docs/criterion.md)."""
 
-    A kernel is judged against the floors of its class (:mod:`gdn_layout.check`): the worst
-    rounding that correct forms computed in that class reach on the case's inputs, times the
-    class's margin ``K`` (:data:`gdn_layout.check.K`).
-    """
-
-    #: The class's name, as ``precision=`` takes it.
-    name: str
-    #: The dtype of the kernel's inputs and outputs.
-    buffer: str
+    name: str  # as precision= takes it
+    buffer: str  # the dtype of the kernel's inputs and outputs
     #: Mantissa bits of the operands of its matrix products (accumulated in float32), or None
     #: when they are the computation dtype's own.
     product_bits: int | None
-    #: ``(rms, max)`` floors for fixtures that carry none of this class.
-    default_floors: tuple[float, float]
-    #: Other accepted spellings (lower case) besides the name.
-    spellings: tuple[str, ...] = ()
+    default_floors: tuple[float, float]  # (rms, max) for fixtures that carry none of it
+    spellings: tuple[str, ...] = ()  # other accepted spellings (lower case)
 
     @property
     def unit_roundoff(self) -> float:
