@@ -84,43 +84,26 @@ def test_inputs_as_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) ->
 
 @pytest.mark.slow  # imports torch: about a second, once per process
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_pack_takes_torch_gradients_without_converting_them_first(dtype: DTypeLike) -> None:
+def test_pack_and_compare_take_torch_tensors_that_require_grad(dtype: DTypeLike) -> None:
     torch = pytest.importorskip("torch")
     case = make_case(LAYOUT, dtype=dtype, seed=4)
     expected = np.asarray(case.expected)
-    grads = [g for g in unpack(expected, LAYOUT) if g is not None]
-    tensors = [
-        torch.from_numpy(np.array(g).view(np.int16)).view(torch.bfloat16)
-        if g.dtype == ml_dtypes.bfloat16
-        else torch.from_numpy(np.array(g))
-        for g in grads
-    ]
+
+    def tensor(array: np.ndarray) -> Any:  # a leaf that requires grad, as a kernel's may
+        bits = array.dtype == ml_dtypes.bfloat16
+        t = torch.from_numpy(np.array(array).view(np.int16) if bits else np.array(array))
+        return (t.view(torch.bfloat16) if bits else t).requires_grad_()
+
+    tensors = [tensor(g) for g in unpack(expected, LAYOUT) if g is not None]
     packed = pack(*tensors, layout=LAYOUT)
     assert packed.dtype == expected.dtype
     assert np.array_equal(packed, expected, equal_nan=True)
     out = np.empty_like(expected)
     assert pack(*tensors, out=out) is out
     assert np.array_equal(out, expected, equal_nan=True)
-
-
-@pytest.mark.slow  # imports torch: about a second, once per process
-@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_tensors_that_require_grad_are_read_detached(dtype: DTypeLike) -> None:
-    torch = pytest.importorskip("torch")
-    case = make_case(LAYOUT, dtype=dtype, seed=6)
-    expected = np.asarray(case.expected)
-
-    def tensor(array: np.ndarray) -> Any:  # a leaf that requires grad, as a kernel's may
-        if array.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(np.array(array).view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(np.array(array))
-
-    grads = [tensor(g).requires_grad_() for g in unpack(expected, LAYOUT) if g is not None]
-    assert np.array_equal(pack(*grads, layout=LAYOUT), expected, equal_nan=True)
-    packed = tensor(expected).requires_grad_() * 1  # not a leaf: it has a graph
-    assert packed.requires_grad
-    assert compare(packed, expected, LAYOUT).passed
-    assert case.check(packed).passed
+    graph = tensor(expected) * 1  # not a leaf: it has a graph
+    assert compare(graph, expected, LAYOUT).passed
+    assert case.check(graph).passed
 
 
 @pytest.mark.slow  # imports torch: about a second, once per process

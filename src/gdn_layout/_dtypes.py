@@ -1,19 +1,10 @@
-"""The floating dtypes gdn-layout works with (:data:`DTYPES`, one record of facts each), and the
-precision classes a kernel computes in (:data:`PRECISIONS`); bfloat16 is ml_dtypes', an optional
-extra.
+"""The floating dtypes (:data:`DTYPES`, one record of facts each, every common spelling of a
+name accepted in any case) and the precision classes a kernel is judged in (:data:`PRECISIONS`).
 
-Every common spelling of a dtype name is accepted, in any case: NumPy's (``float32``),
-safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, ``double``).
-
->>> [canonical_name(n) for n in ("BF16", "f32", "half", "double", "F64", "float16")]
-['bfloat16', 'float32', 'float16', 'float64', 'float64', 'float16']
+>>> [canonical_name(n) for n in ("BF16", "f32", "half", "double", "F64")]
+['bfloat16', 'float32', 'float16', 'float64', 'float64']
 >>> itemsize("bfloat16", "dtype")  # no optional package needed to count bytes
 2
->>> [(d.name, d.code, d.itemsize) for d in DTYPES.values()]
-[('float64', 'F64', 8), ('float32', 'F32', 4), ('float16', 'F16', 2), ('bfloat16', 'BF16', 2)]
->>> [(p.name, p.buffer) for p in PRECISIONS.values()]  # doctest: +NORMALIZE_WHITESPACE
-[('float64', 'float64'), ('float32', 'float32'), ('tf32', 'float32'),
- ('bfloat16', 'bfloat16'), ('float16', 'float16')]
 """
 
 from __future__ import annotations
@@ -131,10 +122,9 @@ def precision_of(value: object, where: str) -> Precision:
         name = _PRECISION_NAMES.get(value.strip().lower())
     else:  # a dtype, or a scalar type: its class
         try:
-            dtype = DTYPES.get(np.dtype(value).name)  # type: ignore[call-overload]
-        except TypeError:
-            dtype = None
-        name = None if dtype is None else dtype.precision
+            name = DTYPES[np.dtype(value).name].precision  # type: ignore[call-overload]
+        except (TypeError, KeyError):
+            name = None
     if name is None:
         raise ValueError(f"{where} must be one of {', '.join(PRECISIONS)}, got {value!r}")
     return PRECISIONS[name]
@@ -200,16 +190,14 @@ def resolve(dtype: object, where: str) -> np.dtype[Any]:
 
 def dtype_name(dtype: object, where: str) -> str:
     """The NumPy name of ``dtype``; a name of :data:`SPELLINGS` needs no optional package."""
-    if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
-        return name
-    return resolve(dtype, where).name
+    named = canonical_name(dtype) if isinstance(dtype, str) else None
+    return named or resolve(dtype, where).name
 
 
 def itemsize(dtype: object, where: str) -> int:
     """Bytes per element of ``dtype``; a name of :data:`SPELLINGS` needs no optional package."""
-    if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
-        return DTYPES[name].itemsize
-    return resolve(dtype, where).itemsize
+    named = canonical_name(dtype) if isinstance(dtype, str) else None
+    return DTYPES[named].itemsize if named else resolve(dtype, where).itemsize
 
 
 def round_mantissa(values: NDArray[np.float32], bits: int) -> NDArray[np.float32]:

@@ -147,12 +147,9 @@ def plot_errors(
     kind: str = "error",
     path: str | os.PathLike[str] | None = None,
 ) -> Picture:
-    """A heatmap per gradient of ``|a - e|`` over (head, sequence position), errors marked.
-
-    Heads down, positions across (key row ``i`` for ``dstate``): a chunk-boundary bug is a
-    vertical edge, a head-indexing bug a horizontal stripe. Cells with an element counted out
-    are outlined red, NaN/Inf mismatches filled magenta, a ``boundary`` finding drawn as
-    dashed orange lines, a large map binned (README.md, *In a notebook*).
+    """A heatmap per gradient of ``|a - e|`` over (head, sequence position), its errors marked
+    (README.md, *In a notebook*): cells with an element out of tolerance outlined red, NaN/Inf
+    mismatches filled magenta, a ``boundary`` finding's steps dashed orange, a large map binned.
 
     Parameters
     ----------
@@ -169,29 +166,20 @@ def plot_errors(
     log : bool
         Colour on a log scale (zero error gets the lowest colour).
     kind : {"error", "signed", "ratio"}
-        ``|a - e|``; the signed ``a - e`` of largest magnitude; or ``<a, e> / <e, e>`` per
-        cell (a failing gradient's :attr:`~GradComparison.signed_error_map`,
-        :attr:`~GradComparison.ratio_map`: a scale is one flat colour, a transposed
-        ``dstate`` a mirrored ``i x j`` tile).
+        ``|a - e|``; the signed ``a - e`` of largest magnitude; or ``<a, e> / <e, e>`` per cell,
+        of a failing gradient (``dstate`` as one ``i x j`` tile per head).
     path : str or os.PathLike, optional
         Also saved there, in the format its suffix names.
 
     Returns
     -------
     Picture
-        The figure, three 4.2x3-inch panels a row.
-
-    Raises
-    ------
-    TypeError
-        ``comparison`` is not a Comparison, or ``batch`` or ``chunk`` not an int.
-    ValueError
-        ``names``, ``batch``, ``chunk`` or ``kind`` is out of range.
+        The figure, three 4.2x3-inch panels a row; a TypeError or ValueError names a wrong
+        argument.
 
     See Also
     --------
     error_map : One gradient's map as an array.
-    compare : The comparison drawn.
 
     Examples
     --------
@@ -476,6 +464,7 @@ def _boundaries(ax: Axes, grad: GradComparison) -> dict[str, Artist]:
     if grad.name == "dstate" or not ax.images:
         return {}
     marks: dict[str, Artist] = {}
+    bottom = ax.get_ylim()[0]  # below the last head
     for finding in grad.findings:
         step, period = finding.details.get("step"), finding.details.get("period")
         if finding.kind != "boundary":
@@ -487,7 +476,6 @@ def _boundaries(ax: Axes, grad: GradComparison) -> dict[str, Artist]:
         else:
             continue
         edges = np.asarray(steps) / grad.error_map_bins[0] - 0.5
-        bottom = ax.get_ylim()[0]  # below the last head
         marks[_FINDING] = ax.vlines(
             edges,
             -0.5,
