@@ -170,12 +170,8 @@ def as_framework(
     if framework not in FRAMEWORKS:
         raise ValueError(f"{func}: framework must be one of {FRAMEWORKS}, got {framework!r}")
     if requires_grad and framework != "torch":
-        kind = (
-            "NumPy arrays have no gradient"
-            if framework == "numpy"
-            else "JAX differentiates functions"
-        )
-        raise ValueError(f"{func}: requires_grad is torch's; {kind}")
+        why = {"numpy": "NumPy arrays have no gradient", "jax": "JAX differentiates functions"}
+        raise ValueError(f"{func}: requires_grad is torch's; {why[framework]}")
     if framework == "numpy":
         if device is not None and device != "cpu":
             raise ValueError(f"{func}: device must be None or 'cpu' for NumPy, got {device!r}")
