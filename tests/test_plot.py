@@ -4,7 +4,6 @@ and the signed and ratio kinds: test_scan.py)."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import runpy
@@ -168,48 +167,35 @@ def test_plot_layout_on_given_axes_and_empty(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_plot_errors_heatmap_locates_the_error(tmp_path: Path) -> None:
-    carry = True
     layout = GdnBackwardLayout(2, 24, 4, 8, gate_per_channel=True, carry_state=True)
     actual, expected = _buffers(layout)
     grads = unpack(actual, layout)
     grads.dk[1, 17, 3, 5] += 0.5
     grads.dbeta[0, 6, 1] -= 0.25
-    if carry:
-        assert grads.dstate is not None
-        grads.dstate[0, 2, 5, 1] += 0.5
+    assert grads.dstate is not None
+    grads.dstate[0, 2, 5, 1] += 0.5
     path = tmp_path / "errors.png"
-    # One case draws every panel; the other only the failing ones, the default.
-    fig = plot_errors(
-        compare(actual, expected, layout), path=path, only_failed=False if carry else None
-    )
-    names = layout.names if carry else ("dk", "dbeta")
-    rows = math.ceil(len(names) / 3)
-    assert _png_size(path.read_bytes()) == (min(3, len(names)) * 420, rows * 300 + 30)
+    fig = plot_errors(compare(actual, expected, layout), path=path, only_failed=False)
+    assert _png_size(path.read_bytes()) == (3 * 420, 2 * 300 + 30)
     panels = _panels(fig)
-    assert list(panels) == list(names)
+    assert list(panels) == list(layout.names)
 
-    def peak(name: str) -> tuple[int, int]:
+    def peak(name: str) -> tuple[int, int]:  # (h, s), or (h, key row i) for dstate
         data = np.ma.filled(panels[name].images[0].get_array(), -np.inf)
         row, col = np.unravel_index(int(np.argmax(data)), data.shape)
         return int(row), int(col)
 
-    # Heads down, sequence position across: (h, s).
     assert panels["dk"].images[0].get_array().shape == (4, 24)
-    assert peak("dk") == (3, 17)
-    assert peak("dbeta") == (1, 6)
-    if carry:
-        assert panels["dstate"].images[0].get_array().shape == (4, 8)
-        assert peak("dstate") == (2, 5)  # (h, key row i)
-        assert panels["dq"].get_title().startswith("dq ok: max |a-e| ")
+    assert panels["dstate"].images[0].get_array().shape == (4, 8)
+    assert (peak("dk"), peak("dbeta"), peak("dstate")) == ((3, 17), (1, 6), (2, 5))
     # float32 against float64: judged by the calibrated criterion, whose verdict has a line.
     dk_title = panels["dk"].get_title().splitlines()
     assert dk_title[0] == "dk FAIL: 1 of 1536 out, worst [1, 17, 3, 5]"
     assert re.fullmatch(rf"error/floor \S+ > {K['float32']:g}", dk_title[1])
     assert dk_title[2] == "max |a-e| over b, n"
-    assert panels["dbeta"].get_title().endswith("\nmax |a-e| over b")
-    if carry:
-        assert panels["dstate"].get_title().endswith("\nmax |a-e| over b, j")
-        assert panels["dg"].get_title().endswith("\nmax |a-e| over b, n")
+    assert panels["dq"].get_title().startswith("dq ok: max |a-e| ")
+    for name, over in (("dbeta", "b"), ("dstate", "b, j"), ("dg", "b, n")):
+        assert panels[name].get_title().endswith(f"\nmax |a-e| over {over}")
 
 
 def _marked(shape: tuple[int, int, int, int]) -> tuple[Comparison, NDArray[np.float64]]:
