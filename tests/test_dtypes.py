@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from gdn_layout._dtypes import (
     DTYPES,
     PRECISIONS,
-    SPELLINGS,
     UNIT_ROUNDOFF,
     canonical_name,
     default_precision,
@@ -21,8 +20,7 @@ from gdn_layout._dtypes import (
     precision_of,
     round_mantissa,
 )
-from gdn_layout.check._criterion import DEFAULT_TOLERANCES
-from gdn_layout.files._safetensors import DTYPE_NAMES, dtype_code, dtype_of_code
+from gdn_layout.files._safetensors import dtype_code, dtype_of_code
 
 
 @given(st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=64))
@@ -77,14 +75,3 @@ def test_each_dtype_s_facts_are_numpy_s_and_safetensors_() -> None:
         assert PRECISIONS[d.precision].buffer == d.name
     unit_roundoffs = [d.unit_roundoff for d in DTYPES.values()]
     assert unit_roundoffs == sorted(unit_roundoffs)  # from the most precise
-
-
-def test_the_tables_by_dtype_are_views_of_the_one_table() -> None:
-    assert DTYPE_NAMES == ("float64", "float32", "float16", "bfloat16")
-    assert list(SPELLINGS) == ["bfloat16", "float16", "float32", "float64"]  # as the CLI lists
-    assert {n: d.spellings for n, d in DTYPES.items()} == SPELLINGS
-    assert {n: d.unit_roundoff for n, d in DTYPES.items()} == UNIT_ROUNDOFF
-    assert {n: d.tolerances for n, d in DTYPES.items()} == DEFAULT_TOLERANCES
-    for p in PRECISIONS.values():  # a class named as a dtype is spelled as it
-        if p.name in DTYPES:
-            assert (p.name, *p.spellings) == DTYPES[p.name].spellings

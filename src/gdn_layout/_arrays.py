@@ -1,9 +1,10 @@
-"""Arrays of any library read as NumPy arrays, without a copy where the library allows (and
-with one copy from a device's memory), and NumPy arrays given to a library as its own tensors,
-on the device asked."""
+"""Arrays of any library read as NumPy arrays (a view of host memory, one copy of a device's),
+and NumPy arrays made into a library's tensors on the device asked (README.md, *Test the
+kernel with pytest*)."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 import warnings
 from typing import Any, Final
@@ -17,44 +18,27 @@ __all__ = ["FRAMEWORKS", "as_framework", "as_packed", "device_of"]
 
 #: DLPack's device types (``DLDeviceType``) by number, as :func:`device_of` names them.
 _DL_DEVICES: Final = {
-    1: "cpu",
-    2: "cuda",
-    3: "cuda_host",
-    4: "opencl",
-    7: "vulkan",
-    8: "metal",
-    9: "vpi",
-    10: "rocm",
-    11: "rocm_host",
-    12: "ext_dev",
-    13: "cuda_managed",
-    14: "oneapi",
-    15: "webgpu",
-    16: "hexagon",
-    17: "maia",
-}
+    1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal", 9: "vpi",
+    10: "rocm", 11: "rocm_host", 12: "ext_dev", 13: "cuda_managed", 14: "oneapi",
+    15: "webgpu", 16: "hexagon", 17: "maia",
+}  # fmt: skip
 #: The DLPack device types whose memory the CPU reads as it is: NumPy views them.
 _HOST: Final = frozenset({1, 3, 11, 13})
-_KDLCPU: Final = 1
-#: NumPy 2.1 added ``from_dlpack(x, device="cpu", copy=True)``: the standard's cross-device
-#: request. Before it, the request is made of ``__dlpack__`` here.
+#: NumPy 2.1 added ``from_dlpack(x, device="cpu", copy=True)``, the standard's cross-device
+#: request; before it, the request is made of ``__dlpack__`` here.
 _FROM_DLPACK_TAKES_DEVICE: Final = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 #: What a library raises when an array cannot be exported, or read, as asked.
 _REFUSED: Final = (BufferError, TypeError, RuntimeError, ValueError, NotImplementedError)
+#: The libraries :func:`as_framework` makes tensors of.
+FRAMEWORKS: Final = ("torch", "jax", "numpy")
 
 
 def as_packed(buffer: object, which: str = "actual", func: str = "compare") -> NDArray[Any]:
-    """A NumPy array of a packed buffer given as any array: a NumPy array as it is; an object
-    with ``__dlpack__`` (torch, JAX, CuPy, ...) viewed without a copy when it is in host
-    memory, else copied to it once, by DLPack's cross-device request
-    (``__dlpack__(dl_device=(kDLCPU, 0), copy=True)``) or, where the library refuses that,
-    its own copy (torch's ``.cpu()``, CuPy's, ``__array__``); else ``__array__``; else an
-    object with ``__cuda_array_interface__`` copied by CuPy.
-
-    A torch bfloat16 tensor is read as ml_dtypes' bfloat16 through its bits; a tensor that
-    requires grad is read through ``detach()``. One that cannot be read (on device ``meta``,
-    of a float8 dtype, ...) is a TypeError naming ``which``. :func:`device_of` says which
-    device the values were read from.
+    """``buffer`` as a NumPy array: a NumPy array as it is; one with ``__dlpack__`` (torch,
+    JAX, CuPy, ...) viewed in host memory, else copied to it once (DLPack's cross-device
+    request, or where refused the library's own copy); else ``__array__``; else
+    ``__cuda_array_interface__`` copied by CuPy. A torch bfloat16 tensor is read through its
+    bits, one that requires grad detached. What cannot be read is a TypeError naming ``which``.
     """
     if isinstance(buffer, np.ndarray):
         return buffer
@@ -95,39 +79,29 @@ def device_of(buffer: object) -> str | None:
         return None if buffer.device.type == "cpu" else str(buffer.device)
     if hasattr(buffer, "__dlpack_device__"):
         try:
-            kind, index = buffer.__dlpack_device__()
+            kind, index = map(int, buffer.__dlpack_device__())
         except _REFUSED:
             return str(getattr(buffer, "device", "unknown"))
-        if int(kind) in _HOST:
-            return None
-        return f"{_DL_DEVICES.get(int(kind), f'device type {int(kind)}')}:{index}"
-    if hasattr(buffer, "__cuda_array_interface__"):
-        return "cuda"
-    return None
+        return None if kind in _HOST else f"{_DL_DEVICES.get(kind, f'device type {kind}')}:{index}"
+    return "cuda" if hasattr(buffer, "__cuda_array_interface__") else None
 
 
 def _from_dlpack(tensor: Any) -> NDArray[Any]:
-    """A NumPy array of a DLPack producer: a view of host memory, else one copy of device
-    memory. A torch bfloat16 tensor, which DLPack does not carry to NumPy, through its
-    bits."""
+    """A view of host memory, else one copy of device memory; a torch bfloat16 tensor, which
+    DLPack does not carry to NumPy, through its bits."""
     torch: Any = sys.modules.get("torch")
     bits = torch is not None and isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bfloat16
     source = tensor.view(torch.int16) if bits else tensor
-    array = _dlpack_view(source) if _in_host_memory(source) else _copied_to_host(source)
+    try:
+        in_host = int(source.__dlpack_device__()[0]) in _HOST
+    except (*_REFUSED, AttributeError):  # a device DLPack has no name for: copy, or say why
+        in_host = False
+    array = _dlpack_view(source) if in_host else _copied_to_host(source)
     return array.view(bfloat16()) if bits else array
 
 
-def _in_host_memory(tensor: Any) -> bool:
-    try:
-        kind, _ = tensor.__dlpack_device__()
-    except (*_REFUSED, AttributeError):  # a device DLPack has no name for: copy, or say why
-        return False
-    return int(kind) in _HOST
-
-
 def _dlpack_view(tensor: Any) -> NDArray[Any]:
-    """``np.from_dlpack``; a dtype DLPack does not carry to NumPy (JAX's bfloat16) through
-    the library's own ``__array__``."""
+    """``np.from_dlpack``; a dtype DLPack does not carry (JAX's bfloat16) by ``__array__``."""
     try:
         return np.from_dlpack(tensor)
     except _REFUSED:
@@ -137,14 +111,13 @@ def _dlpack_view(tensor: Any) -> NDArray[Any]:
 
 
 def _copied_to_host(tensor: Any) -> NDArray[Any]:
-    """One copy of a tensor in a device's memory, by DLPack's cross-device request; where
-    the producer refuses it (an older library, a CUDA tensor of another device than the
-    current one), by the library's own copy."""
+    """One copy of device memory, by DLPack's cross-device request; where the producer refuses
+    it (an older library, a CUDA tensor of another than the current device), its own copy."""
     try:
         if _FROM_DLPACK_TAKES_DEVICE:
             return np.from_dlpack(tensor, device="cpu", copy=True)
-        holder: Any = _HostCapsule(tensor.__dlpack__(dl_device=(_KDLCPU, 0), copy=True))
-        return np.from_dlpack(holder)
+        capsule = tensor.__dlpack__(dl_device=(1, 0), copy=True)  # kDLCPU
+        return np.from_dlpack(_HostCapsule(capsule))  # type: ignore[arg-type]
     except _REFUSED:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(tensor, torch.Tensor):
@@ -157,8 +130,7 @@ def _copied_to_host(tensor: Any) -> NDArray[Any]:
 
 
 class _HostCapsule:
-    """A DLPack capsule already in host memory, for ``np.from_dlpack`` before NumPy 2.1,
-    which takes an object, not a capsule."""
+    """A DLPack capsule in host memory, for ``np.from_dlpack`` before NumPy 2.1."""
 
     def __init__(self, capsule: object) -> None:
         self.capsule = capsule
@@ -167,14 +139,11 @@ class _HostCapsule:
         return self.capsule
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (_KDLCPU, 0)
+        return (1, 0)
 
 
 def _from_cuda(buffer: object) -> NDArray[Any]:
-    """One copy of an array in CUDA memory known by ``__cuda_array_interface__``, by CuPy,
-    which reads that interface without a copy."""
-    import importlib
-
+    """One copy of CUDA memory known by ``__cuda_array_interface__``, by CuPy."""
     try:
         cupy = importlib.import_module("cupy")
     except ImportError:
@@ -183,10 +152,6 @@ def _from_cuda(buffer: object) -> NDArray[Any]:
             "cupy-cuda12x (or the build for your CUDA)"
         ) from None
     return np.asarray(cupy.asarray(buffer).get())
-
-
-#: The libraries :func:`as_framework` makes tensors of.
-FRAMEWORKS: Final = ("torch", "jax", "numpy")
 
 
 def as_framework(
@@ -198,29 +163,22 @@ def as_framework(
     requires_grad: bool = False,
     func: str = "inputs_as",
 ) -> Any:
-    """``array`` as a new tensor of ``framework`` (``"torch"``, ``"jax"`` or ``"numpy"``), in
-    ``dtype`` (the framework's dtype or its name, e.g. ``"bfloat16"``; default: the array's
-    own), on ``device`` (default: the framework's; see :meth:`~gdn_layout.suites.Case.
-    inputs_as`).
-
-    A copy, made once from ``array`` onto the device: a fixture's arrays are read-only, and a
-    kernel may write its inputs. bfloat16 arrays (ml_dtypes') become torch bfloat16 tensors
-    through their bits. ``requires_grad`` is torch's; JAX takes gradients of functions, not
-    of arrays.
-    """
+    """``array`` as a new tensor of ``framework`` (:data:`FRAMEWORKS`), in ``dtype`` (the
+    framework's or its name; default the array's), on ``device`` (default the framework's):
+    one copy made from ``array`` onto the device, since a fixture's arrays are read-only and a
+    kernel may write its inputs. ``requires_grad`` is torch's."""
     if framework not in FRAMEWORKS:
         raise ValueError(f"{func}: framework must be one of {FRAMEWORKS}, got {framework!r}")
+    if requires_grad and framework != "torch":
+        why = {"numpy": "NumPy arrays have no gradient", "jax": "JAX differentiates functions"}
+        raise ValueError(f"{func}: requires_grad is torch's; {why[framework]}")
     if framework == "numpy":
-        if requires_grad:
-            raise ValueError(f"{func}: requires_grad is torch's; NumPy arrays have no gradient")
         if device is not None and device != "cpu":
             raise ValueError(f"{func}: device must be None or 'cpu' for NumPy, got {device!r}")
         copy = np.array(array)  # writable, C-ordered
         return copy if dtype is None else copy.astype(resolve(dtype, f"{func}: dtype"))
     if framework == "jax":
-        if requires_grad:
-            raise ValueError(f"{func}: requires_grad is torch's; JAX differentiates functions")
-        jax = _imported("jax", "JAX", "jax", func)
+        jax = _imported("jax", "JAX", func)
         wanted = array.dtype if dtype is None else np.dtype(_named(jax.numpy, dtype, func))
         out = jax.device_put(array, _jax_device(jax, device, func))
         if array.size and out.unsafe_buffer_pointer() == array.ctypes.data:
@@ -233,18 +191,15 @@ def as_framework(
                 "jax.config.update('jax_enable_x64', True) first, or pass dtype='float32'"
             )
         return out
-    torch = _imported("torch", "PyTorch", "torch", func)
+    torch = _imported("torch", "PyTorch", func)
     chosen = _torch_device(torch, device, func)
     if not (array.flags.aligned and array.dtype.isnative and min(array.strides, default=0) >= 0):
         array = np.array(array)  # what torch cannot view: copied on the host first
-    source = array.view(np.int16) if array.dtype.name == "bfloat16" else array
-    with warnings.catch_warnings():
-        # a view of the read-only array, read once by the copy below and never written
+    bits = array.dtype.name == "bfloat16"
+    with warnings.catch_warnings():  # a view of a read-only array, read once by the copy below
         warnings.filterwarnings("ignore", "The given NumPy array is not writable", UserWarning)
-        view = torch.from_numpy(source)
-    if source is not array:
-        view = view.view(torch.bfloat16)
-    tensor = view.to(
+        view = torch.from_numpy(array.view(np.int16) if bits else array)
+    tensor = (view.view(torch.bfloat16) if bits else view).to(
         device=chosen,
         dtype=None if dtype is None else _named(torch, dtype, func),
         copy=True,
@@ -254,8 +209,7 @@ def as_framework(
 
 
 def _torch_device(torch: Any, device: object, func: str) -> Any:
-    """``device`` as a ``torch.device`` this process has: ``cpu``, ``meta``, or the
-    accelerator's (``cuda:0``, ...)."""
+    """``device`` as a ``torch.device`` this process has: cpu, meta or the accelerator's."""
     if device is None:
         return None
     if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
@@ -265,11 +219,9 @@ def _torch_device(torch: Any, device: object, func: str) -> Any:
         )
     accelerator = getattr(torch, "accelerator", None)  # torch 2.6 and later
     if accelerator is not None and accelerator.is_available():
-        kind = accelerator.current_accelerator().type
-        count = accelerator.device_count()
+        kind, count = accelerator.current_accelerator().type, accelerator.device_count()
     else:
         kind, count = "cuda", torch.cuda.device_count() if torch.cuda.is_available() else 0
-    offered = ("cpu", "meta", *((kind,) if count else ()), *(f"{kind}:{i}" for i in range(count)))
     try:
         chosen = torch.device(device)
     except (RuntimeError, ValueError):
@@ -277,6 +229,12 @@ def _torch_device(torch: Any, device: object, func: str) -> Any:
     if chosen is None or (
         chosen.type not in ("cpu", "meta") and (chosen.type != kind or (chosen.index or 0) >= count)
     ):
+        offered = [
+            "cpu",
+            "meta",
+            *([kind] if count else []),
+            *(f"{kind}:{i}" for i in range(count)),
+        ]
         raise ValueError(
             f"{func}: device must be one torch has here ({', '.join(map(repr, offered))}), "
             f"got {device!r}"
@@ -285,8 +243,7 @@ def _torch_device(torch: Any, device: object, func: str) -> Any:
 
 
 def _jax_device(jax: Any, device: object, func: str) -> Any:
-    """``device`` as a ``jax.Device``: one given, or a platform's (``"cpu"``, ``"gpu"``, ...)
-    first device, or its device ``i`` for ``"gpu:i"``."""
+    """``device`` as a ``jax.Device``: one given, a platform's first, or ``"gpu:i"``'s."""
     if device is None or isinstance(device, jax.Device):
         return device
     if not isinstance(device, str):
@@ -313,13 +270,11 @@ def _jax_device(jax: Any, device: object, func: str) -> Any:
     )
 
 
-def _imported(module: str, name: str, package: str, func: str) -> Any:
-    import importlib
-
+def _imported(module: str, name: str, func: str) -> Any:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ImportError(f"{func}: {name} is not installed: pip install {package}") from None
+        raise ImportError(f"{func}: {name} is not installed: pip install {module}") from None
 
 
 def _named(library: Any, dtype: object, func: str) -> Any:

@@ -1,19 +1,10 @@
-"""The floating dtypes gdn-layout works with (:data:`DTYPES`, one record of facts each), and the
-precision classes a kernel computes in (:data:`PRECISIONS`); bfloat16 is ml_dtypes', an optional
-extra.
+"""The floating dtypes (:data:`DTYPES`, one record of facts each, every common spelling of a
+name accepted in any case) and the precision classes a kernel is judged in (:data:`PRECISIONS`).
 
-Every common spelling of a dtype name is accepted, in any case: NumPy's (``float32``),
-safetensors' (``F32``), the short one (``f32``) and C's (``single``, ``half``, ``double``).
-
->>> [canonical_name(n) for n in ("BF16", "f32", "half", "double", "F64", "float16")]
-['bfloat16', 'float32', 'float16', 'float64', 'float64', 'float16']
+>>> [canonical_name(n) for n in ("BF16", "f32", "half", "double", "F64")]
+['bfloat16', 'float32', 'float16', 'float64', 'float64']
 >>> itemsize("bfloat16", "dtype")  # no optional package needed to count bytes
 2
->>> [(d.name, d.code, d.itemsize) for d in DTYPES.values()]
-[('float64', 'F64', 8), ('float32', 'F32', 4), ('float16', 'F16', 2), ('bfloat16', 'BF16', 2)]
->>> [(p.name, p.buffer) for p in PRECISIONS.values()]  # doctest: +NORMALIZE_WHITESPACE
-[('float64', 'float64'), ('float32', 'float32'), ('tf32', 'float32'),
- ('bfloat16', 'bfloat16'), ('float16', 'float16')]
 """
 
 from __future__ import annotations
@@ -32,22 +23,14 @@ BF16_HINT: Final = (
 class DType(NamedTuple):
     """A floating dtype gdn-layout handles, with its facts: one record of :data:`DTYPES`."""
 
-    #: NumPy's name (ml_dtypes' for bfloat16).
-    name: str
-    #: Its safetensors code.
-    code: str
-    #: Bytes per element.
+    name: str  # NumPy's (ml_dtypes' for bfloat16)
+    code: str  # safetensors'
     itemsize: int
-    #: Half its machine epsilon: the largest relative error of rounding to it.
-    unit_roundoff: float
-    #: ``torch.testing.assert_close``'s default ``(rtol, atol)`` for it.
-    tolerances: tuple[float, float]
-    #: Every accepted spelling (lower case): the name, the safetensors code, then others.
-    spellings: tuple[str, ...]
-    #: The precision class its buffers are judged in by default (:data:`PRECISIONS`).
-    precision: str
-    #: Whether ml_dtypes defines it (an optional extra) rather than NumPy.
-    ml_dtypes: bool = False
+    unit_roundoff: float  # half the machine epsilon: the largest relative rounding error
+    tolerances: tuple[float, float]  # torch.testing.assert_close's default (rtol, atol)
+    spellings: tuple[str, ...]  # every accepted one, lower case: the name, the code, others
+    precision: str  # the class its buffers are judged in by default (PRECISIONS)
+    ml_dtypes: bool = False  # defined by ml_dtypes (an optional extra), not NumPy
 
     def numpy(self) -> np.dtype[Any]:
         """The NumPy dtype; for one of ml_dtypes', an ImportError naming the extra without it."""
@@ -78,24 +61,16 @@ _BY_SPELLING: Final = {alias: d for d in DTYPES.values() for alias in d.spelling
 
 
 class Precision(NamedTuple):
-    """A precision class: what a kernel computes in, and how it is judged.
+    """A precision class: what a kernel computes in, judged against the floors of its class
+    times its margin ``K`` (docs/criterion.md)."""
 
-    A kernel is judged against the floors of its class (:mod:`gdn_layout.check`): the worst
-    rounding that correct forms computed in that class reach on the case's inputs, times the
-    class's margin ``K`` (:data:`gdn_layout.check.K`).
-    """
-
-    #: The class's name, as ``precision=`` takes it.
-    name: str
-    #: The dtype of the kernel's inputs and outputs.
-    buffer: str
+    name: str  # as precision= takes it
+    buffer: str  # the dtype of the kernel's inputs and outputs
     #: Mantissa bits of the operands of its matrix products (accumulated in float32), or None
     #: when they are the computation dtype's own.
     product_bits: int | None
-    #: ``(rms, max)`` floors for fixtures that carry none of this class.
-    default_floors: tuple[float, float]
-    #: Other accepted spellings (lower case) besides the name.
-    spellings: tuple[str, ...] = ()
+    default_floors: tuple[float, float]  # (rms, max) for fixtures that carry none of it
+    spellings: tuple[str, ...] = ()  # other accepted spellings (lower case)
 
     @property
     def unit_roundoff(self) -> float:
@@ -147,10 +122,9 @@ def precision_of(value: object, where: str) -> Precision:
         name = _PRECISION_NAMES.get(value.strip().lower())
     else:  # a dtype, or a scalar type: its class
         try:
-            dtype = DTYPES.get(np.dtype(value).name)  # type: ignore[call-overload]
-        except TypeError:
-            dtype = None
-        name = None if dtype is None else dtype.precision
+            name = DTYPES[np.dtype(value).name].precision  # type: ignore[call-overload]
+        except (TypeError, KeyError):
+            name = None
     if name is None:
         raise ValueError(f"{where} must be one of {', '.join(PRECISIONS)}, got {value!r}")
     return PRECISIONS[name]
@@ -216,16 +190,14 @@ def resolve(dtype: object, where: str) -> np.dtype[Any]:
 
 def dtype_name(dtype: object, where: str) -> str:
     """The NumPy name of ``dtype``; a name of :data:`SPELLINGS` needs no optional package."""
-    if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
-        return name
-    return resolve(dtype, where).name
+    named = canonical_name(dtype) if isinstance(dtype, str) else None
+    return named or resolve(dtype, where).name
 
 
 def itemsize(dtype: object, where: str) -> int:
     """Bytes per element of ``dtype``; a name of :data:`SPELLINGS` needs no optional package."""
-    if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
-        return DTYPES[name].itemsize
-    return resolve(dtype, where).itemsize
+    named = canonical_name(dtype) if isinstance(dtype, str) else None
+    return DTYPES[named].itemsize if named else resolve(dtype, where).itemsize
 
 
 def round_mantissa(values: NDArray[np.float32], bits: int) -> NDArray[np.float32]:

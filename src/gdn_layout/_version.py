@@ -1,10 +1,6 @@
 """The installed version of gdn-layout."""
 
-from __future__ import annotations
-
 from importlib.metadata import PackageNotFoundError, version
-
-__all__ = ["__version__"]
 
 try:
     __version__ = version("gdn-layout")

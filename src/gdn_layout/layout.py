@@ -1,23 +1,20 @@
-"""Where each gradient sits in the packed output of RLX's ``GatedDeltaNetBackward``.
-
-This mirrors ``GdnBackwardLayout`` in rlx-ir's ``src/gdn.rs``: the same fields, the same
-quantities under the same names, computed with Python integers so that they are exact at any
-size. The Rust side computes in ``usize``; a configuration whose arithmetic would overflow it
-(where a debug build of rlx-ir panics) is refused here rather than given a number Rust cannot
-agree with.
-"""
+"""Where each gradient sits in the packed output of RLX's ``GatedDeltaNetBackward``: rlx-ir's
+``GdnBackwardLayout`` (``src/gdn.rs``) in Python integers, exact at any size (README.md, *The
+layout*)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any, Final, NamedTuple
 
+import numpy as np
 from numpy.typing import DTypeLike
 
-from ._checks import USIZE_LIMIT, check_shape, dimension, flag, shape_of
-from ._dtypes import itemsize
-from ._tables import LayoutRow, layout_caption, layout_html, layout_table, layout_text
+from ._checks import flag, integer, not_a_layout
+from ._dtypes import dtype_name, itemsize
+from ._tables import html_table, text_table
 
 if TYPE_CHECKING:
     from ._picture import Picture
@@ -37,24 +34,14 @@ __all__ = [
 
 _DIMS = ("batch", "seq", "heads", "state_size")
 _FLAGS = ("gate_per_channel", "carry_state")
+#: ``usize::MAX + 1`` on the 64-bit targets RLX runs on.
+_USIZE_LIMIT = 1 << 64
 #: Every gradient's name, in packing order; ``dstate`` is packed only when the state is carried.
 GRADIENT_NAMES: Final = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
 #: The op's inputs, the cotangent ``dy`` and the output ``y``, each with its gradient's shape.
-INPUT_NAMES: Final = {
-    "q": "dq",
-    "k": "dk",
-    "v": "dv",
-    "g": "dg",
-    "beta": "dbeta",
-    "state": "dstate",
-    "dy": "dv",
-    "y": "dv",
-}
-#: The axes of the gradients over the sequence (``dg`` has ``n`` with a per-channel gate), and
-#: of ``dstate`` ``[B, H, N, N]``: key row ``i``, value column ``j``.
-_SEQUENCE_AXES: Final = ("b", "s", "h", "n")
-_STATE_AXES: Final = ("b", "h", "i", "j")
-_CHUNK_AXES: Final = ("b", "c", "h", "i", "j")
+INPUT_NAMES: Final = dict(
+    q="dq", k="dk", v="dv", g="dg", beta="dbeta", state="dstate", dy="dv", y="dv"
+)
 
 
 class Segment(NamedTuple):
@@ -86,37 +73,30 @@ class Segment(NamedTuple):
 def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
     """The axis names of the gradient ``name`` with ``ndim`` axes (see :attr:`Segment.axes`);
     also of the states a fixture may hold: ``h`` and ``dh`` are ``("b", "c", "h", "i", "j")``
-    (``c`` the chunk), ``final_state`` is as ``dstate``, ``y`` as ``dq``.
-
-    See Also
-    --------
-    Segment : A gradient's place, shape and axes.
-    """
+    (``c`` the chunk), ``final_state`` is as ``dstate``, ``y`` as ``dq``."""
     if name in ("h", "dh"):
-        return _CHUNK_AXES
-    return _STATE_AXES if name in ("dstate", "final_state") else _SEQUENCE_AXES[:ndim]
+        return ("b", "c", "h", "i", "j")
+    if name in ("dstate", "final_state"):
+        return ("b", "h", "i", "j")
+    return ("b", "s", "h", "n")[:ndim]
 
 
-def _usize(*factors: int) -> int:
-    """``factors`` multiplied left to right, as Rust's ``a * b * c``; a sum is one factor.
-
-    Rust's ``usize`` arithmetic panics (in a debug build) where a partial result reaches
-    ``usize::MAX + 1``, even when a later factor is 0; so each partial product is checked.
-    """
-    product = 1
-    for factor in factors:
-        product *= factor
-        if product >= USIZE_LIMIT:
-            raise OverflowError
-    return product
+def gradient_shapes(
+    b: int, s: int, h: int, n: int, per_channel: bool, carry: bool
+) -> tuple[tuple[int, ...], ...]:
+    """The gradients' shapes in packing order, ``dstate`` only when the state is carried."""
+    state = ((b, h, n, n),) if carry else ()
+    return ((b, s, h, n),) * 3 + ((b, s, h, n) if per_channel else (b, s, h), (b, s, h), *state)
 
 
 @dataclass(frozen=True)
 class GdnBackwardLayout:
     """The packed-gradient layout of ``GatedDeltaNetBackward``, equal to rlx-ir's.
 
-    The packed buffer holds ``dq, dk, dv, dg, dbeta`` and, with ``carry_state``, ``dstate``,
-    each flattened in C order and concatenated in that order.
+    ``dq, dk, dv, dg, dbeta`` and, with ``carry_state``, ``dstate``, each flattened in C order,
+    concatenated in that order. Every quantity of the Rust type is a read-only property of the
+    Rust name; a configuration whose ``usize`` arithmetic would overflow (where a debug build
+    of rlx-ir panics) is a ValueError.
 
     See Also
     --------
@@ -127,14 +107,8 @@ class GdnBackwardLayout:
     Examples
     --------
     >>> layout = GdnBackwardLayout(batch=2, seq=3, heads=4, state_size=8)
-    >>> layout.total_elems
-    624
-    >>> layout.dbeta_offset == layout.dg_offset + layout.gate_elems
-    True
-    >>> layout.slices()
-    [(0, 192), (192, 192), (384, 192), (576, 24), (600, 24)]
-    >>> layout.shape("dg")
-    (2, 3, 4)
+    >>> layout.total_elems, layout.slices()[3:], layout.shape("dg")
+    (624, [(576, 24), (600, 24)], (2, 3, 4))
     """
 
     batch: int
@@ -146,116 +120,106 @@ class GdnBackwardLayout:
 
     def __post_init__(self) -> None:
         for name in _DIMS:
-            object.__setattr__(self, name, dimension(name, getattr(self, name)))
+            value = integer(getattr(self, name), name)
+            if value >= _USIZE_LIMIT:
+                raise ValueError(f"{name} must fit in a 64-bit usize, got {value}")
+            object.__setattr__(self, name, value)
         for name in _FLAGS:
             object.__setattr__(self, name, flag(name, getattr(self, name)))
-        try:
-            # total_elems adds up every other quantity (dv_offset = 2 * qkv_elems is at most
-            # dg_offset), so all of Rust's arithmetic is done, and an overflow refused, here.
-            self.total_elems  # noqa: B018
-        except OverflowError:
+        # Rust's usize arithmetic panics where any partial product or sum overflows, even
+        # when a later factor is 0: each is at most one of these.
+        b, s, h, n = self.batch, self.seq, self.heads, self.state_size
+        partials = (b * s, b * s * h, 3 * b * s * h * n, self.total_elems)
+        if max(partials + ((b * h, b * h * n) if self.carry_state else ())) >= _USIZE_LIMIT:
             raise ValueError(
                 f"{self!r} does not fit in a 64-bit usize: its element counts or offsets "
                 "overflow, and rlx-ir's arithmetic would panic"
-            ) from None
+            )
 
-    # -- the Rust quantities, by their Rust names, computed as gdn.rs computes them ----------
-    # Cached in the instance (not dataclass fields, so that equality, repr and
-    # dataclasses.asdict see the six fields only): unpack and pack do no arithmetic.
+    # The Rust quantities, as gdn.rs computes them; computed once and kept in the instance, not
+    # as fields (equality, repr and dataclasses.asdict see the six fields only).
 
     @cached_property
     def qkv_elems(self) -> int:
-        """Elements in one of ``q``/``k``/``v``/``dy``: ``[B, S, H, N]``."""
-        return _usize(self.batch, self.seq, self.heads, self.state_size)
+        """Elements of one of ``q``/``k``/``v``/``dy``, ``[B, S, H, N]``."""
+        return self.batch * self.seq * self.heads * self.state_size
 
     @cached_property
     def beta_elems(self) -> int:
-        """Elements in ``beta``: ``[B, S, H]``."""
-        return _usize(self.batch, self.seq, self.heads)
+        """Elements of ``beta``, ``[B, S, H]``."""
+        return self.batch * self.seq * self.heads
 
-    @property
+    @cached_property
     def gate_elems(self) -> int:
-        """Elements in ``g``: ``[B, S, H, N]`` per channel, else ``[B, S, H]``."""
+        """Elements of ``g``: ``qkv_elems`` per channel, else ``beta_elems``."""
         return self.qkv_elems if self.gate_per_channel else self.beta_elems
 
     @cached_property
     def state_elems(self) -> int:
-        """Elements in the carried state ``[B, H, N, N]``; zero when it is not carried."""
-        if not self.carry_state:
-            return 0
-        return _usize(self.batch, self.heads, self.state_size, self.state_size)
+        """Elements of the carried state ``[B, H, N, N]``; 0 when it is not carried."""
+        return self.batch * self.heads * self.state_size**2 if self.carry_state else 0
 
-    @property
+    @cached_property
     def dq_offset(self) -> int:
         return 0
 
-    @property
+    @cached_property
     def dk_offset(self) -> int:
         return self.qkv_elems
 
     @cached_property
     def dv_offset(self) -> int:
-        return _usize(2, self.qkv_elems)
+        return 2 * self.qkv_elems
 
     @cached_property
     def dg_offset(self) -> int:
-        return _usize(3, self.qkv_elems)
+        return 3 * self.qkv_elems
 
     @cached_property
     def dbeta_offset(self) -> int:
-        return _usize(self.dg_offset + self.gate_elems)
+        return self.dg_offset + self.gate_elems
 
     @cached_property
-    def dstate_offset(self) -> int:
-        """Where ``dstate`` starts; as in Rust, defined (as the end of ``dbeta``) even when
-        the state is not carried."""
-        return _usize(self.dbeta_offset + self.beta_elems)
+    def dstate_offset(self) -> int:  # as in Rust, the end of dbeta even when not carried
+        return self.dbeta_offset + self.beta_elems
 
     @cached_property
     def total_elems(self) -> int:
         """Length of the packed buffer."""
-        return _usize(self.dstate_offset + self.state_elems)
+        return self.dstate_offset + self.state_elems
 
     def slices(self) -> list[tuple[int, int]]:
         """``(offset, length)`` for each gradient in packing order, as rlx-ir's ``slices()``."""
         return [(seg.offset, seg.length) for seg in self._segments]
 
-    # -- beyond Rust ----------------------------------------------------------------------
-
     @cached_property
     def _segments(self) -> tuple[Segment, ...]:
-        # gdn.rs's slices(), each with its name and shape.
-        b, s, h, n = self.batch, self.seq, self.heads, self.state_size
-        gate_shape = (b, s, h, n) if self.gate_per_channel else (b, s, h)
-        segments: tuple[Segment, ...] = (
-            Segment("dq", self.dq_offset, self.qkv_elems, (b, s, h, n)),
-            Segment("dk", self.dk_offset, self.qkv_elems, (b, s, h, n)),
-            Segment("dv", self.dv_offset, self.qkv_elems, (b, s, h, n)),
-            Segment("dg", self.dg_offset, self.gate_elems, gate_shape),
-            Segment("dbeta", self.dbeta_offset, self.beta_elems, (b, s, h)),
+        shapes = gradient_shapes(
+            self.batch,
+            self.seq,
+            self.heads,
+            self.state_size,
+            self.gate_per_channel,
+            self.carry_state,
         )
-        if self.carry_state:
-            segments += (Segment("dstate", self.dstate_offset, self.state_elems, (b, h, n, n)),)
-        return segments
+        places = (
+            (self.dq_offset, self.qkv_elems),
+            (self.dk_offset, self.qkv_elems),
+            (self.dv_offset, self.qkv_elems),
+            (self.dg_offset, self.gate_elems),
+            (self.dbeta_offset, self.beta_elems),
+            (self.dstate_offset, self.state_elems),
+        )
+        # dstate's place is defined even when it is not carried, as in Rust; its shape is not
+        return tuple(
+            Segment(name, offset, length, shape)
+            for name, (offset, length), shape in zip(GRADIENT_NAMES, places, shapes, strict=False)
+        )
 
     @cached_property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The shape of each gradient, in packing order.
-
-        >>> GdnBackwardLayout(1, 2, 3, 4).shapes[3:]
-        ((1, 2, 3), (1, 2, 3))
-        """
+        """The shape of each gradient, in packing order."""
         return tuple(seg.shape for seg in self._segments)
-
-    @cached_property
-    def cuts(self) -> tuple[tuple[slice, tuple[int, ...]], ...]:
-        """``(slice, shape)`` of each gradient in packing order: ``flat[cut].reshape(shape)``
-        is its view of a 1-D packed buffer ``flat``.
-
-        >>> GdnBackwardLayout(1, 2, 1, 2).cuts[3]
-        (slice(12, 14, None), (1, 2, 1))
-        """
-        return tuple((slice(s.offset, s.offset + s.length), s.shape) for s in self._segments)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -267,13 +231,7 @@ class GdnBackwardLayout:
         return self._segments
 
     def segment(self, name: str) -> Segment:
-        """The :class:`Segment` of the gradient called ``name``.
-
-        Raises
-        ------
-        KeyError
-            No gradient of that name in this layout (``dstate`` without ``carry_state``).
-        """
+        """The :class:`Segment` of the gradient ``name``; a KeyError naming those there are."""
         for seg in self._segments:
             if seg.name == name:
                 return seg
@@ -284,43 +242,24 @@ class GdnBackwardLayout:
         return self.segment(name).shape
 
     def input_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of the op's input ``name`` (``"q"``, ``"k"``, ``"v"``, ``"g"``,
-        ``"beta"``, ``"state"``), of the cotangent ``"dy"`` or of the output ``"y"``.
+        """The shape of the op's input ``name`` (``"q"``, ..., ``"state"``), of the cotangent
+        ``"dy"`` or of the output ``"y"``.
 
         >>> GdnBackwardLayout(2, 3, 4, 8).input_shape("beta")
         (2, 3, 4)
         """
-        gradient = INPUT_NAMES.get(name)
-        if gradient is None:
+        if name not in INPUT_NAMES:
             raise KeyError(f"no input {name!r}; the inputs are {', '.join(INPUT_NAMES)}")
-        return self.shape(gradient)
+        return self.shape(INPUT_NAMES[name])
 
     def nbytes(self, dtype: DTypeLike) -> int:
-        """Bytes of a packed buffer of this layout in ``dtype``.
+        """Bytes of a packed buffer of this layout in ``dtype`` (``"bfloat16"`` works as a name
+        without ml_dtypes); a TypeError when ``dtype`` is not a dtype.
 
-        Parameters
-        ----------
-        dtype : dtype_like
-            Any NumPy dtype; ``"bfloat16"`` works as a name (it needs ml_dtypes).
-
-        Returns
-        -------
-        int
-            ``total_elems`` times the dtype's item size.
-
-        Raises
-        ------
-        TypeError
-            ``dtype`` is not a dtype.
-
-        Examples
-        --------
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
         """
         return self.total_elems * itemsize(dtype, "nbytes: dtype")
-
-    # The views: the layout table of gdn_layout._tables.
 
     def __str__(self) -> str:
         """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
@@ -338,36 +277,17 @@ class GdnBackwardLayout:
 
     @classmethod
     def from_dict(cls, data: Any) -> GdnBackwardLayout:
-        """A layout from :meth:`to_dict`'s output, validated like the constructor.
+        """A layout from :meth:`to_dict`'s output, validated as the constructor validates: a
+        TypeError for what is not a dict, a ValueError for a key missing or unknown.
 
-        Parameters
-        ----------
-        data : dict
-            The keys ``batch``, ``seq``, ``heads``, ``state_size`` and optionally
-            ``gate_per_channel`` and ``carry_state``.
-
-        Returns
-        -------
-        GdnBackwardLayout
-
-        Raises
-        ------
-        TypeError
-            ``data`` is not a dict, or a value has the wrong type.
-        ValueError
-            A key is missing or unknown, or a value is out of range.
-
-        Examples
-        --------
         >>> layout = GdnBackwardLayout(2, 3, 4, 8, carry_state=True)
         >>> GdnBackwardLayout.from_dict(layout.to_dict()) == layout
         True
         """
         if not isinstance(data, dict):
             raise TypeError(f"layout data must be a dict, got {type(data).__name__}")
-        expected = set(_DIMS + _FLAGS)
         missing = [key for key in _DIMS if key not in data]
-        unknown = sorted(str(key) for key in data if key not in expected)
+        unknown = sorted(str(key) for key in data if key not in _DIMS + _FLAGS)
         if missing or unknown:
             raise ValueError(
                 f"layout data must have the keys {', '.join(_DIMS)} (and optionally "
@@ -377,30 +297,11 @@ class GdnBackwardLayout:
 
     @classmethod
     def from_inputs(cls, q: Any, g: Any, state: Any = None) -> GdnBackwardLayout:
-        """The layout of the backward of a forward called with ``q``, ``g`` and ``state``.
+        """The layout of the backward of a forward called with ``q`` ``[B, S, H, N]``, ``g``
+        ``[B, S, H]`` (or ``[B, S, H, N]`` per channel) and ``state`` ``[B, H, N, N]`` or None,
+        each an array or a shape: a TypeError for neither, a ValueError for a shape that does
+        not fit the others.
 
-        Parameters
-        ----------
-        q : array or shape
-            ``[B, S, H, N]``.
-        g : array or shape
-            ``[B, S, H]``, or ``[B, S, H, N]`` for a per-channel gate.
-        state : array or shape, optional
-            ``[B, H, N, N]`` when the state is carried.
-
-        Returns
-        -------
-        GdnBackwardLayout
-
-        Raises
-        ------
-        TypeError
-            An argument is neither an array nor a shape.
-        ValueError
-            A shape does not fit the others (``g``'s rank gives the gate mode).
-
-        Examples
-        --------
         >>> layout = GdnBackwardLayout.from_inputs(q=(1, 16, 2, 4), g=(1, 16, 2), state=None)
         >>> layout.gate_per_channel, layout.carry_state, layout.total_elems
         (False, False, 448)
@@ -411,51 +312,36 @@ class GdnBackwardLayout:
     def from_grads(
         cls, dq: Any, dk: Any, dv: Any, dg: Any, dbeta: Any, dstate: Any = None
     ) -> GdnBackwardLayout:
-        """The layout that packs these gradients (arrays or shapes); every shape is checked.
-
-        Parameters
-        ----------
-        dq, dk, dv, dg, dbeta, dstate : array or shape
-            The gradients, ``dstate`` None when the state is not carried.
-
-        Returns
-        -------
-        GdnBackwardLayout
-
-        Raises
-        ------
-        TypeError, ValueError
-            As :meth:`from_inputs`.
-        """
+        """The layout that packs these gradients (arrays or shapes); every shape is checked,
+        with the errors of :meth:`from_inputs`."""
         layout = cls._infer(("dq", dq), ("dg", dg), ("dstate", dstate))
         for name, grad in zip(("dk", "dv", "dbeta"), (dk, dv, dbeta), strict=True):
-            check_shape(name, shape_of(name, grad), layout.shape(name), layout)
+            if (shape := _shape_of(name, grad)) != layout.shape(name):
+                raise ValueError(
+                    f"{name} has shape {shape}, expected {layout.shape(name)} for {layout!r}"
+                )
         return layout
 
     @classmethod
     def _infer(
         cls, first: tuple[str, Any], gate: tuple[str, Any], state: tuple[str, Any]
     ) -> GdnBackwardLayout:
-        first_shape = shape_of(*first)
-        if len(first_shape) != 4:
-            raise ValueError(
-                f"{first[0]} must have 4 dimensions [B, S, H, N], got shape {first_shape}"
-            )
-        b, s, h, n = first_shape
-        gate_shape = shape_of(*gate)
+        shape = _shape_of(*first)
+        if len(shape) != 4:
+            raise ValueError(f"{first[0]} must have 4 dimensions [B, S, H, N], got shape {shape}")
+        b, s, h, n = shape
+        gate_shape = _shape_of(*gate)
         if gate_shape not in ((b, s, h), (b, s, h, n)):
             raise ValueError(
                 f"{gate[0]} must have shape [B, S, H] = {(b, s, h)} or [B, S, H, N] = "
                 f"{(b, s, h, n)} of {first[0]}, got {gate_shape}"
             )
-        if state[1] is not None and (state_shape := shape_of(*state)) != (b, h, n, n):
+        if state[1] is not None and (state_shape := _shape_of(*state)) != (b, h, n, n):
             raise ValueError(
                 f"{state[0]} must have shape [B, H, N, N] = {(b, h, n, n)} of {first[0]}, "
                 f"got {state_shape}"
             )
-        return cls(
-            b, s, h, n, gate_per_channel=len(gate_shape) == 4, carry_state=state[1] is not None
-        )
+        return cls(b, s, h, n, len(gate_shape) == 4, state[1] is not None)
 
     def plot(self, **options: Any) -> Picture:
         """:func:`gdn_layout.plot.plot_layout` of this layout, with the same options."""
@@ -463,3 +349,84 @@ class GdnBackwardLayout:
 
         picture: Picture = plot_layout(self, **options)
         return picture
+
+
+def _shape_of(name: str, value: Any) -> tuple[int, ...]:
+    try:
+        return tuple(map(operator.index, getattr(value, "shape", value)))
+    except TypeError:
+        raise TypeError(f"{name} must be an array or a shape, got {type(value).__name__}") from None
+
+
+# -- the layout as a table ---------------------------------------------------------------------
+
+
+class LayoutRow(NamedTuple):
+    """One gradient's place in a packed buffer, with its size in bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    nbytes: int
+
+
+def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> list[LayoutRow]:
+    """One :class:`LayoutRow` ``(name, shape, offset, length, nbytes)`` per gradient.
+
+    >>> layout_table(GdnBackwardLayout(1, 2, 1, 2), dtype=np.float64)[3]
+    LayoutRow(name='dg', shape=(1, 2, 1), offset=12, length=2, nbytes=16)
+    """
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout)
+    size = itemsize(dtype, "dtype")
+    return [
+        LayoutRow(s.name, s.shape, s.offset, s.length, s.length * size) for s in layout.segments()
+    ]
+
+
+def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
+    """The layout as a fixed-width table with a total line, headed by its caption.
+
+    >>> print(layout_text(GdnBackwardLayout(batch=1, seq=2, heads=1, state_size=2)))
+    B=1 S=2 H=1 N=2, per-head gate, no state; float32
+    grad   shape         offset  length  bytes
+    -----  ------------  ------  ------  -----
+    dq     (1, 2, 1, 2)       0       4     16
+    dk     (1, 2, 1, 2)       4       4     16
+    dv     (1, 2, 1, 2)       8       4     16
+    dg     (1, 2, 1)         12       2      8
+    dbeta  (1, 2, 1)         14       2      8
+    total                            16     64
+    """
+    body, caption = _layout_cells(layout, dtype)
+    return f"{caption}\n{text_table(_LAYOUT_HEADERS, body, align='llrrr')}"
+
+
+def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
+    """:func:`layout_text`'s table as HTML (a notebook's ``_repr_html_``)."""
+    body, caption = _layout_cells(layout, dtype)
+    styles = [""] * (len(body) - 1) + ["font-weight:bold"]
+    return html_table(_LAYOUT_HEADERS, body, align="llrrr", caption=caption, row_styles=styles)
+
+
+_LAYOUT_HEADERS = ["grad", "shape", "offset", "length", "bytes"]
+
+
+def _layout_cells(layout: GdnBackwardLayout, dtype: DTypeLike) -> tuple[list[list[str]], str]:
+    rows = layout_table(layout, dtype)
+    body = [[r.name, str(r.shape), str(r.offset), str(r.length), str(r.nbytes)] for r in rows]
+    body.append(["total", "", "", str(layout.total_elems), str(layout.nbytes(dtype))])
+    return body, f"{layout_caption(layout)}; {dtype_name(dtype, 'dtype')}"
+
+
+def layout_caption(layout: GdnBackwardLayout) -> str:
+    """A one-line description of a layout, short enough for a table caption.
+
+    >>> layout_caption(GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True))
+    'B=2 S=5 H=3 N=8, per-channel gate, carried state'
+    """
+    gate = "per-channel gate" if layout.gate_per_channel else "per-head gate"
+    state = "carried state" if layout.carry_state else "no state"
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    return f"B={b} S={s} H={h} N={n}, {gate}, {state}"

@@ -1,25 +1,5 @@
-"""Pictures of a packed layout and of a comparison's errors; needs ``gdn-layout[plot]``.
-
-Both functions return a :class:`Picture`, a matplotlib figure a notebook displays on its own
-(README.md, *In a notebook*); matplotlib is imported only when drawing, through its
-object-oriented API (never pyplot), so no window opens and no state is left behind.
-
->>> import numpy as np
->>> from gdn_layout import GdnBackwardLayout, unpack
->>> from gdn_layout import compare
->>> layout = GdnBackwardLayout(batch=1, seq=16, heads=4, state_size=8)
->>> expected = np.ones(layout.total_elems)
->>> actual = expected.copy()
->>> unpack(actual, layout).dk[0, 8:, 2, :] += 1e-3  # a head-indexing bug after a chunk boundary
->>> fig = plot_errors(compare(actual, expected, layout))  # only the failing gradient: dk
->>> [ax.get_title().splitlines()[0] for ax in fig.axes if ax.images]
-['dk FAIL: 64 of 512 out, worst [0, 8, 2, 0]']
->>> image = fig.axes[0].images[0].get_array()  # heads down, sequence across
->>> image.shape, bool(image[2, 8:].min() > image[:2].max())
-((4, 16), True)
->>> plot_layout(layout).axes[0].get_title()
-'B=1 S=16 H=4 N=8, per-head gate, no state; float32'
-"""
+"""Pictures of a packed layout and of a comparison's errors (README.md, *In a notebook*); needs
+``gdn-layout[plot]``. matplotlib is imported only when drawing, never pyplot."""
 
 from __future__ import annotations
 
@@ -46,32 +26,18 @@ if TYPE_CHECKING:
 
 __all__ = ["Picture", "plot_errors", "plot_layout"]
 
-#: Fill of a cell holding a NaN or Inf mismatch: a colour the colour map never uses.
-_BAD_COLOUR = "magenta"
-#: Outline of the cells holding an element out of tolerance.
-_OUT_COLOUR = "red"
-#: The colour map of the error heatmaps (dark purple through blue and green to yellow).
-_COLOUR_MAP = "viridis"
-#: Past this many unit edges an outline is slow to draw and a tangle to read: the cells out
-#: of tolerance are shaded instead, this opaque.
-_MAX_EDGES = 4000
-_SHADE_ALPHA = 0.5
-#: Past this many NaN/Inf cells, their fill alone marks them (no square on each).
-_MAX_MARKERS = 1000
-#: Spans narrower than this fraction of the buffer get their label above the bar.
-_NARROW = 0.07
-#: Size of one heatmap panel, in inches, and the resolution of every picture.
-_PANEL = (4.2, 3.0)
-_DPI = 100
-#: What a panel can draw: ``|a - e|``, the signed error, or ``actual / expected``.
+_BAD = "magenta"  # a NaN or Inf mismatch: a colour neither colour map uses
+_OUT = "red"  # the outline of cells with an element out of tolerance
+_NO_RATIO = "0.6"  # a ratio cell whose expected values are all zero
+_FINDING = "boundary finding"  # dashed orange lines at the steps a boundary finding names
+_MAX_EDGES = 4000  # past this many unit edges an outline is slow and a tangle: shade instead
+_MAX_MARKERS = 1000  # past this many non-finite cells, their fill alone marks them
+_NARROW = 0.07  # a span narrower than this fraction of the buffer is named in the key
+_PANEL, _DPI = (4.2, 3.0), 100  # inches of one heatmap panel; dots per inch of every picture
 _KINDS = ("error", "signed", "ratio")
-#: The diverging colour map of the signed error and the ratio: blue below, red above centre.
-_DIVERGING = "coolwarm"
-#: A dashed line where a boundary finding puts its step, or the ends of its run of steps.
-_FINDING_COLOUR = "darkorange"
-_FINDING_LABEL = "boundary finding"
-#: A ratio cell whose expected values are all zero: no ratio, a neutral grey.
-_NO_RATIO = "0.6"
+_WHAT = {"error": "max |a-e|", "signed": "a-e at the max |a-e|", "ratio": "<a,e>/<e,e>"}
+_BAR = {"error": "max |a-e|", "signed": "a-e", "ratio": "<a,e>/<e,e>"}
+_ACROSS = {"s": "sequence position s", "c": "chunk c", "i": "key row i"}
 
 
 def __getattr__(name: str) -> Any:
@@ -108,14 +74,19 @@ def plot_layout(
 ) -> Figure:
     """Draw the packed buffer as one bar with a span per gradient, proportional to its length.
 
-    Returns a new 8x1.8-inch, 100-dpi :class:`Picture` (800x180 pixels as a PNG), which a
-    notebook displays; or, when ``ax`` is given, draws on it and returns its figure. Saves the
-    figure to ``path`` when given, in the format its suffix names (PNG, SVG, PDF, ...).
-    ``GdnBackwardLayout.plot()`` calls this.
+    Returns a new 8x1.8-inch, 100-dpi :class:`Picture`; or, given ``ax``, draws on it and
+    returns its figure. Saves the figure to ``path`` when given, in the format its suffix
+    names. ``GdnBackwardLayout.plot()`` calls this.
 
     See Also
     --------
     layout.layout_text : The layout as text.
+
+    Examples
+    --------
+    >>> from gdn_layout import GdnBackwardLayout
+    >>> plot_layout(GdnBackwardLayout(batch=1, seq=16, heads=4, state_size=8)).axes[0].get_title()
+    'B=1 S=16 H=4 N=8, per-head gate, no state; float32'
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "plot_layout")
@@ -128,7 +99,6 @@ def plot_layout(
     if ax is None:
         ax = Picture(figsize=(8, 1.8), dpi=_DPI, layout="constrained").add_subplot()
     total = layout.total_elems
-    colours = colormaps["tab10"]
     ax.set_title(f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}")
     ax.set_yticks([])
     ax.set_ylim(-0.6, 1.3)
@@ -140,25 +110,17 @@ def plot_layout(
         return _saved(_root(ax), path)
     ax.set_xlim(0, total)
     ax.set_xlabel(f"element offset (total {total}, {layout.nbytes(dtype)} bytes)")
-    # Whole offsets, written out: no "1e8" multiplier to read them by.
     ax.xaxis.set_major_locator(MaxNLocator(nbins=7, integer=True))
-    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))  # no "1e8" to read them by
     narrow = []
     for i, seg in enumerate(layout.segments()):
-        colour = colours(i % 10)
+        colour = colormaps["tab10"](i)
         bar = ax.barh(0, seg.length, left=seg.offset, height=0.8, color=colour, edgecolor="white")
         if seg.length >= _NARROW * total:
-            ax.text(
-                seg.offset + seg.length / 2,
-                0,
-                f"{seg.name}\n{seg.length}",
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="white",
-            )
-        else:
-            # Too narrow to hold its label: named in a key above the bar instead.
+            label = f"{seg.name}\n{seg.length}"
+            x = seg.offset + seg.length / 2
+            ax.text(x, 0, label, ha="center", va="center", fontsize=8, color="white")
+        else:  # too narrow for its label: named in a key above the bar
             bar.set_label(f"{seg.name} {seg.length}")
             narrow.append(bar)
     if narrow:
@@ -185,12 +147,9 @@ def plot_errors(
     kind: str = "error",
     path: str | os.PathLike[str] | None = None,
 ) -> Picture:
-    """A heatmap per gradient of ``|a - e|`` over (head, sequence position), errors marked.
-
-    Heads down, positions across (key row ``i`` for ``dstate``): a chunk-boundary bug is a
-    vertical edge, a head-indexing bug a horizontal stripe. Cells with an element counted out
-    are outlined red, NaN/Inf mismatches filled magenta, a ``boundary`` finding drawn as
-    dashed orange lines, a large map binned (README.md, *In a notebook*).
+    """A heatmap per gradient of ``|a - e|`` over (head, sequence position), its errors marked
+    (README.md, *In a notebook*): cells with an element out of tolerance outlined red, NaN/Inf
+    mismatches filled magenta, a ``boundary`` finding's steps dashed orange, a large map binned.
 
     Parameters
     ----------
@@ -207,22 +166,20 @@ def plot_errors(
     log : bool
         Colour on a log scale (zero error gets the lowest colour).
     kind : {"error", "signed", "ratio"}
-        ``|a - e|``; the signed ``a - e`` of largest magnitude; or ``<a, e> / <e, e>`` per
-        cell (a failing gradient's :attr:`~GradComparison.signed_error_map`,
-        :attr:`~GradComparison.ratio_map`: a scale is one flat colour, a transposed
-        ``dstate`` a mirrored ``i x j`` tile).
+        ``|a - e|``; the signed ``a - e`` of largest magnitude; or ``<a, e> / <e, e>`` per cell,
+        of a failing gradient (``dstate`` as one ``i x j`` tile per head).
     path : str or os.PathLike, optional
         Also saved there, in the format its suffix names.
 
     Returns
     -------
     Picture
-        The figure, three 4.2x3-inch panels a row.
+        The figure, three 4.2x3-inch panels a row; a TypeError or ValueError names a wrong
+        argument.
 
     See Also
     --------
     error_map : One gradient's map as an array.
-    compare : The comparison drawn.
 
     Examples
     --------
@@ -245,19 +202,17 @@ def plot_errors(
         )
     result = comparison
     chosen = list(result.names if names is None else names)
-    unknown = [n for n in chosen if n not in result.names]
-    if unknown or not chosen:
+    if not chosen or any(n not in result.names for n in chosen):
         raise ValueError(
             f"plot_errors: names must be a non-empty selection of {', '.join(result.names)}; "
             f"got {chosen}"
         )
     batches = result.layout.batch
-    batch = _index("batch", batch)
+    batch, chunk = _index("batch", batch), _index("chunk", chunk)
     if batch is not None and not 0 <= batch < batches:
         raise ValueError(
             f"plot_errors: batch must be None or an index 0 <= batch < B = {batches}, got {batch}"
         )
-    chunk = _index("chunk", chunk)
     if chunk is not None and chunk < 1:
         raise ValueError(f"plot_errors: chunk must be None or at least 1, got {chunk}")
     if kind not in _KINDS:
@@ -274,9 +229,8 @@ def plot_errors(
 
     ncols = min(3, len(chosen))
     nrows = math.ceil(len(chosen) / ncols)
-    fig = Picture(
-        figsize=(_PANEL[0] * ncols, _PANEL[1] * nrows + 0.3), dpi=_DPI, layout="constrained"
-    )
+    size = (_PANEL[0] * ncols, _PANEL[1] * nrows + 0.3)
+    fig = Picture(figsize=size, dpi=_DPI, layout="constrained")
     verdict = "passed" if result.passed else f"FAILED ({', '.join(result.failed)})"
     shown = "" if batch is None else f"\nbatch element b={batch} of {batches}"
     fig.suptitle(f"compare {verdict}\n{layout_caption(result.layout)}{shown}", fontsize=9)
@@ -284,11 +238,9 @@ def plot_errors(
     marks: dict[str, Artist] = {}
     for ax, name in zip(axes, chosen, strict=False):
         grad = result[name]
-        if kind == "error":
-            marks.update(_heatmap(fig, ax, grad, batch, chunk, log))
-        elif grad.signed_error_map is None or grad.ratio_map is None:
+        if kind != "error" and (grad.signed_error_map is None or grad.ratio_map is None):
             _no_map(ax, grad, kind)
-        elif name == "dstate":
+        elif kind != "error" and name == "dstate":
             marks.update(_state_tiles(fig, ax, grad, kind, log))
         else:
             marks.update(_heatmap(fig, ax, grad, batch, chunk, log, kind))
@@ -315,18 +267,15 @@ def _heatmap(
     batch: int | None,
     chunk: int | None,
     log: bool,
-    kind: str = "error",
+    kind: str,
 ) -> dict[str, Artist]:
-    """Draw one panel of ``kind`` over (head, position); returns the legend entries of the
-    marks it drew, by label."""
-    from matplotlib.ticker import NullLocator
-
+    """One panel of ``kind`` over (head, position); the legend entries of its marks."""
     is_state = grad.name in ("dstate", "final_state")  # key rows across, no sequence axis
     across_axis = "i" if is_state else grad.axes[1]  # s, or the chunk c of h and dh
-    errors = grad.error_map if batch is None else grad.batch_error_map[batch // grad.batch_bins]
     if batch is None:
-        out = grad.mismatch_map.sum(axis=0).T
+        errors, out = grad.error_map, grad.mismatch_map.sum(axis=0).T
     else:  # a binned batch keeps one map for batch_bins elements
+        errors = grad.batch_error_map[batch // grad.batch_bins]
         out = grad.mismatch_map[batch // grad.batch_bins].T
     bad = ~np.isfinite(errors.T)  # a non-finite mismatch: inf in the error map
     data = errors.T if kind == "error" else _cause_cells(grad, batch, kind).T
@@ -340,10 +289,8 @@ def _heatmap(
         reduced.insert(0, f"b={first}..{last} (binned)")
     what = _WHAT[kind]
     over = f"{what} over {', '.join(reduced)}" if reduced else what.removeprefix("max ")
-    outlined = grad.criterion.counts_elements  # by the RMS ratio alone: no element judged
     ax.set_title(f"{grad.title()}\n{over}", fontsize=8)
-    # A binned map's cell holds a block of positions: the axes count cells, and say so.
-    across_bin, down_bin = grad.error_map_bins
+    across_bin, down_bin = grad.error_map_bins  # a binned cell holds a block of positions
     ax.set_xlabel(_ACROSS[across_axis] + (f" / {across_bin} (binned)" if across_bin > 1 else ""))
     ax.set_ylabel("head h" + (f" / {down_bin} (binned)" if down_bin > 1 else ""))
     if data.size == 0:
@@ -351,51 +298,39 @@ def _heatmap(
         ax.set_yticks([])
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return {}
-    image = _image(ax, data, kind, log)
-    bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=_extend(image, data, kind))
-    _signed_ticks(bar, image)
-    bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
+    values, cmap, norm = _colours(data, kind, log)
+    image = ax.imshow(
+        np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm
+    )
+    _colour_bar(fig, ax, image, data, kind)
     heads, across = data.shape
-    lines = "white" if kind == "error" else "black"  # seen on viridis, and on coolwarm's centre
     if across_axis != "s":  # chunk lines fall between sequence positions only
         chunk = None
     _integer_ticks(ax, "x", across, None if across_bin > 1 else chunk)
     _integer_ticks(ax, "y", heads, None)
     marks: dict[str, Artist] = {}
     positions = across * across_bin  # at least S: a binned map's last cell may be partial
-    # A boundary at position p lies at p / across_bin - 0.5 in cells; drawn when at most one
-    # falls in each cell, so that a binned map does not turn white.
+    # Drawn when at most one boundary falls in each cell, so that a binned map does not turn
+    # white; a boundary at position p lies at p / across_bin - 0.5 in cells.
     if chunk is not None and across_bin <= chunk < positions:
+        label = f"chunk boundary (every {chunk})"
         edges = np.arange(chunk, min(positions, grad.shape[1]), chunk) / across_bin - 0.5
-        marks[f"chunk boundary (every {chunk})"] = ax.vlines(
-            edges,
-            -0.5,
-            heads - 0.5,
-            colors=lines,
-            linewidths=0.8,
-            alpha=0.6,
-            label=f"chunk boundary (every {chunk})",
+        colour = "white" if kind == "error" else "black"  # seen on viridis and coolwarm
+        marks[label] = ax.vlines(
+            edges, -0.5, heads - 0.5, colors=colour, linewidths=0.8, alpha=0.6, label=label
         )
-    # A non-finite cell is out of tolerance too, but its fill says more than an outline.
-    if outlined and (out[~bad] > 0).any():
+    # A non-finite cell is out of tolerance too, but its fill says more than an outline. A
+    # gradient judged by the RMS ratio alone has no element counted out: no outline.
+    if grad.criterion.counts_elements and (out[~bad] > 0).any():
         marks.update(_outline(ax, (out > 0) & ~bad))
     if kind == "ratio" and np.isnan(data).any():
         marks.update(_patch("expected all zero (no ratio)", _NO_RATIO))
     if bad.any():
         rows, cols = np.nonzero(bad)
-        if rows.size <= _MAX_MARKERS:
-            # A square of fixed size on each as well: a cell can be narrower than a pixel.
-            ax.scatter(cols, rows, s=20, marker="s", c=_BAD_COLOUR, edgecolors="black", lw=0.5)
-        marks.update(_patch("NaN or Inf mismatch", _BAD_COLOUR))
+        if rows.size <= _MAX_MARKERS:  # a square on each too: a cell may be under a pixel
+            ax.scatter(cols, rows, s=20, marker="s", c=_BAD, edgecolors="black", lw=0.5)
+        marks.update(_patch("NaN or Inf mismatch", _BAD))
     return marks
-
-
-#: The axis a panel shows across, by its name.
-_ACROSS = {"s": "sequence position s", "c": "chunk c", "i": "key row i"}
-#: What a panel's cells hold, by kind.
-_WHAT = {"error": "max |a-e|", "signed": "a-e at the max |a-e|", "ratio": "<a,e>/<e,e>"}
-#: The colour bar's label, by kind.
-_BAR = {"error": "max |a-e|", "signed": "a-e", "ratio": "<a,e>/<e,e>"}
 
 
 def _cause_cells(grad: GradComparison, batch: int | None, kind: str) -> NDArray[np.float64]:
@@ -416,95 +351,69 @@ def _cause_cells(grad: GradComparison, batch: int | None, kind: str) -> NDArray[
     return largest
 
 
-def _image(ax: Axes, data: NDArray[np.float64], kind: str, log: bool) -> Any:
-    """``data`` drawn on ``ax`` in the colours of ``kind`` (see :func:`_colours`)."""
-    values, cmap, norm = _colours(data, kind, log)
-    return ax.imshow(
-        np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm
-    )
-
-
 def _colours(
     data: NDArray[np.float64], kind: str, log: bool
 ) -> tuple[NDArray[np.float64], Any, Any]:
-    """The values to draw, the colour map and the norm of ``data`` of ``kind``: viridis for an
-    error, log-scaled when ``log``; coolwarm about 0 for a signed error (symmetric-log when
-    ``log``) and about 1 for a ratio (its 1st to 99th percentile)."""
+    """The values to draw, the colour map and the norm: viridis for an error (log-scaled when
+    ``log``); coolwarm about 0 for a signed error (symmetric-log when ``log``) and about 1 for
+    a ratio (its 1st to 99th percentile)."""
     from matplotlib import colormaps
     from matplotlib.colors import LogNorm, Normalize, SymLogNorm, TwoSlopeNorm
 
     finite = np.isfinite(data)
+    values = np.where(finite, data, np.nan)
     norm: Normalize
     if kind == "error":
-        cmap = colormaps[_COLOUR_MAP].with_extremes(bad=_BAD_COLOUR)
+        cmap = colormaps["viridis"].with_extremes(bad=_BAD)
         positive = data[finite & (data > 0)]
         if log and positive.size:
             high = float(positive.max())
             low = min(float(positive.min()), high / 100)  # two decades: labelled major ticks
-            values = np.where(finite, np.maximum(data, low), np.nan)
-            norm = LogNorm(vmin=low, vmax=high)
-        else:
-            high = float(data[finite].max()) if finite.any() else 0.0
-            values = np.where(finite, data, np.nan)
-            norm = Normalize(vmin=0.0, vmax=high if high > 0 else 1.0)
-    elif kind == "signed":
-        cmap = colormaps[_DIVERGING].with_extremes(bad=_BAD_COLOUR)
+            return np.where(finite, np.maximum(data, low), np.nan), cmap, LogNorm(low, high)
+        high = float(data[finite].max()) if finite.any() else 0.0
+        return values, cmap, Normalize(0.0, high if high > 0 else 1.0)
+    if kind == "signed":
         high = float(np.abs(data[finite]).max()) if finite.any() else 0.0
         high = high if high > 0 else 1.0
-        values = np.where(finite, data, np.nan)
-        norm = (
-            SymLogNorm(linthresh=high / 1000, vmin=-high, vmax=high)
-            if log
-            else Normalize(vmin=-high, vmax=high)
-        )
-    else:
-        cmap = colormaps[_DIVERGING].with_extremes(bad=_NO_RATIO)
-        low, high = np.percentile(data[finite], (1, 99)) if finite.any() else (1.0, 1.0)
-        values = np.where(finite, data, np.nan)
-        norm = TwoSlopeNorm(1.0, vmin=min(float(low), 1 - 1e-3), vmax=max(float(high), 1 + 1e-3))
-    return values, cmap, norm
+        norm = SymLogNorm(high / 1000, vmin=-high, vmax=high) if log else Normalize(-high, high)
+        return values, colormaps["coolwarm"].with_extremes(bad=_BAD), norm
+    low, high = np.percentile(data[finite], (1, 99)) if finite.any() else (1.0, 1.0)
+    norm = TwoSlopeNorm(1.0, vmin=min(float(low), 1 - 1e-3), vmax=max(float(high), 1 + 1e-3))
+    return values, colormaps["coolwarm"].with_extremes(bad=_NO_RATIO), norm
 
 
-def _signed_ticks(bar: Any, image: Any) -> None:
-    """A symmetric-log colour bar's ticks: 0 and three decades each side, none crowding 0."""
+def _colour_bar(fig: Figure, ax: Axes, image: Any, data: NDArray[np.float64], kind: str) -> None:
+    """A colour bar: arrows at a ratio's ends that hold values beyond its range; a
+    symmetric-log one ticked at 0 and three decades each side, none crowding 0."""
     from matplotlib.colors import SymLogNorm
+    from matplotlib.ticker import NullLocator
 
-    norm = image.norm
-    if not isinstance(norm, SymLogNorm) or norm.vmax is None:
-        return
-    top = math.floor(math.log10(norm.vmax))
-    decades = [10.0**k for k in range(top, top - 3, -1)]
-    bar.set_ticks([*decades, 0.0, *(-d for d in decades)])
-
-
-def _extend(image: Any, data: NDArray[np.float64], kind: str) -> str:
-    """Which ends of a ratio's colour bar hold values beyond its range (its outliers)."""
-    if kind != "ratio":
-        return "neither"
-    finite = data[np.isfinite(data)]
-    norm = image.norm
-    below = bool(finite.size and finite.min() < norm.vmin)
-    above = bool(finite.size and finite.max() > norm.vmax)
-    return "both" if below and above else "min" if below else "max" if above else "neither"
+    norm, finite = image.norm, data[np.isfinite(data)]
+    below = kind == "ratio" and bool(finite.size and finite.min() < norm.vmin)
+    above = kind == "ratio" and bool(finite.size and finite.max() > norm.vmax)
+    extend = {(True, True): "both", (True, False): "min", (False, True): "max"}
+    bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=extend.get((below, above), "neither"))
+    if isinstance(norm, SymLogNorm) and norm.vmax is not None:
+        top = math.floor(math.log10(norm.vmax))
+        decades = [10.0**k for k in range(top, top - 3, -1)]
+        bar.set_ticks([*decades, 0.0, *(-d for d in decades)])
+    bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
 
 
 def _state_tiles(
     fig: Figure, ax: Axes, grad: GradComparison, kind: str, log: bool
 ) -> dict[str, Artist]:
-    """``dstate``'s signed error or ratio as one ``i x j`` tile per head (over the batch),
-    heads in rows of a near-square grid: a transpose is a pattern mirrored about each tile's
-    diagonal."""
-    from matplotlib.ticker import NullLocator
-
+    """``dstate``'s signed error or ratio as one ``i x j`` tile per head (over the batch), in
+    a near-square grid: a transpose is a pattern mirrored about each tile's diagonal."""
     maps = grad.signed_error_map if kind == "signed" else grad.ratio_map
     assert maps is not None
     heads, side = maps.shape[0], maps.shape[1]
     cols = math.ceil(math.sqrt(heads))
     rows = math.ceil(heads / cols)
-    binned = side < grad.shape[2]
+    binned = " (binned)" if side < grad.shape[2] else ""
     ax.set_title(f"{grad.title()}\n{_WHAT[kind]} over b; a tile of i x j per head", fontsize=8)
-    ax.set_xlabel("value column j, per head" + (" (binned)" if binned else ""))
-    ax.set_ylabel("key row i, per head" + (" (binned)" if binned else ""))
+    ax.set_xlabel(f"value column j, per head{binned}")
+    ax.set_ylabel(f"key row i, per head{binned}")
     ax.set_xticks([])
     ax.set_yticks([])
     ax.set_xlim(-0.5, cols * (side + 1) - 1.5)
@@ -513,28 +422,24 @@ def _state_tiles(
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return {}
     values, cmap, norm = _colours(maps, kind, log)  # one scale for every head
-    image: Any = None
     for h in range(heads):
-        top, left = divmod(h, cols)
-        y0, x0 = top * (side + 1), left * (side + 1)
+        y0, x0 = (step * (side + 1) for step in divmod(h, cols))
+        extent = (x0 - 0.5, x0 + side - 0.5, y0 + side - 0.5, y0 - 0.5)
         image = ax.imshow(
             np.ma.masked_invalid(values[h]),
-            extent=(x0 - 0.5, x0 + side - 0.5, y0 + side - 0.5, y0 - 0.5),
+            extent=extent,
             interpolation="nearest",
             cmap=cmap,
             norm=norm,
         )
         ax.text(x0, y0, f"h={h}", fontsize=6, va="top", ha="left", color="black")
     ax.set_aspect("auto")
-    bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=_extend(image, maps, kind))
-    _signed_ticks(bar, image)
-    bar.ax.yaxis.set_minor_locator(NullLocator())
-    marks: dict[str, Artist] = {}
-    if kind == "signed" and np.isnan(maps).any():
-        marks.update(_patch("NaN or Inf mismatch", _BAD_COLOUR))
-    if kind == "ratio" and np.isnan(maps).any():
-        marks.update(_patch("expected all zero (no ratio)", _NO_RATIO))
-    return marks
+    _colour_bar(fig, ax, image, maps, kind)
+    if not np.isnan(maps).any():
+        return {}
+    if kind == "signed":
+        return _patch("NaN or Inf mismatch", _BAD)
+    return _patch("expected all zero (no ratio)", _NO_RATIO)
 
 
 def _patch(label: str, colour: str) -> dict[str, Artist]:
@@ -546,48 +451,39 @@ def _patch(label: str, colour: str) -> dict[str, Artist]:
 
 def _no_map(ax: Axes, grad: GradComparison, kind: str) -> None:
     """The panel of a passing gradient, which keeps no signed-error or ratio map."""
-    ax.set_title(f"{grad.title()}", fontsize=8)
+    ax.set_title(grad.title(), fontsize=8)
     ax.set_xticks([])
     ax.set_yticks([])
-    ax.text(
-        0.5,
-        0.5,
-        f"passed: no {kind} map\n(kept for failing gradients)",
-        ha="center",
-        va="center",
-        transform=ax.transAxes,
-        fontsize=8,
-    )
+    text = f"passed: no {kind} map\n(kept for failing gradients)"
+    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes, fontsize=8)
 
 
 def _boundaries(ax: Axes, grad: GradComparison) -> dict[str, Artist]:
-    """The steps a ``boundary`` finding names, as dashed lines across the panel."""
+    """The steps a ``boundary`` finding names, as dashed lines across the panel; none where
+    the error only fades with the decay (no step where it starts or stops)."""
     if grad.name == "dstate" or not ax.images:
         return {}
-    across_bin = grad.error_map_bins[0]
     marks: dict[str, Artist] = {}
     bottom = ax.get_ylim()[0]  # below the last head
     for finding in grad.findings:
+        step, period = finding.details.get("step"), finding.details.get("period")
         if finding.kind != "boundary":
             continue
-        # A step where the error starts or stops abruptly; where it only fades with the
-        # decay (a run of wrong steps without one, an initial state's effect), no line.
-        step, period = finding.details.get("step"), finding.details.get("period")
         if isinstance(step, int):
             steps = [step]
         elif isinstance(period, int):
             steps = list(range(period, grad.shape[1], period))
         else:
             continue
-        edges = np.asarray(steps) / across_bin - 0.5
-        marks[_FINDING_LABEL] = ax.vlines(
+        edges = np.asarray(steps) / grad.error_map_bins[0] - 0.5
+        marks[_FINDING] = ax.vlines(
             edges,
             -0.5,
             bottom,
-            colors=_FINDING_COLOUR,
+            colors="darkorange",
             linewidths=1.2,
             linestyles="--",
-            label=_FINDING_LABEL,
+            label=_FINDING,
         )
     return marks
 
@@ -606,33 +502,22 @@ def _index(what: str, value: SupportsIndex | None) -> int | None:
 
 
 def _integer_ticks(ax: Axes, which: str, n: int, chunk: int | None) -> None:
-    """Ticks on whole positions only: every k-th one, k from 1, 2, 5, 10, 20, 50, ... (or a
-    multiple of ``chunk``) so that the labels do not crowd."""
+    """Ticks on whole positions only, every k-th one for the smallest k of 1, 2, 5, 10, 20,
+    ... (times ``chunk``) that keeps the labels from crowding."""
     digits = len(str(max(n - 1, 0)))
     room = (9 if digits <= 2 else 7 if digits <= 3 else 5) if which == "x" else 8
-    step = _step(n, room, chunk)
-    ticks = list(range(0, n, step))
+    base = 1 if chunk is None or chunk >= n else chunk
+    steps = (base * f * 10**e for e in range(len(str(n)) + 1) for f in (1, 2, 5))
+    step = next(k for k in steps if -(-n // k) <= room)
     setter = ax.set_xticks if which == "x" else ax.set_yticks
+    ticks = list(range(0, n, step))
     setter(ticks, labels=[str(t) for t in ticks])
     setter([], minor=True)
 
 
-def _step(n: int, room: int, chunk: int | None) -> int:
-    """The smallest label spacing that puts at most ``room`` labels on ``n`` positions."""
-    base = 1 if chunk is None or chunk >= n else chunk
-    scale = 1
-    while True:
-        for factor in (1, 2, 5):
-            step = base * factor * scale
-            if -(-n // step) <= room:
-                return step
-        scale *= 10
-
-
 def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
-    """Trace the border of the ``True`` cells of ``mask`` (rows down) in one line collection;
-    or, when that border is too long to draw quickly or to see, shade those cells instead.
-    Returns the legend entry."""
+    """The border of the ``True`` cells of ``mask`` (rows down) as one line collection; or,
+    when that border is too long to draw quickly or to see, those cells shaded."""
     from matplotlib.collections import LineCollection
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
@@ -644,23 +529,21 @@ def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
     down = padded[1:-1, 1:] != padded[1:-1, :-1]
     if int(across.sum()) + int(down.sum()) > _MAX_EDGES:
         label = "out of tolerance (shaded)"
-        shade = ax.imshow(
+        ax.imshow(
             np.ma.masked_where(~mask, np.ones(mask.shape)),
             aspect="auto",
             interpolation="nearest",
-            cmap=ListedColormap([_OUT_COLOUR]),
-            alpha=_SHADE_ALPHA,
+            cmap=ListedColormap([_OUT]),
+            alpha=0.5,
+            label=label,
         )
-        shade.set_label(label)
-        return {label: Patch(facecolor=_OUT_COLOUR, alpha=_SHADE_ALPHA, label=label)}
+        return {label: Patch(facecolor=_OUT, alpha=0.5, label=label)}
     rows, cols = np.nonzero(across)
     horizontal = np.stack([cols - 0.5, rows - 0.5, cols + 0.5, rows - 0.5], axis=-1)
     rows, cols = np.nonzero(down)
     vertical = np.stack([cols - 0.5, rows - 0.5, cols - 0.5, rows + 0.5], axis=-1)
     segments = np.concatenate([horizontal, vertical]).reshape(-1, 2, 2)
-    lines = LineCollection(
-        list(segments), colors=_OUT_COLOUR, linewidths=1.2, label="out of tolerance"
-    )
+    lines = LineCollection(list(segments), colors=_OUT, linewidths=1.2, label="out of tolerance")
     lines.set_zorder(3)  # over the axes' frame, which a cell on the border shares
     lines.set_clip_on(False)  # or the frame would clip a border cell's outline to half its width
     ax.add_collection(lines, autolim=False)
@@ -689,10 +572,9 @@ def _saved(figure: _FigureT, path: str | os.PathLike[str] | None) -> _FigureT:
 
         from .files._atomic import atomic_write
 
-        target = Path(path)
-        suffix = target.suffix.lower().lstrip(".")
+        suffix = Path(path).suffix.lower().lstrip(".")
         if suffix in figure.canvas.get_supported_filetypes():
-            atomic_write(target, lambda file: figure.savefig(file, format=suffix), overwrite=True)
+            atomic_write(Path(path), lambda f: figure.savefig(f, format=suffix), overwrite=True)
             return figure
     figure.savefig(path)
     return figure
