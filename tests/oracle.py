@@ -26,6 +26,7 @@ __all__ = [
     "oracle",
     "oracle_chunk_states",
     "oracle_forward",
+    "reading_the_final_state",
     "relative_error",
 ]
 
@@ -242,3 +243,16 @@ def relative_error(
     if scale == 0:
         return float(error)
     return float(error / max(scale, extended(np.finfo(dtype).tiny)))
+
+
+def reading_the_final_state(x: list[Any], cot: Array) -> list[Any]:
+    """``q, k, v, g, beta, dy, state`` with ``N`` more steps whose ``sum(y * dy)`` is
+    ``<cot, S_T>``: they leave the state as it is (``k = v = beta = g = 0``) and step ``i``
+    reads row ``i`` of ``S_T`` (``q = e_i``) against ``cot[i] / c``. The gradients of the longer
+    sequence, cut at ``S``, are those of the op with a cotangent ``cot`` on its final state."""
+    b, _, h, n = np.shape(x[0])
+    reads = np.broadcast_to(np.eye(n)[None, :, None, :], (b, n, h, n))
+    zeros = np.zeros((b, n, h, n))
+    extra = [reads, zeros, zeros, np.zeros((b, n, h, *np.shape(x[3])[3:])), np.zeros((b, n, h))]
+    extra.append(np.sqrt(n) * np.transpose(cot, (0, 2, 1, 3)))
+    return [*(np.concatenate(p, axis=1) for p in zip(x[:6], extra, strict=True)), x[6]]

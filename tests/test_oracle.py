@@ -28,29 +28,17 @@ GRADS = ("q", "k", "v", "g", "beta", "state")
 def loss(inputs: Inputs) -> tuple[Array, Array]:
     """``sum(y * dy)`` in long double, and the sum of the magnitudes of its terms (the scale
     of its rounding)."""
-    y, _ = oracle_forward(
-        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs.get("state")
-    )
+    y, _ = oracle_forward(*(inputs.get(name) for name in ("q", "k", "v", "g", "beta", "state")))
     terms = y * extended(inputs["dy"])
     return np.sum(terms), np.sum(np.abs(terms))
 
 
 def run(inputs: Inputs) -> OracleResult:
-    return oracle(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        inputs["g"],
-        inputs["beta"],
-        inputs["dy"],
-        inputs.get("state"),
-    )
+    return oracle(*(inputs.get(name) for name in ("q", "k", "v", "g", "beta", "dy", "state")))
 
 
 def gradient(result: OracleResult, name: str) -> Array:
-    grad = getattr(result, "d" + name)
-    assert grad is not None
-    return np.asarray(grad)
+    return np.asarray(getattr(result, "d" + name))
 
 
 def long_double_inputs(case: Case) -> Inputs:
@@ -112,9 +100,7 @@ def test_oracle_matches_finite_differences(
         Case(1, 4, 2, 3, gates="const-20", norms="unit", beta="uniform", seed=1),
         Case(1, 5, 1, 2, gates="const-80", norms="upto4", beta="mixed", seed=2),
         Case(2, 3, 1, 3, gates="uniform-30,-10", norms="key3", beta="one", seed=3),
-        Case(1, 6, 1, 2, gates="qwen", norms="raw", beta="uniform", seed=4),
         Case(1, 7, 1, 2, gates="spiky", norms="upto4", beta="mixed", seed=5),
-        Case(1, 4, 1, 3, gates="uniform-1,0", norms="unit", beta="zero", seed=6),
     ],
     ids=str,
 )
