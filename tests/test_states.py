@@ -135,20 +135,6 @@ def test_the_first_cotangent_is_backwards_dstate(
     assert np.array_equal(h[:, 0], state)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("per_channel", "carry"), MODES)
-@pytest.mark.parametrize("chunk", [5, 1000])
-def test_the_final_state_is_forwards(
-    chunk: int, per_channel: bool, carry: bool, dtype: DTypeLike
-) -> None:
-    case = Case(1, 70, 2, 16, gates="mixed", per_channel=per_channel, carry=carry, seed=chunk)
-    inputs = case.draw(dtype)
-    state = inputs.get("state", np.zeros((1, 2, 16, 16), dtype))
-    _, final = forward(*pieces(inputs)[:5], state, dtype=dtype)
-    bound = FLOAT64_BOUND if np.dtype(dtype) == np.float64 else 1e-5
-    assert relative_error(states(inputs, dtype, chunk=chunk)["final"], final, dtype) <= bound
-
-
 @pytest.mark.parametrize("carry", [False, True], ids=["no_state", "state"])
 def test_no_steps_give_no_chunks(carry: bool) -> None:
     inputs = Case(2, 0, 3, 4, carry=carry).draw()

@@ -90,9 +90,7 @@ def test_none_takes_every_core_this_process_may_use() -> None:
 #: (value, error, what the message says it got, as a regular expression)
 BAD_WORKERS = [
     (0, ValueError, "0"),
-    (-2, ValueError, "-2"),
     (1.5, TypeError, r"float 1\.5"),
-    (True, TypeError, "bool True"),
     (np.bool_(True), TypeError, r"bool (np\.)?True_?"),  # NumPy 1 and 2 spell it apart
     ("2", TypeError, "str '2'"),
 ]

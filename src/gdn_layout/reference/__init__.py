@@ -148,11 +148,7 @@ def forward(
     _check_method(method)
     b, h, s, n = inputs.q.shape
     y = np.empty((b, s, h, n), dtype=inputs.q.dtype)
-    final = (
-        np.zeros((b, h, n, n), dtype=inputs.q.dtype)
-        if inputs.state is None
-        else (inputs.state.copy())
-    )
+    final = np.zeros((b, h, n, n), inputs.q.dtype) if inputs.state is None else inputs.state.copy()
     if b * h * n == 0:  # no state element: y is zeros, whatever S; nothing to step through
         y[...] = 0
         return (y, final) if carried else y
