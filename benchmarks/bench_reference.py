@@ -16,6 +16,7 @@ Run: ``python benchmarks/bench_reference.py`` (``--quick``: S=512, H=4, N=64).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
@@ -51,7 +52,7 @@ def backward_times(shape: tuple[int, int, int, int], repeats: int) -> None:
         for dtype in ("float64", "float32"):
             for workers in (1, 2):
                 name = f"{'per channel' if per_channel else 'per head':11s} {dtype} w={workers}"
-                runs[name] = lambda x=x, d=dtype, w=workers: backward(*x, dtype=d, workers=w)
+                runs[name] = functools.partial(backward, *x, dtype=dtype, workers=workers)
     backward(*draw_inputs(GdnBackwardLayout(1, 8, 2, 4), seed=0))  # warm-up
     print(f"backward, B={shape[0]} S={shape[1]} H={shape[2]} N={shape[3]}, best of {repeats}:")
     for name, seconds in _best(runs, repeats).items():
@@ -60,7 +61,7 @@ def backward_times(shape: tuple[int, int, int, int], repeats: int) -> None:
 
 def fixture_time(shape: tuple[int, int, int, int], repeats: int) -> None:
     layout = GdnBackwardLayout(*shape, carry_state=True)
-    wide = [None if a is None else a.astype(np.float64) for a in draw_inputs(layout)]
+    wide: Any = [None if a is None else a.astype(np.float64) for a in draw_inputs(layout)]
     make_fixture(GdnBackwardLayout(1, 8, 2, 4, carry_state=True))  # warm-up
     runs = {"fixture": lambda: make_fixture(layout), "truth": lambda: backward(*wide)}
     best = _best(runs, repeats)

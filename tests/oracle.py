@@ -19,17 +19,6 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-__all__ = [
-    "EXTENDED",
-    "OracleResult",
-    "extended",
-    "oracle",
-    "oracle_chunk_states",
-    "oracle_forward",
-    "reading_the_final_state",
-    "relative_error",
-]
-
 Array = NDArray[Any]
 
 EXTENDED = np.dtype(np.longdouble)
@@ -202,20 +191,10 @@ def oracle(
     )
 
 
-def oracle_chunk_states(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    g: ArrayLike,
-    beta: ArrayLike,
-    dy: ArrayLike,
-    state: ArrayLike | None = None,
-    *,
-    chunk: int,
-) -> tuple[Array, Array, Array]:
+def oracle_chunk_states(*inputs: ArrayLike | None, chunk: int) -> tuple[Array, Array, Array]:
     """``(h, dh, final)``: the state entering each chunk of ``chunk`` steps and its cotangent,
     ``[B, ceil(S / chunk), H, N, N]``, and the final state, all in long double."""
-    exact = oracle(q, k, v, g, beta, dy, state)
+    exact = oracle(*inputs)  # type: ignore[arg-type]
     return exact.states[:, ::chunk], exact.dstates[:, ::chunk], exact.final
 
 

@@ -28,13 +28,15 @@ GRADS = ("q", "k", "v", "g", "beta", "state")
 def loss(inputs: Inputs) -> tuple[Array, Array]:
     """``sum(y * dy)`` in long double, and the sum of the magnitudes of its terms (the scale
     of its rounding)."""
-    y, _ = oracle_forward(*(inputs.get(name) for name in ("q", "k", "v", "g", "beta", "state")))
+    args: Any = [inputs.get(name) for name in ("q", "k", "v", "g", "beta", "state")]
+    y, _ = oracle_forward(*args)
     terms = y * extended(inputs["dy"])
     return np.sum(terms), np.sum(np.abs(terms))
 
 
 def run(inputs: Inputs) -> OracleResult:
-    return oracle(*(inputs.get(name) for name in ("q", "k", "v", "g", "beta", "dy", "state")))
+    args: Any = [inputs.get(name) for name in ("q", "k", "v", "g", "beta", "dy", "state")]
+    return oracle(*args)
 
 
 def gradient(result: OracleResult, name: str) -> Array:

@@ -31,11 +31,11 @@ REGIMES = ("const0", "uniform-8,-3", *GATES)
 
 
 def states(inputs: Inputs, dtype: DTypeLike = np.float64, **options: Any) -> dict[str, Array]:
-    results = chunk_states(*pieces(inputs), inputs.get("state"), dtype=dtype, **options)
+    results = chunk_states(*[*pieces(inputs), inputs.get("state")], dtype=dtype, **options)
     return dict(zip(NAMES, results, strict=True))
 
 
-def pieces(inputs: Inputs, t0: int = 0, t1: int | None = None) -> list[Array]:
+def pieces(inputs: Inputs, t0: int = 0, t1: int | None = None) -> Any:
     """``q, k, v, g, beta, dy`` over steps ``t0 .. t1-1``."""
     return [inputs[name][:, t0:t1] for name in ARGS]
 
@@ -48,10 +48,10 @@ def recurrence(inputs: Inputs, chunk: int, dtype: DTypeLike) -> dict[str, Array]
     entering, d_entering = [], []
     for t0 in range(0, s, chunk):
         entering.append(state)
-        flat = backward(*pieces(inputs, t0), state, dtype=dtype, method="recurrent")
+        flat = backward(*[*pieces(inputs, t0), state], dtype=dtype, method="recurrent")
         d_entering.append(flat[-b * h * n * n :].reshape(b, h, n, n))
         _, state = forward(
-            *pieces(inputs, t0, t0 + chunk)[:5], state, dtype=dtype, method="recurrent"
+            *[*pieces(inputs, t0, t0 + chunk)[:5], state], dtype=dtype, method="recurrent"
         )
     return {"h": np.stack(entering, axis=1), "dh": np.stack(d_entering, axis=1), "final": state}
 
@@ -128,9 +128,10 @@ def test_the_first_cotangent_is_backwards_dstate(
     case = Case(2, 45, 2, n, gates="qwen", per_channel=per_channel, carry=carry, norms=norms)
     inputs = case.draw(dtype)
     state = inputs.get("state", np.zeros((2, 2, n, n), dtype))
-    h, dh, _ = chunk_states(*pieces(inputs), inputs.get("state"), chunk=16, dtype=dtype)
+    h, dh, _ = chunk_states(*[*pieces(inputs), inputs.get("state")], chunk=16, dtype=dtype)
     layout = GdnBackwardLayout.from_inputs(inputs["q"], inputs["g"], state)
-    same = unpack(backward(*pieces(inputs), state, dtype=dtype, checkpoint_every=16), layout)
+    same = unpack(backward(*[*pieces(inputs), state], dtype=dtype, checkpoint_every=16), layout)
+    assert same.dstate is not None
     assert np.array_equal(dh[:, 0], same.dstate)
     assert np.array_equal(h[:, 0], state)
 

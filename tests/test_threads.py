@@ -30,9 +30,9 @@ def _inputs(layout: GdnBackwardLayout, regime: str, seed: int) -> list[Any]:
     return [x.q, x.k, x.v, x.g, x.beta, x.dy, x.state]
 
 
-def _bytes(x: list[Any], chunk: int, **kwargs: Any) -> list[bytes]:
+def _bytes(x: Any, chunk: int, **kwargs: Any) -> list[bytes]:
     """Every result of backward, forward and chunk_states, bit for bit (zeros' signs too)."""
-    y = forward(*x[:5], x[6], **kwargs)
+    y = forward(*[*x[:5], x[6]], **kwargs)
     results = [backward(*x, **kwargs), *(y if isinstance(y, tuple) else (y,))]
     return [a.tobytes() for a in (*results, *chunk_states(*x, chunk=chunk, **kwargs))]
 
