@@ -19,16 +19,6 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike, DTypeLike, NDArray
 
-__all__ = [
-    "EXTENDED",
-    "OracleResult",
-    "extended",
-    "oracle",
-    "oracle_chunk_states",
-    "oracle_forward",
-    "relative_error",
-]
-
 Array = NDArray[Any]
 
 EXTENDED = np.dtype(np.longdouble)
@@ -201,20 +191,10 @@ def oracle(
     )
 
 
-def oracle_chunk_states(
-    q: ArrayLike,
-    k: ArrayLike,
-    v: ArrayLike,
-    g: ArrayLike,
-    beta: ArrayLike,
-    dy: ArrayLike,
-    state: ArrayLike | None = None,
-    *,
-    chunk: int,
-) -> tuple[Array, Array, Array]:
+def oracle_chunk_states(*inputs: ArrayLike | None, chunk: int) -> tuple[Array, Array, Array]:
     """``(h, dh, final)``: the state entering each chunk of ``chunk`` steps and its cotangent,
     ``[B, ceil(S / chunk), H, N, N]``, and the final state, all in long double."""
-    exact = oracle(q, k, v, g, beta, dy, state)
+    exact = oracle(*inputs)  # type: ignore[arg-type]
     return exact.states[:, ::chunk], exact.dstates[:, ::chunk], exact.final
 
 
@@ -242,3 +222,16 @@ def relative_error(
     if scale == 0:
         return float(error)
     return float(error / max(scale, extended(np.finfo(dtype).tiny)))
+
+
+def reading_the_final_state(x: list[Any], cot: Array) -> list[Any]:
+    """``q, k, v, g, beta, dy, state`` with ``N`` more steps whose ``sum(y * dy)`` is
+    ``<cot, S_T>``: they leave the state as it is (``k = v = beta = g = 0``) and step ``i``
+    reads row ``i`` of ``S_T`` (``q = e_i``) against ``cot[i] / c``. The gradients of the longer
+    sequence, cut at ``S``, are those of the op with a cotangent ``cot`` on its final state."""
+    b, _, h, n = np.shape(x[0])
+    reads = np.broadcast_to(np.eye(n)[None, :, None, :], (b, n, h, n))
+    zeros = np.zeros((b, n, h, n))
+    extra = [reads, zeros, zeros, np.zeros((b, n, h, *np.shape(x[3])[3:])), np.zeros((b, n, h))]
+    extra.append(np.sqrt(n) * np.transpose(cot, (0, 2, 1, 3)))
+    return [*(np.concatenate(p, axis=1) for p in zip(x[:6], extra, strict=True)), x[6]]

@@ -1,7 +1,7 @@
 """The long-double oracle of ``oracle.py`` checked on its own, without the library's backward.
 
-Three independent checks: central differences of the oracle's own forward in long double;
-"exact differences" that use the shape of the loss (``sum(y * dy)`` is affine in every single
+Two independent checks: "exact differences" of the oracle's own forward in long double, which
+use the shape of the loss (``sum(y * dy)`` is affine in every single
 element of ``q``, ``v``, ``beta``, the initial state and ``exp(g)``, and quadratic in every
 single element of ``k``, so a central difference with a step of order one has no truncation
 error at all, and works in every gate regime); and the forward and the one-step gradients
@@ -28,100 +28,65 @@ GRADS = ("q", "k", "v", "g", "beta", "state")
 def loss(inputs: Inputs) -> tuple[Array, Array]:
     """``sum(y * dy)`` in long double, and the sum of the magnitudes of its terms (the scale
     of its rounding)."""
-    y, _ = oracle_forward(
-        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], inputs.get("state")
-    )
+    args: Any = [inputs.get(name) for name in ("q", "k", "v", "g", "beta", "state")]
+    y, _ = oracle_forward(*args)
     terms = y * extended(inputs["dy"])
     return np.sum(terms), np.sum(np.abs(terms))
 
 
 def run(inputs: Inputs) -> OracleResult:
-    return oracle(
-        inputs["q"],
-        inputs["k"],
-        inputs["v"],
-        inputs["g"],
-        inputs["beta"],
-        inputs["dy"],
-        inputs.get("state"),
-    )
+    args: Any = [inputs.get(name) for name in ("q", "k", "v", "g", "beta", "dy", "state")]
+    return oracle(*args)
 
 
 def gradient(result: OracleResult, name: str) -> Array:
-    grad = getattr(result, "d" + name)
-    assert grad is not None
-    return np.asarray(grad)
+    return np.asarray(getattr(result, "d" + name))
 
 
 def long_double_inputs(case: Case) -> Inputs:
     return {name: extended(value) for name, value in case.draw().items()}
 
 
-def check_differences(inputs: Inputs, result: OracleResult, *, exact: bool) -> None:
-    """Every gradient against central differences of the long-double loss, element by element.
-
-    ``exact``: steps of order one (no truncation error, see the module docstring), the gate
-    moved by +-1 and the difference divided by ``2 sinh(1)``; otherwise classical small steps
-    of ``1e-6`` (truncation error of order ``1e-12`` relative). The allowed error is the
-    rounding of the two losses, ``64 * eps * (sum of |terms|) / divisor``, plus a relative
-    ``1e-13`` (exact) or ``1e-9`` (classical) of the gradient's largest element."""
-    for name in GRADS:
-        if name not in inputs:
-            continue
-        base = inputs[name]
-        grad = gradient(result, name)
+def check_differences(inputs: Inputs, result: OracleResult) -> None:
+    """Every gradient against central differences of the long-double loss with steps of order
+    one (no truncation error, see the module docstring; the gate moved by +-1, over ``2
+    sinh(1)``). Allowed: the two losses' rounding, ``64 * eps * sum|terms| / divisor``, plus
+    ``1e-13`` of the gradient's largest element."""
+    for name in (name for name in GRADS if name in inputs):
+        base, grad = inputs[name], gradient(result, name)
         assert grad.shape == base.shape
         scale = float(np.max(np.abs(grad), initial=0.0))
         for index in np.ndindex(base.shape):
             saved = base[index]
-            if name == "g":
-                step = extended(1.0) if exact else extended(1e-6)
-                divisor = 2 * np.sinh(step) if exact else 2 * step
-            else:
-                step = max(extended(1.0), abs(saved)) if exact else extended(1e-6)
-                divisor = 2 * step
+            step = extended(1.0) if name == "g" else max(extended(1.0), abs(saved))
+            divisor = 2 * np.sinh(step) if name == "g" else 2 * step
             base[index] = saved + step
             up, up_size = loss(inputs)
             base[index] = saved - step
             down, down_size = loss(inputs)
             base[index] = saved
             estimate = (up - down) / divisor
-            allowed = (
-                64 * EPS * (up_size + down_size) / divisor + (1e-13 if exact else 1e-9) * scale
-            )
-            assert abs(grad[index] - estimate) <= allowed, (
-                f"d{name}{index}: oracle {float(grad[index]):.15g}, differences "
-                f"{float(estimate):.15g}, allowed {float(allowed):.3g}"
-            )
-
-
-@pytest.mark.parametrize(("per_channel", "carry"), MODES)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (1, 3, 2, 3), (2, 4, 1, 2)], ids=str)
-def test_oracle_matches_finite_differences(
-    shape: tuple[int, int, int, int], per_channel: bool, carry: bool
-) -> None:
-    case = Case(*shape, per_channel=per_channel, carry=carry, seed=sum(shape))
-    inputs = long_double_inputs(case)
-    check_differences(inputs, run(inputs), exact=False)
+            allowed = 64 * EPS * (up_size + down_size) / divisor + 1e-13 * scale
+            assert abs(grad[index] - estimate) <= allowed, (name, index, grad[index], estimate)
 
 
 @pytest.mark.parametrize(("per_channel", "carry"), MODES)
 @pytest.mark.parametrize(
     "case",
     [
+        Case(1, 1, 1, 1, seed=0),
+        Case(2, 4, 1, 2, seed=6),
         Case(1, 4, 2, 3, gates="const-20", norms="unit", beta="uniform", seed=1),
         Case(1, 5, 1, 2, gates="const-80", norms="upto4", beta="mixed", seed=2),
         Case(2, 3, 1, 3, gates="uniform-30,-10", norms="key3", beta="one", seed=3),
-        Case(1, 6, 1, 2, gates="qwen", norms="raw", beta="uniform", seed=4),
         Case(1, 7, 1, 2, gates="spiky", norms="upto4", beta="mixed", seed=5),
-        Case(1, 4, 1, 3, gates="uniform-1,0", norms="unit", beta="zero", seed=6),
     ],
     ids=str,
 )
 def test_oracle_matches_exact_differences(case: Case, per_channel: bool, carry: bool) -> None:
     case = case.with_(per_channel=per_channel, carry=carry)
     inputs = long_double_inputs(case)
-    check_differences(inputs, run(inputs), exact=True)
+    check_differences(inputs, run(inputs))
 
 
 def _spec_forward_by_hand(inputs: Inputs) -> tuple[Array, Array]:

@@ -1,30 +1,10 @@
-"""Reference forward and backward of the gated delta-net, in NumPy.
+"""Reference forward and backward of the gated delta-net in NumPy: docs/reference.md.
 
-The math is that of RLX's ``Op::GatedDeltaNet`` and ``Op::GatedDeltaNetBackward``, step by
-step in docs/reference.md, which also says how it is checked against an extended-precision
-oracle. The backward returns the gradients of ``sum(y * dy)`` packed in rlx-ir's order (see
-:class:`~gdn_layout.GdnBackwardLayout`); the final state has no cotangent.
-
-Two formulations compute the same function:
-
-``method="recurrent"``
-    The recurrence, one step at a time, vectorised over batch and heads.
-``method="chunked"`` (the default)
-    The recurrence per chunk of up to ``min(64, 4*N)`` steps, a chunk's delta rule solved as
-    one unit lower-triangular system (the WY/UT form), the chunks of a batch stacked into one
-    set of products. Each decay's exponent sums exactly the gates it spans, the system is
-    inverted by halves, and each gate's gradient is summed only from the terms its decay
-    scales, so no result is a difference of large terms; a float32 backward sweep runs in
-    float64, as its sums can still cancel. Chunks are cut short where a factor would pass
-    ``exp(20)`` or, per channel, the log-gate drifts by more than 20 within a chunk. ``N = 1``
-    and a step with ``beta |k|^2 > 2`` (the update expands the state) take the recurrent form:
-    chunks would round worse and gain nothing.
-
-Memory of the backward, beyond the inputs' copies and the output (``O(B*S*H*N)``): the
-recurrent form checkpoints the state every ``C = checkpoint_every`` steps (default
-``ceil(sqrt(S))``), ``O(B*H*N*N*(S/C + C))`` elements; the chunked form keeps the state
-entering every batch of ``C`` steps and, per head, the chunks' pair decays,
-``O(B*S*H*(L + N*N/C))`` with ``L`` the chunk length.
+``method="recurrent"`` steps the recurrence; ``method="chunked"`` (the default) solves chunks
+of up to ``min(64, 4*N)`` steps as triangular systems, and steps where it would gain nothing or
+round worse (``N = 1``, a step with ``beta |k|^2 > 2``). The backward's memory beyond the
+inputs and the output: recurrent ``O(B*H*N*N*(S/C + C))`` for ``C = checkpoint_every``,
+chunked ``O(B*S*H*(L + N*N/C))`` for chunks of ``L`` steps.
 """
 
 from __future__ import annotations
@@ -168,11 +148,7 @@ def forward(
     _check_method(method)
     b, h, s, n = inputs.q.shape
     y = np.empty((b, s, h, n), dtype=inputs.q.dtype)
-    final = (
-        np.zeros((b, h, n, n), dtype=inputs.q.dtype)
-        if inputs.state is None
-        else (inputs.state.copy())
-    )
+    final = np.zeros((b, h, n, n), inputs.q.dtype) if inputs.state is None else inputs.state.copy()
     if b * h * n == 0:  # no state element: y is zeros, whatever S; nothing to step through
         y[...] = 0
         return (y, final) if carried else y
@@ -335,8 +311,7 @@ def _checkpoint_interval(value: object, seq: int) -> int:
 
 
 def _ticker(progress: Callable[[float], object] | None, total: int) -> Callable[[], None]:
-    """A callback for each unit of work, reporting the fraction done to ``progress``; threads
-    may share it."""
+    """A callback per unit of work reporting the fraction done to ``progress``; thread-safe."""
     if progress is None:
         return lambda: None
     if not callable(progress):

@@ -1,40 +1,13 @@
-"""The recurrence chunk by chunk: the delta rule of a chunk as one triangular system.
+"""The recurrence chunk by chunk, a chunk's delta rule one unit lower-triangular system (WY/UT).
 
-Inside a chunk of ``C`` steps entered with the state ``S0``, with ``G`` the cumulative log-gate
-since the chunk's entry, every step's write ``u`` solves the unit lower-triangular system
-``(I + beta * lk) u = beta * (v - ke @ S0)`` (the WY/UT form of chunked delta-rule kernels),
-where ``ke[t] = exp(G_t) k[t]`` and ``lk[t, s] = exp(G_t - G_s) k[t] . k[s]`` for ``s < t``.
-Then ``y = c * (qe @ S0 + lq @ u)`` and ``S_end = exp(G_end) S0 + sum_s exp(G_end - G_s)
-outer(k[s], u[s])``: a chunk costs a few matrix products instead of ``C`` sequential updates.
-
-The chunks of one batch of steps are stacked, padded to one length with steps that change
-nothing (``k = q = v = beta = g = 0``), so that what does not depend on the state runs once
-for all of them; only the state's own recurrence, forward and backward, steps from chunk to
-chunk. A batch holds one chunk's worth of steps by default: full chunks stay one to a batch,
-whose matrices fit in cache, and the short chunks of fast per-channel decay share one.
-
-Four choices keep its rounding near the step-by-step form's in every gate regime:
-
-* Every decay factor is ``exp(g[s+1] + ... + g[t])``, its exponent summed in float64 from the
-  gates it spans, so a factor is rounded once and, for decaying gates, never exceeds 1. A
-  per-channel gate decays key channels apart, so its ``lk`` is the product
-  ``(exp(H) k) @ (exp(-H) k)^T``, ``H`` the log-gate since the chunk's first step; its chunks
-  are cut where ``|H|`` would pass ``_MAX_LOG_DRIFT``, so no factor overflows.
-* The triangular system is inverted by halves (see :func:`unit_lower_inverse`), which rounds
-  like substitution, not by a power series, whose terms grow and cancel.
-* The gate gradient sums, for each step, only the couplings that pass through that step's
-  decay (see :func:`gate_gradient`): under strong decay it is tiny, and a form that adds and
-  takes away large couplings would bury it in their rounding.
-* The backward sweep runs in float64 even in a float32 computation: from the float32 inputs
-  and the state entering each stack, kept by the float32 forward sweep, it steps through the
-  stack's chunks again. Its sums can cancel many times over: a gate's couplings 35- to
-  45-fold under fast decay, and the state's cotangent, stepped back through chunks whose
-  updates nearly erase the state (keys near unit norm, ``beta = 1``, small N). Rounded to
-  float32 term by term, their errors can outweigh the result; products of float32 numbers
-  are exact in float64, which leaves the inputs' and the entry states' own rounding.
-
-Inputs it does not suit (:func:`suits`: a single key channel, or a step whose update expands
-the state) are left to the step-by-step form.
+In a chunk entered with ``S0``, ``G`` the cumulative log-gate since its entry, the writes solve
+``(I + beta * lk) u = beta * (v - ke @ S0)``, ``ke[t] = exp(G_t) k[t]``, ``lk[t, s] = exp(G_t -
+G_s) k[t] . k[s]`` for ``s < t``; ``y = c * (qe @ S0 + lq @ u)`` and ``S_end = exp(G_end) S0 +
+sum_s exp(G_end - G_s) outer(k[s], u[s])``. The chunks of a batch of steps ("stack") are padded
+with steps that change nothing and stacked on the head axis, so only the state's recurrence
+steps from chunk to chunk. How it keeps its rounding near the step-by-step form's (float64
+exponents, inversion by halves, gate sums of straddling couplings, a float64 backward sweep):
+docs/reference.md, "The chunked form's rounding".
 """
 
 from __future__ import annotations
@@ -47,56 +20,224 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ..packing import GdnGrads
-from ._chunk_math import (
-    block_sum,
-    cumulative,
-    decays,
-    exp_to,
-    gate_gradient,
-    lower_mask,
-    pair_decay,
-    reduce_gate,
-    stepwise,
-    straddling,
-    straddling_split,
-    transposed,
-    unit_lower_inverse,
-)
 from ._inputs import Inputs
 from ._recurrent import Boundaries, row_scale
 from ._threads import mapped
 
 _Array = NDArray[Any]
 
-#: Largest growth ``exp(G_t - G_s)`` of a decay factor inside a chunk, and largest
-#: ``|H|`` of a per-channel chunk: factors stay within ``exp(20)`` (about ``5e8``), far from
-#: overflow in float32. Decaying gates never reach it with a per-head gate.
+#: Largest growth ``exp(G_t - G_s)`` of a decay factor in a chunk, and largest ``|H|`` of a
+#: per-channel chunk: within ``exp(20)``, far from float32's overflow.
 _MAX_LOG_DRIFT = 20.0
-
-#: Longest chunk. Longer chunks trade sequential steps for larger matrix products.
-_MAX_CHUNK = 64
-
-#: Chunks stacked into one batch by default: enough to amortise the per-call cost of NumPy,
-#: few enough that a stack's temporaries stay a small part of the inputs.
-_STACK = 1
-
-#: Longest chunk per unit of the state size N. A chunk's system couples its steps through
-#: keys in N dimensions; for a small N they overlap more, and float32 rounding grows with the
-#: chunk's length: 4*N keeps it within a few times the step-by-step form's (N = 1 to 16, g = 0).
-_CHUNK_PER_STATE_SIZE = 4
-
-
-#: Largest ``beta |k|^2`` of a step the chunked form takes. For ``0 <= beta |k|^2 <= 2`` a
-#: step's map of the state, ``I - beta k k^T``, does not expand it; beyond, the state grows step
-#: after step and the chunk's triangular system amplifies rounding that the step-by-step form
-#: does not make.
+#: Longest chunk; and per unit of N, as float32 rounding grows with the chunk's length where a
+#: small N's keys overlap: 4*N keeps it within a few times the step-by-step form's.
+_MAX_CHUNK, _CHUNK_PER_STATE_SIZE = 64, 4
+#: Largest ``beta |k|^2`` of a step taken: up to 2, ``I - beta k k^T`` does not expand the state.
 _MAX_STEP_GAIN = 2.0
+#: Block length of :func:`straddling_split`.
+_BLOCK = 8
+#: The dtype of the backward sweep.
+_WIDE = np.dtype(np.float64)
+
+
+def exp_to(exponent: _Array, dtype: np.dtype[Any], where: _Array | bool = True) -> _Array:
+    """``exp`` of a float64 exponent, rounded once to ``dtype``; 0 off ``where``."""
+    out = np.zeros(exponent.shape, np.float64)
+    np.exp(exponent, where=where, out=out)
+    return out.astype(dtype, copy=False)
+
+
+def reduce_gate(x: _Array, ng: int) -> _Array:
+    """Sum ``[..., N]`` gate contributions down to ``[..., Ng]``."""
+    return x if x.shape[-1] == ng else np.sum(x, axis=-1, keepdims=True)
+
+
+def lower_mask(size: int, dtype: np.dtype[Any], with_q: bool) -> _Array:
+    """The 0/1 mask of ``lk`` (strict lower triangle), below that of ``lq`` with ``with_q``."""
+    strict = np.tri(size, k=-1, dtype=dtype)
+    return np.concatenate((np.tri(size, dtype=dtype), strict)) if with_q else strict
+
+
+def unit_lower_inverse(unit_lower: _Array) -> _Array:
+    """``inv`` of unit lower-triangular ``[..., C, C]``, by halves: every level multiplies computed
+    inverses, so it rounds like substitution (a power series would cancel).
+
+    >>> a = np.array([[1.0, 0, 0], [2, 1, 0], [3, 4, 1]])
+    >>> unit_lower_inverse(a) @ a
+    array([[1., 0., 0.],
+           [0., 1., 0.],
+           [0., 0., 1.]])
+    """
+    size = unit_lower.shape[-1]
+    full = 1 << max(size - 1, 0).bit_length()  # the next power of two
+    padded = np.zeros((*unit_lower.shape[:-2], full, full), unit_lower.dtype)
+    padded[..., :size, :size] = unit_lower
+    inverse = np.zeros_like(padded)
+    diagonal = np.arange(full)
+    padded[..., diagonal[size:], diagonal[size:]] = 1
+    inverse[..., diagonal, diagonal] = 1
+    half = 1
+    while half < full:
+        a, inv = _diagonal_blocks(padded, 2 * half), _diagonal_blocks(inverse, 2 * half)
+        lower = np.matmul(inv[..., half:, half:], a[..., half:, :half])
+        inv[..., half:, :half] = -np.matmul(lower, inv[..., :half, :half])
+        half *= 2
+    return inverse[..., :size, :size]
+
+
+def _diagonal_blocks(square: _Array, size: int) -> _Array:
+    """The ``size x size`` blocks on the diagonal of C-contiguous ``[..., F, F]``, as a view."""
+    full, item = square.shape[-1], square.itemsize
+    return np.ndarray(
+        (*square.shape[:-2], full // size, size, size),
+        square.dtype,
+        buffer=square,
+        strides=(*square.strides[:-2], size * (full + 1) * item, full * item, item),
+    )
+
+
+def stepwise(a: _Array, rows: _Array) -> _Array:
+    """``a * rows``: factors ``a`` ``[B, H, C, Ng]`` on each block of ``C`` steps of ``rows``."""
+    b, h, size, _ = a.shape
+    blocks = rows.reshape(b, h, rows.shape[2] // size, size, rows.shape[-1])
+    return (blocks * a[:, :, None]).reshape(rows.shape)
+
+
+def block_sum(rows: _Array, size: int) -> _Array:
+    """The sum of the blocks of ``size`` steps of ``rows`` ``[B, H, m*C, N]``."""
+    b, h, length, n = rows.shape
+    summed: _Array = np.sum(rows.reshape(b, h, length // size, size, n), axis=2)
+    return summed
+
+
+def transposed(x: _Array) -> _Array:
+    return np.swapaxes(x, -1, -2)
+
+
+def decays(gates: _Array, dtype: np.dtype[Any]) -> tuple[_Array, _Array]:
+    """``exp(G)`` and ``exp(G_end - G)`` of chunks' gates ``[B, V, C, Ng]``, each exponent a sum of
+    the gates it spans (a difference of cumulative sums would carry the whole chunk's rounding).
+    """
+    to_end = np.zeros(gates.shape, np.float64)
+    np.cumsum(gates[:, :, :0:-1], axis=2, dtype=np.float64, out=to_end[:, :, -2::-1])
+    return exp_to(np.cumsum(gates, axis=2, dtype=np.float64), dtype), exp_to(to_end, dtype)
+
+
+def pair_decay(gates: _Array, dtype: np.dtype[Any]) -> _Array:
+    """``[t, s]``: ``exp(g[s+1] + ... + g[t])`` for ``t >= s``, else 0; ``gates`` ``[B, H, C]``."""
+    size = gates.shape[-1]
+    upto = lower_mask(size, np.dtype(np.float64), True)[:size]  # [t, r]: r <= t
+    terms = upto * gates.astype(np.float64, copy=False)[..., None, :]
+    after = _before(size, np.dtype(np.float64)).T  # [r, s]: r > s
+    spans = np.matmul(terms.reshape(-1, size), after).reshape(terms.shape)  # one product
+    return exp_to(spans, dtype, where=upto.astype(bool))
+
+
+def straddling(couplings: _Array) -> _Array:
+    """Per step ``t``, the sum of couplings ``[B, H, 2C, C]`` of a row ``t'`` with ``s`` where
+    ``s < t <= t'``: ``[B, H, C, 1]``.
+    """
+    b, h, _, size = couplings.shape
+    by_step = couplings.reshape(b, h, 2, size, size).sum(axis=2)  # q and k rows of step t'
+    before = np.matmul(by_step, _before(size, couplings.dtype))  # [t', t]: s < t
+    summed: _Array = np.sum(before * np.tri(size, dtype=couplings.dtype), axis=2)  # t' >= t
+    return summed[..., None]
+
+
+def _before(size: int, dtype: np.dtype[Any]) -> _Array:
+    """``[s, t]``: 1 where ``s < t``. A row times it sums, for each ``t``, what comes before."""
+    return np.triu(np.ones((size, size), dtype), 1)
+
+
+def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
+    """:func:`straddling` of couplings split by key channel, ``x[t', i] w[t', s] y[s, i]``,
+    without forming ``[C, C, N]``: in blocks of ``_BLOCK`` steps, couplings inside ``t``'s block
+    from a small tensor, those with one end in it from masked products, those that leap over it
+    from block totals. Returns ``[B, H, C, N]``.
+    """
+    batch, heads, _, size = w.shape
+    n = y.shape[-1]
+    count = -(-size // _BLOCK)
+    full = count * _BLOCK
+    wp = np.zeros((batch, heads, 2, full, full), w.dtype)
+    wp[:, :, :, :size, :size] = w.reshape(batch, heads, 2, size, size)
+    xp = np.zeros((batch, heads, 2, full, n), x.dtype)
+    xp[:, :, :, :size] = x.reshape(batch, heads, 2, size, n)
+    yp = np.zeros((batch, heads, full, n), y.dtype)
+    yp[:, :, :size] = y
+    xb = xp.reshape(batch, heads, 2, count, _BLOCK, n)
+    yb = yp.reshape(batch, heads, count, _BLOCK, n)
+    masks = _block_masks(count, w.dtype)
+    blocks = np.arange(count)
+
+    # t', s and t in one block: for each row t' of the [q; k] blocks, its couplings with
+    # s < t <= t' against y, times x[t'] (one row at a time keeps the temporaries small)
+    out = np.zeros((batch, heads, count, _BLOCK, n), np.result_type(w, x, y))
+    for c in range(2):
+        square = wp[:, :, c].reshape(batch, heads, count, _BLOCK, count, _BLOCK)
+        diagonal = np.moveaxis(square[..., blocks, :, blocks, :], 0, 2)  # [B, H, K, t', s]
+        for row in range(_BLOCK):
+            couplings = diagonal[:, :, :, row, None, :] * masks.inside[row]  # [B, H, K, t, s]
+            out += np.matmul(couplings, yb) * xb[:, :, c, :, row, None, :]
+    # t' in t's block (t' >= t), s in an earlier block
+    wm = wp * masks.earlier
+    xv = np.sum(xp * np.matmul(wm, yp[:, :, None]), axis=2).reshape(out.shape)
+    out += np.flip(np.cumsum(np.flip(xv, axis=3), axis=3), axis=3)
+    # s in t's block (s < t), t' in a later block
+    yu = yp * np.sum(np.matmul(transposed(wm), xp), axis=2)
+    out[:, :, :, 1:] += np.cumsum(yu.reshape(out.shape)[:, :, :, :-1], axis=3)
+    # s in a block before t's, t' in a block after it: block-to-block totals
+    totals = np.zeros((batch, heads, count, count, n), w.dtype)  # [K, L]: s in K, t' in L
+    for block in range(count):
+        cols = slice(block * _BLOCK, (block + 1) * _BLOCK)
+        for c in range(2):
+            partial = np.matmul(wp[:, :, c, :, cols], yb[:, :, block])  # [B, H, full, N]
+            partial = partial.reshape(xb[:, :, c].shape)
+            totals[:, :, block] += np.einsum("bhlpi,bhlpi->bhli", partial, xb[:, :, c])
+    out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
+    result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
+    return result
+
+
+class _BlockMasks(NamedTuple):
+    inside: _Array  # [t', t, s]: s < t <= t' within a block
+    earlier: _Array  # [t', s]: s in a block before t''s
+    leap: _Array  # [K, J, L]: K < J < L
+
+
+def _block_masks(count: int, dtype: np.dtype[Any]) -> _BlockMasks:
+    """The masks of :func:`straddling_split` for ``count`` blocks."""
+    p, t, s = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
+    block = np.arange(count * _BLOCK) // _BLOCK
+    k, j, m = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
+    masks = _BlockMasks(
+        ((s < t) & (t <= p)).astype(dtype),
+        (block[None, :] < block[:, None]).astype(dtype),
+        ((k < j) & (j < m)).astype(dtype),
+    )
+    return masks
+
+
+def gate_gradient(*, entry: _Array, straddling: _Array, exit_: _Array, through: _Array) -> _Array:
+    """A chunk's log-gate gradient, each gate's summed only from the couplings it decays.
+
+    A coupling of a later point with an earlier one (the entry E, the steps, the exit X) has the
+    coupling itself as log-derivative in every gate between them; so gate ``t`` sums the couplings
+    of ``t' >= t`` or X with E or ``s < t``. The textbook reverse cumulative sum also adds terms
+    that cancel in pairs, burying a tiny gradient under fast decay in their rounding.
+    ``entry``, ``straddling``, ``exit_``: ``[B, H, C, Ng]``; ``through`` (X with E): ``[B, H, Ng]``.
+    """
+    d_g = straddling
+    d_g += np.flip(np.cumsum(np.flip(entry, axis=2), axis=2), axis=2)  # t' >= t, with E
+    d_g[:, :, 1:] += np.cumsum(exit_[:, :, :-1], axis=2)  # X, with s < t
+    d_g += through[:, :, None]
+    return d_g
 
 
 def suits(x: Inputs) -> bool:
-    """Whether the chunked form is worth taking on ``x`` and as exact as the step-by-step one:
-    more than one key channel (with one, a chunk's products are scalars: there is nothing to
-    gain) and no step with ``beta |k|^2 > 2`` (keys of unit norm with ``beta <= 1`` have none)."""
+    """Whether to take the chunked form: more than one key channel, and no step with
+    ``beta |k|^2 > 2`` (an expanding update, which the triangular system would amplify).
+    """
     if x.q.shape[3] <= 1:
         return False
     with np.errstate(over="ignore", invalid="ignore"):  # a huge key counts as over 2
@@ -110,17 +251,13 @@ def chunk_length(state_size: int) -> int:
 
 
 def default_interval(seq: int, state_size: int) -> int:
-    """How many steps to stack: ``_STACK`` whole chunks of the longest length."""
-    return min(max(seq, 1), _STACK * chunk_length(state_size))
+    """How many steps to stack: one longest chunk (its matrices fit in cache)."""
+    return min(max(seq, 1), chunk_length(state_size))
 
 
-def chunk_bounds(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
-    """Split ``[t0, t1)`` into chunks of at most ``length`` steps whose factors stay bounded.
-
-    A chunk's decay factors ``exp(G_t - G_s)``, ``t >= s`` (the entry counting as a step with
-    ``G = 0``), may grow by at most ``exp(_MAX_LOG_DRIFT)``; with a per-channel gate
-    ``|H_t|``, ``H`` the log-gate since the chunk's first step, is bounded likewise. A
-    one-step chunk is always allowed: it is the step-by-step form.
+def _cut_chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
+    """``[t0, t1)`` cut into chunks of at most ``length`` steps within which no decay factor grows
+    by more than ``exp(_MAX_LOG_DRIFT)`` (nor, per channel, ``|H|`` passes it); a step always fits.
     """
     per_channel = g.shape[-1] > 1
     bounds = []
@@ -128,7 +265,7 @@ def chunk_bounds(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, in
     while start < t1:
         stop = min(start + length, t1)
         if stop - start > 1 and g.size:
-            big_g = cumulative(g[:, :, start:stop])
+            big_g = np.cumsum(g[:, :, start:stop], axis=2, dtype=np.float64)
             entry = np.zeros_like(big_g[:, :, :1])
             lowest = np.minimum.accumulate(np.concatenate((entry, big_g), axis=2), axis=2)
             bad = big_g - lowest[:, :, :-1] > _MAX_LOG_DRIFT
@@ -143,11 +280,7 @@ def chunk_bounds(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, in
 
 
 class _Stack(NamedTuple):
-    """The chunks of one interval, padded to ``length`` steps and stacked on the head axis.
-
-    Arrays are ``[B, V, L, ...]`` with ``V = H * count``: head ``h``'s chunk ``j`` is at
-    ``h * count + j``.
-    """
+    """A stack's chunks padded to ``length``, stacked: ``[B, V, L, ...]``, ``V = H * count``."""
 
     bounds: list[tuple[int, int]]
     heads: int
@@ -177,8 +310,7 @@ def _gather(a: _Array, bounds: list[tuple[int, int]], length: int) -> _Array:
 
 
 def _scatter(grad: _Array, values: _Array, st: _Stack) -> None:
-    """Write ``values`` ``[B, V, L, ...]`` to the steps of ``st``'s chunks of ``grad``
-    ``[B, S, H, ...]``, dropping the padding."""
+    """Write ``values`` ``[B, V, L, ...]`` to ``st``'s steps of ``grad`` ``[B, S, H, ...]``."""
     b, count, length = values.shape[0], len(st.bounds), st.length
     rest = values.shape[3:]
     t0, t1 = st.bounds[0][0], st.bounds[-1][1]
@@ -234,13 +366,12 @@ class _Kept(NamedTuple):
     entry: _Array  # the state entering the stack, [B, H, N, N]
 
 
-#: The dtype of the backward sweep.
-_WIDE = np.dtype(np.float64)
+def _wide(a: _Array) -> _Array:
+    return a.astype(_WIDE, copy=False)
 
 
 def _prepare(st: _Stack, kept: _Kept, rows: _Array | None = None) -> _Prepared:
-    """The stack's state-independent matrices, with the pair decays of ``kept``. ``rows``,
-    ``[q; k]`` already formed, sets the dtype."""
+    """The stack's state-independent matrices; ``rows`` (``[q; k]``, if formed) sets the dtype."""
     size = st.length
     if rows is None:
         rows = st.k if st.q is None else np.concatenate((st.q, st.k), axis=2)
@@ -269,7 +400,7 @@ def _prepare(st: _Stack, kept: _Kept, rows: _Array | None = None) -> _Prepared:
 
 
 def _by_pair(lx: _Array, pairs: _Array) -> None:
-    """Scale each ``[C, C]`` block of ``lx`` ``[B, V, m*C, C]`` by the pair decays, in place."""
+    """Scale each ``[C, C]`` block of ``lx`` by the pair decays, in place."""
     b, v, size = pairs.shape[:3]
     assert lx.flags.c_contiguous  # so that the reshape is a view, which the update goes through
     blocks = lx.reshape(b, v, lx.shape[2] // size, size, size)
@@ -306,23 +437,20 @@ def _merge(a: _Array, heads: int) -> _Array:
 
 
 class Stack(NamedTuple):
-    """One stack of the plan: its chunks and, with a per-head gate, their pair decays for
-    every batch element and head, float64 ``[B, H * count, L, L]``."""
+    """A stack of the plan: its chunks and (per-head gate) pair decays ``[B, H * count, L, L]``."""
 
     bounds: list[tuple[int, int]]
     pairs: _Array | None
 
 
 def plan(x: Inputs, every: int, length: int, threads: int = 1) -> list[Stack]:
-    """The stacks of ``every`` steps, in chunks of at most ``length``, that :func:`forward` and
-    :func:`backward` take: formed for all batch elements and heads at once, so that a part of
-    them (:func:`part_of`) is computed exactly as the whole would be. A chunk is cut short
-    where any head's decay calls for it, and the pair decays' exponents are one matrix
-    product over all heads. Stacks are independent: ``threads`` form them side by side."""
+    """The stacks of ``every`` steps in chunks of at most ``length``, for all batch elements and
+    heads at once, so that a part (:func:`part_of`) computes as the whole would.
+    """
     seq = x.q.shape[2]
 
     def stack(t0: int) -> Stack:
-        bounds = chunk_bounds(x.g, t0, min(t0 + every, seq), length)
+        bounds = _cut_chunks(x.g, t0, min(t0 + every, seq), length)
         pairs = None
         if x.g.shape[-1] == 1:
             gates = _gather(x.g, bounds, max(c1 - c0 for c0, c1 in bounds))
@@ -377,17 +505,11 @@ def backward(
     tick: Callable[[], None],
     record: Boundaries | None = None,
 ) -> None:
-    """Backward by chunks, one stack of ``stacks`` at a time.
+    """Backward by chunks, one stack at a time; its memory: reference's module docstring.
 
-    The forward sweep keeps, for the backward sweep, the state entering every stack:
-    ``O(B*H*N*N*S/C)`` elements for stacks of ``C`` steps; the plan holds the pair decays,
-    ``O(B*S*H*L)`` for chunks of ``L`` steps; about the size of the inputs. The backward sweep
-    forms the rest again, in float64: each chunk's system, the state entering it, and what each
-    step wrote.
-
-    With ``record``, the states entering the stacks are kept in ``record.h``, and the state's
-    cotangent entering each stack and the final state are written to ``record``. Without
-    ``grads`` (only with ``record``), the backward sweep steps only the state's cotangent back.
+    The forward sweep keeps the state entering every stack; the backward sweep forms the rest
+    again in float64. With ``record``, the entry states go to ``record.h``, their cotangents and
+    the final state to ``record``; without ``grads`` only the state's cotangent steps back.
     """
     assert grads is not None or record is not None
     b, h, _, n = x.q.shape
@@ -409,21 +531,18 @@ def backward(
     del state
 
     d_state = np.zeros((b, h, n, n), _WIDE)
-    wide = _Widener()
     while kept:
         entry = kept.pop()
         st = _stack(x, entry.bounds, backward=True)
         assert st.q is not None
         assert st.dy is not None
-        rows = wide.rows(st.q, st.k)
-        st = st._replace(
-            v=wide("v", st.v), g=wide("g", st.g), beta=wide("beta", st.beta), dy=wide("dy", st.dy)
-        )
+        rows = np.concatenate((st.q, st.k), axis=2).astype(_WIDE, copy=False)
+        st = st._replace(v=_wide(st.v), g=_wide(st.g), beta=_wide(st.beta), dy=_wide(st.dy))
         pre = _prepare(st, entry, rows)
         if grads is None:
             _step_back(st, pre, d_state, np.empty_like(pre.xe), x.scale)
         else:
-            start = wide("entry", entry.entry)
+            start = _wide(entry.entry)
             if record is not None and start is entry.entry:
                 start = start.copy()  # stepped in place below: h keeps its own
             solved = _advance(st, pre, start)
@@ -435,44 +554,11 @@ def backward(
         grads.dstate[...] = d_state
 
 
-class _Widener:
-    """Float64 copies of a stack's arrays, made into buffers reused from stack to stack.
-
-    A fresh copy for every stack is mapped and faulted in anew each time: in float32 at S=512,
-    H=8, N=64 per head, 9,000 minor page faults per backward against 3,700 with the buffers.
-    Each buffer holds one stack's copy at a time.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, _Array] = {}
-
-    def _buffer(self, name: str, shape: tuple[int, ...]) -> _Array:
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.shape != shape:
-            buffer = self._buffers[name] = np.empty(shape, _WIDE)
-        return buffer
-
-    def __call__(self, name: str, a: _Array) -> _Array:
-        """``a`` in float64: ``a`` itself if it is, else its copy in the buffer ``name``."""
-        if a.dtype == _WIDE:
-            return a
-        buffer = self._buffer(name, a.shape)
-        np.copyto(buffer, a)
-        return buffer
-
-    def rows(self, q: _Array, k: _Array) -> _Array:
-        """``[q; k]`` along time, in float64."""
-        b, v, size, n = k.shape
-        return np.concatenate((q, k), axis=2, out=self._buffer("rows", (b, v, 2 * size, n)))
-
-
 def _step_back(
     st: _Stack, pre: _Prepared, d_state: _Array, cot: _Array, c: float
 ) -> tuple[_Array, _Array]:
-    """Step the state's cotangent ``d_state`` back through the stack's chunks, in place.
-
-    Writes ``c * dy`` to the first half of ``cot`` (``[B, V, 2L, N]``); returns the cotangent
-    at each chunk's end and ``d_w``, both ``[B, V, ...]``.
+    """Step ``d_state`` back through the stack's chunks in place; writes ``c * dy`` to the first
+    half of ``cot``; returns the cotangent at each chunk's end and ``d_w``.
     """
     assert st.dy is not None
     size = st.length
@@ -503,11 +589,7 @@ def _step_back(
 def _backward_stack(
     x: Inputs, grads: GdnGrads, st: _Stack, pre: _Prepared, solved: _Solved, d_state: _Array
 ) -> None:
-    """Backward of the stacked chunks ``st``; ``d_state`` goes from their end to their entry.
-
-    The state's cotangent steps back chunk by chunk; everything else is done for all the
-    chunks at once, on rows stacked as ``[q; k]`` where products share an operand.
-    """
+    """Backward of the stacked chunks ``st``; ``d_state`` goes from their end to their entry."""
     size, c, ng = st.length, x.scale, st.g.shape[-1]
     beta, k = st.beta, pre.k
     lk = pre.lx[:, :, size:]

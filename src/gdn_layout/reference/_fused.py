@@ -1,27 +1,10 @@
-"""The chunked form as fused kernels compute it: what a correct kernel's rounding reaches.
-
-The reference's own chunked form (:mod:`._chunked`) is built to round as little as the
-step-by-step form. The kernels of the field are not: flash-linear-attention's
-``chunk_gated_delta_rule`` and ``chunk_kda``, transformers' ``torch_chunk_gated_delta_rule`` and
-the JAX/Pallas ports all compute, per chunk of 64 steps and in the kernel's precision,
-
-* the cumulative log-gate ``G`` of the chunk, and every decay as ``exp(G_t - G_s)``;
-* the delta rule of the chunk as one unit lower-triangular system ``T = (I + L)^-1``,
-  ``L[t, s] = beta_t k_t . k_s exp(G_t - G_s)`` for ``s < t`` (the WY/UT form), solved by
-  substitution;
-* ``W = T (beta exp(G) k)``, ``U = T (beta v)``, the chunk's writes ``u = U - W h``, its output
-  ``c (exp(G) q h + (q k^T * decay) u)`` and its exit state;
-* and the backward by the chain rule through the same steps, the gate's gradient a reverse
-  cumulative sum of differences of terms (a decay's row sums minus its column sums).
-
-Under fast or mixed decay these steps round 10 to 100 times more than the step-by-step form,
-and a correct kernel's error is that large. This module computes the same form in NumPy, its
-matrix products on operands rounded to the precision class's product precision (TF32 or
-bfloat16 operands, accumulated in float32; a per-channel gate's decayed key products and the
-triangular solve are left in float32), so that a fixture's floors cover it.
-
-With ``dtype=float64`` and no operand rounding it computes the op as the reference does (to
-``1e-9``, tested); the module is not the reference's, and its results only set floors.
+"""The chunked form as fused kernels compute it (flash-linear-attention's ``chunk_gated_delta_rule``
+and ``chunk_kda``, transformers' ``torch_chunk_gated_delta_rule``): per chunk of 64 steps the
+cumulative log-gate, decays ``exp(G_t - G_s)``, the WY/UT system solved by substitution, and the
+backward by the chain rule, the gate's gradient a reverse cumulative sum of differences. Its
+matrix products take operands rounded to the precision class's product precision (a
+per-channel gate's decayed key products and the triangular solve stay in float32). Under fast
+decay it rounds 10 to 100 times more than the step-by-step form: it only sets floors.
 """
 
 from __future__ import annotations
@@ -46,17 +29,12 @@ KEEP_BYTES = 64 << 20
 
 
 class _Products:
-    """Matrix products on operands rounded to ``bits`` mantissa bits (None: not rounded),
-    accumulated in the computation dtype. An operand used in several products is rounded
-    once: the kernels load it once."""
+    """Matrix products on operands rounded to ``bits`` mantissa bits (None: not rounded); an
+    operand used in several products is rounded once, as the kernels load it once."""
 
     def __init__(self, bits: int | None) -> None:
         self.bits = bits
         self._rounded: dict[int, tuple[_Array, _Array]] = {}
-        # Buffers of the rounded operands, by shape and strides, for the chunks after: a
-        # chunk rounds some thirty, and fresh arrays cost more than the rounding.
-        self._free: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Array]] = {}
-        self._used: list[tuple[tuple[tuple[int, ...], tuple[int, ...]], _Array]] = []
 
     def operand(self, a: _Array) -> _Array:
         if self.bits is None:
@@ -64,36 +42,12 @@ class _Products:
         kept = self._rounded.get(id(a))
         if kept is not None and kept[0] is a:
             return kept[1]
-        rounded = round_mantissa(a, self.bits) if a.dtype != np.float32 else self._round(a)
+        rounded = round_mantissa(a, self.bits)
         self._rounded[id(a)] = (a, rounded)
-        return rounded
-
-    def _round(self, a: _Array) -> _Array:
-        """``round_mantissa(a, bits)`` of float32 ``a``, bit for bit and laid out alike, in a
-        buffer kept for the next chunk."""
-        assert self.bits is not None
-        drop = 23 - self.bits
-        raw = a.view(np.uint32)
-        key = (a.shape, a.strides)
-        free = self._free.get(key)
-        out = free.pop() if free else np.empty_like(raw)
-        self._used.append((key, out))
-        np.right_shift(raw, np.uint32(drop), out=out)
-        out &= np.uint32(1)
-        out += np.uint32((1 << (drop - 1)) - 1)
-        out += raw
-        out &= np.uint32((0xFFFFFFFF >> drop) << drop)
-        rounded: _Array = out.view(np.float32)
-        if a.size and np.isnan(a.max()):  # a NaN stays one, whatever its payload
-            nan = np.isnan(a)
-            rounded[nan] = a[nan]
         return rounded
 
     def forget(self) -> None:
         self._rounded.clear()
-        for key, buffer in self._used:
-            self._free.setdefault(key, []).append(buffer)
-        self._used.clear()
 
     def __call__(self, a: _Array, b: _Array, ta: bool = False, tb: bool = False) -> _Array:
         """``a @ b``, ``a`` transposed first with ``ta``, ``b`` with ``tb``."""
@@ -143,9 +97,7 @@ def _unit_lower_inverse(lower: _Array) -> _Array:
 
 
 class _Chunk:
-    """One chunk's quantities that do not depend on the state, for every batch row and head:
-    ``q, k, v, dy`` are ``[B, H, C, N]``, ``g`` ``[B, H, C]`` or ``[B, H, C, N]``, ``beta``
-    ``[B, H, C]``."""
+    """One chunk's state-independent quantities for every batch row and head."""
 
     def __init__(
         self, q: _Array, k: _Array, v: _Array, g: _Array, beta: _Array, prod: _Products
@@ -200,8 +152,9 @@ class _Chunk:
     def backward(
         self, h: _Array, dh_exit: _Array, dy: _Array, scale: float, sizes: dict[str, _Array] | None
     ) -> tuple[_Array, ...]:
-        """``dq, dk, dv, dg, dbeta`` of the chunk and the cotangent of its entry state; with
-        ``sizes``, the sums of absolute terms of each one's last sums are written there."""
+        """``dq, dk, dv, dg, dbeta`` of the chunk and its entry state's cotangent; with ``sizes``,
+        the sums of absolute terms of each one's last sums are written there.
+        """
         prod, q, k, v, beta = self.prod, self.q, self.k, self.v, self.beta
         writes = self.u - prod(self.w, h)
         d_writes = scale * prod(self.m, dy, ta=True) + prod(self.kd, dh_exit)
@@ -278,8 +231,7 @@ class _Chunk:
         dbv: _Array,
         dl: _Array,
     ) -> None:
-        """The sums of absolute terms of the last sums that form each result (the terms'
-        own values as computed): what another order of those sums can change by ``u`` each."""
+        """The sums of absolute terms of the last sums that form each result."""
         a = np.abs
         k, q, beta = a(self.k), a(self.q), self.beta[..., None]
         if self.per_channel:
@@ -305,7 +257,7 @@ class _Chunk:
         out["h"] = self.exit_decay * a(h) + _t(a(self.kd)) @ a(writes)
 
 
-def chunk_bounds(seq: int, every: int | None, length: int = FUSED_CHUNK) -> list[int]:
+def _chunk_starts(seq: int, every: int | None, length: int = FUSED_CHUNK) -> list[int]:
     """The chunks' first steps, and ``seq``: every ``length`` steps, and every ``every`` (the
     boundaries whose states are recorded) too."""
     starts = set(range(0, seq, length))
@@ -331,18 +283,14 @@ def fused_backward(
     cotangent: _Array | None = None,
     keep: int = KEEP_BYTES,
 ) -> tuple[_Array, dict[str, _Array], tuple[_Array, dict[str, _Array]] | None]:
-    """Everything the fused kernels' chunked form gives, as :func:`._states.step_by_step`
-    returns it: the packed gradients and ``{"y", "final_state", "h", "dh"}`` (the last three
-    as there: the final state with ``state`` or ``chunk``, the states with ``chunk``), in
-    ``dtype``, the state's matrix products on operands rounded to ``bits`` mantissa bits (a
-    per-channel gate's decayed key products, and the triangular solve, are left unrounded).
-    With ``sizes``, also the same of the sums of absolute terms of each result's last sums, in
-    float64 (None otherwise): a sum taken in another order may change by ``u`` times its own.
+    """The fused kernels' chunked form, returned as :func:`._states.step_by_step` returns it.
 
-    Chunks are of ``length`` steps, cut also at every multiple of ``chunk``. ``cotangent``,
-    ``[B, H, N, N]``, is one on the final state, which the op has not (zero): a misreading's
-    re-run takes it (:mod:`gdn_layout.check._misreadings`). The forward's chunks are kept
-    for the backward within ``keep`` bytes, and formed again past it.
+    In ``dtype``, the matrix products' operands rounded to ``bits`` mantissa bits; chunks of
+    ``length`` steps, cut also at every multiple of ``chunk`` (whose states are recorded).
+    ``cotangent`` ``[B, H, N, N]``: one on the final state (a misreading's re-run). The forward's
+    chunks are kept for the backward within ``keep`` bytes, formed again past it. With ``sizes``,
+    the third item is the same of the sums of absolute terms of each result's last sums, in
+    float64 (what another order of those sums can change by ``u`` each); else None.
     """
     x = validate(q, k, v, g, beta, state, dy, dtype)
     assert x.dy is not None
@@ -351,7 +299,7 @@ def fused_backward(
     compute = x.q.dtype
     gate = x.g if layout.gate_per_channel else x.g[..., 0]
     prod = _Products(bits)
-    bounds = chunk_bounds(seq, chunk, length)
+    bounds = _chunk_starts(seq, chunk, length)
     h = np.zeros((len(bounds), batch, heads, n, n), compute)
     if x.state is not None:
         h[0] = x.state
@@ -413,8 +361,9 @@ def fused_backward(
 def _outputs(
     y: _Array, h: _Array, dh: _Array, bounds: list[int], chunk: int | None, carried: bool
 ) -> dict[str, _Array]:
-    """``y`` and the states as :func:`._states.step_by_step` gives them, from the states at
-    every boundary ``[K + 1, B, H, N, N]``."""
+    """``y`` and the states as :func:`._states.step_by_step` gives them, from the states at every
+    boundary ``[K + 1, B, H, N, N]``.
+    """
     outputs = {"y": y}
     if chunk is not None:
         keep = [i for i, t in enumerate(bounds[:-1]) if t % chunk == 0]

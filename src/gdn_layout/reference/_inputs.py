@@ -1,8 +1,10 @@
-"""The reference's inputs, checked, converted to the computation dtype, time on axis 2; the parts
-that workers take of them and of the gradients; and the check of what comes back."""
+"""The reference's inputs checked and converted (time on axis 2), their parts per worker, and
+the check of what comes back.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -32,54 +34,21 @@ class Inputs(NamedTuple):
 
 
 #: How the shape of each input is named in errors; the shapes themselves are the layout's.
-_SHAPES = {
-    "k": "[B, S, H, N] of q",
-    "v": "[B, S, H, N] of q",
-    "dy": "[B, S, H, N] of q",
-    "beta": "[B, S, H]",
-}
-
-
-def _computation_dtype(dtype: DTypeLike) -> np.dtype[Any]:
-    try:
-        resolved = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
-    if resolved not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise TypeError(f"dtype must be float32 or float64, got {resolved}")
-    return resolved
-
-
-def _as_floating(name: str, value: ArrayLike) -> _Array:
-    array = np.asarray(value)
-    if not is_floating(array.dtype):
-        raise TypeError(
-            f"{name} must have a floating dtype (float16, bfloat16, float32, float64, ...), "
-            f"got {array.dtype}"
-        )
-    return array
-
-
-def _expect_shape(name: str, array: _Array, expected: tuple[int, ...], what: str) -> None:
-    if array.shape != expected:
-        raise ValueError(f"{name} must have shape {what} = {expected}, got {array.shape}")
+_SHAPES = {"k": "[B, S, H, N] of q", "v": "[B, S, H, N] of q", "dy": "[B, S, H, N] of q"}
+_SHAPES["beta"] = "[B, S, H]"
 
 
 def _converted(
-    name: str, array: _Array, dtype: np.dtype[Any], axes: tuple[int, ...], checked: bool = True
+    name: str, value: ArrayLike, dtype: np.dtype[Any], axes: tuple[int, ...], checked: bool
 ) -> _Array:
-    """A C-ordered copy of ``array`` in ``dtype`` with its axes permuted, checked finite unless
+    """A C-ordered copy of ``value`` in ``dtype`` with its axes permuted, checked finite unless
     not ``checked``."""
+    array = np.asarray(value)
     with np.errstate(over="ignore"):  # an overflow is reported below as a non-finite value
         converted = np.array(array.transpose(axes), dtype=dtype, order="C", copy=True)
-    if not checked:
-        return converted
-    finite = np.isfinite(converted)
-    if not finite.all():
-        bad = np.argwhere(~finite.transpose(np.argsort(axes)))[0]
-        index = tuple(int(i) for i in bad)
-        original = array[index]
-        raise ValueError(f"{name} must be finite in {dtype}, got {original} at index {index}")
+    if checked and not (finite := np.isfinite(converted)).all():
+        index = tuple(int(i) for i in np.argwhere(~finite.transpose(np.argsort(axes)))[0])
+        raise ValueError(f"{name} must be finite in {dtype}, got {array[index]} at index {index}")
     return converted
 
 
@@ -97,50 +66,39 @@ def validate(
 ) -> Inputs:
     """The inputs checked and converted, on up to ``threads`` threads; their values checked
     finite unless not ``finite`` (an op read otherwise may step through infinities)."""
-    compute = _computation_dtype(dtype)
-    named = [("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)]
-    if state is not None:
-        named.append(("state", state))
-    if dy is not None:
-        named.append(("dy", dy))
-    arrays = {name: _as_floating(name, value) for name, value in named}
-
-    qa, ga = arrays["q"], arrays["g"]
-    layout = GdnBackwardLayout.from_inputs(qa, ga, arrays.get("state"))
+    try:
+        compute = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype must be float32 or float64, got {dtype!r}") from None
+    if compute not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise TypeError(f"dtype must be float32 or float64, got {compute}")
+    named = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state": state, "dy": dy}
+    arrays = {name: np.asarray(value) for name, value in named.items() if value is not None}
+    for name, array in arrays.items():
+        if not is_floating(array.dtype):
+            raise TypeError(
+                f"{name} must have a floating dtype (float16, bfloat16, float32, float64, ...), "
+                f"got {array.dtype}"
+            )
+    layout = GdnBackwardLayout.from_inputs(arrays["q"], arrays["g"], arrays.get("state"))
     for name, what in _SHAPES.items():
-        if name in arrays:
-            _expect_shape(name, arrays[name], layout.input_shape(name), what)
-    n = layout.state_size
-
-    seq_axes = (0, 2, 1, 3)
-    axes = {
-        "g": seq_axes if ga.ndim == 4 else (0, 2, 1),
-        "q": seq_axes,
-        "k": seq_axes,
-        "v": seq_axes,
-        "beta": (0, 2, 1),
-        "state": (0, 1, 2, 3),
-        "dy": seq_axes,
-    }
+        if name in arrays and arrays[name].shape != (want := layout.input_shape(name)):
+            raise ValueError(f"{name} must have shape {what} = {want}, got {arrays[name].shape}")
+    seq_axes, per_channel = (0, 2, 1, 3), arrays["g"].ndim == 4
+    axes = {"g": seq_axes if per_channel else (0, 2, 1), "q": seq_axes, "k": seq_axes}
+    axes |= {"v": seq_axes, "beta": (0, 2, 1), "state": (0, 1, 2, 3), "dy": seq_axes}
     # In this order the plain loop converts them, and so names the first bad one.
     order = [name for name in axes if name in arrays]
-    done = dict(
-        zip(
-            order,
-            mapped(
-                lambda name: _converted(name, arrays[name], compute, axes[name], finite),
-                order,
-                threads,
-            ),
-            strict=True,
-        )
+    converted = mapped(
+        lambda name: _converted(name, arrays[name], compute, axes[name], finite), order, threads
     )
-    gate = done["g"] if ga.ndim == 4 else done["g"][..., None]
+    done = dict(zip(order, converted, strict=True))
+    n = layout.state_size
     return Inputs(
         q=done["q"],
         k=done["k"],
         v=done["v"],
-        g=gate,
+        g=done["g"] if per_channel else done["g"][..., None],
         beta=done["beta"],
         state=done.get("state"),
         dy=done.get("dy"),
@@ -151,44 +109,23 @@ def validate(
 
 def part_inputs(x: Inputs, batch: slice, heads: slice) -> Inputs:
     """The inputs of the batch elements ``batch`` and heads ``heads``, as views."""
-    b = len(range(*batch.indices(x.q.shape[0])))
-    h = len(range(*heads.indices(x.q.shape[1])))
-    layout = GdnBackwardLayout(
-        b,
-        x.layout.seq,
-        h,
-        x.layout.state_size,
-        gate_per_channel=x.layout.gate_per_channel,
-        carry_state=x.layout.carry_state,
-    )
-    return Inputs(
-        q=x.q[batch, heads],
-        k=x.k[batch, heads],
-        v=x.v[batch, heads],
-        g=x.g[batch, heads],
-        beta=x.beta[batch, heads],
-        state=None if x.state is None else x.state[batch, heads],
-        dy=None if x.dy is None else x.dy[batch, heads],
-        layout=layout,
-        scale=x.scale,
-    )
+    parts: Any = zip(x._fields[:7], x, strict=False)
+    views: dict[str, Any] = {f: None if a is None else a[batch, heads] for f, a in parts}
+    b, h = views["q"].shape[:2]
+    return x._replace(**views, layout=dataclasses.replace(x.layout, batch=b, heads=h))
 
 
 def part_grads(grads: GdnGrads, batch: slice, heads: slice) -> GdnGrads:
     """The gradients of the batch elements ``batch`` and heads ``heads``, as views."""
-    return GdnGrads(
-        grads.dq[batch, :, heads],
-        grads.dk[batch, :, heads],
-        grads.dv[batch, :, heads],
-        grads.dg[batch, :, heads],
-        grads.dbeta[batch, :, heads],
-        None if grads.dstate is None else grads.dstate[batch, heads],
+    parts: Any = zip(grads._fields[:5], grads, strict=False)
+    views: dict[str, Any] = {f: grad[batch, :, heads] for f, grad in parts}
+    return grads._replace(
+        **views, dstate=None if grads.dstate is None else grads.dstate[batch, heads]
     )
 
 
 def check_result(func: str, name: str, array: _Array) -> None:
-    """Refuse to hand back a non-finite result: from finite inputs it means the recurrence
-    itself blew up, which happens when the inputs are outside the op's regime."""
+    """Refuse a non-finite result: from finite inputs the recurrence itself blew up."""
     finite = np.isfinite(array)
     if not finite.all():
         index = tuple(int(i) for i in np.argwhere(~finite)[0])

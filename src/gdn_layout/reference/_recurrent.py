@@ -1,21 +1,12 @@
 """The recurrence one step at a time, vectorised over batch and heads: the spec's own form.
 
-Every step is the same NumPy operations, in the same order, on the same values as the spec
-written out plainly (``state *= exp(g)``, ``m = k @ state``, ``state += outer(k, u)``, ...):
-the results are those of that plain form bit for bit. What differs is where they go: into
-buffers allocated once, with the decay factors of a whole interval taken in one call, and
-``m``, ``v - m`` and ``u`` kept from the backward's recomputation of an interval instead of
-formed again.
+Each step is the spec's NumPy operations in its order, bit for bit, into buffers allocated
+once. An outer product is the matrix product ``[a, 0] @ [b; 0]`` (each element one rounded
+product plus ``0 * 0``, several times faster than broadcasting); it differs only in the sign of
+a zero product, so it is taken only where no factor is below ``2**-62``.
 
-:func:`step_gradients` runs the same steps on the op's inputs read another way (a
-:class:`Variant`: the decay given as is, a per-channel decay on value columns, a cotangent on
-the final state): what a misread kernel computes. The op's own path takes none of it.
-
-An outer product ``outer(a, b)`` is a matrix product of ``[a, 0]`` (``N x 2``) with
-``[b; 0]`` (``2 x N``): each element is the one product ``a_i * b_j``, rounded once, plus
-``0 * 0``, as exact as broadcasting and several times faster for NumPy. The two differ only
-where a product is zero (the sign of a zero); so it is taken only where no element of ``a``
-or ``b`` is below ``2**-62`` in size, where no product of two of them can be zero.
+:func:`step_gradients` and :func:`step_ends` run the same steps on the op read otherwise
+(:class:`Variant`): what a misread kernel computes.
 """
 
 from __future__ import annotations
@@ -40,11 +31,8 @@ _SPAN = 256
 
 
 class Boundaries(NamedTuple):
-    """Where a backward records the states at the boundaries of its intervals (or stacks).
-
-    ``h`` is ``[B, K, H, N, N]`` for ``K`` intervals: the state entering each; ``dh`` the same
-    shape: the cotangent of that state, from the steps at and after its interval's start (or
-    None: not kept); ``final`` is ``[B, H, N, N]``: the state after the last step.
+    """The states a backward records at its intervals' (or stacks') starts: ``h`` ``[B, K, H, N,
+    N]`` entering each, ``dh`` their cotangents (None: not kept), ``final`` ``[B, H, N, N]``.
     """
 
     h: _Array
@@ -58,12 +46,9 @@ class Boundaries(NamedTuple):
 
 
 class Variant(NamedTuple):
-    """How a step-by-step run reads the op otherwise; the defaults are the op.
-
-    ``decay``: the gate input holds the decay factors themselves, not log-gates, and its
-    gradient is theirs. ``columns``: a per-channel decay scales the state's value columns, not
-    its key rows. ``cotangent``: ``[B, H, N, N]``, a cotangent on the final state, where the
-    backward sweep starts.
+    """The op read otherwise; the defaults are the op. ``decay``: the gate input holds decay factors
+    (and ``dg`` is theirs); ``columns``: a per-channel decay scales value columns; ``cotangent``
+    ``[B, H, N, N]``: one on the final state.
     """
 
     decay: bool = False
@@ -88,8 +73,7 @@ def _clear_of_zero(a: _Array, scratch: _Array | None = None) -> bool:
 
 
 def _padded(a: _Array, axis: int) -> _Array:
-    """``a`` ``[..., N]`` with a zero beside it: ``[..., N, 2]`` (``axis=-1``, columns) or
-    ``[..., 2, N]`` (``axis=-2``, rows), ``a`` first."""
+    """``a`` ``[..., N]`` beside zeros: ``[..., N, 2]`` (``axis=-1``) or ``[..., 2, N]``."""
     out = np.zeros((*a.shape, 2) if axis == -1 else (*a.shape[:-1], 2, a.shape[-1]), a.dtype)
     if axis == -1:
         out[..., 0] = a
@@ -155,8 +139,9 @@ class _Stepper:
         r: _Array | None = None,
         u_rows: _Array | None = None,
     ) -> None:
-        """``state = S_t`` from ``prev = S_{t-1}`` (the same array for an update in place);
-        ``m``, ``r = v - m`` and ``u`` (row 0 of ``u_rows``) go to the buffers given."""
+        """``state = S_t`` from ``prev = S_{t-1}`` (may be the same array); ``m``, ``r = v - m``
+        and ``u`` (row 0 of ``u_rows``) go to the buffers given.
+        """
         x, i = self.x, t - span.t0
         m = self.m if m is None else m
         r = self.r if r is None else r
@@ -183,14 +168,9 @@ def forward_steps(
     t1: int,
     *,
     y: _Array | None = None,
-    states: _Array | None = None,
     stepper: _Stepper | None = None,
 ) -> None:
-    """Advance ``state`` in place through steps ``t0 .. t1-1``.
-
-    Writes ``y[:, t]`` when ``y`` is given and ``states[t - t0 + 1]`` (the state after step
-    ``t``) when ``states`` is given.
-    """
+    """Advance ``state`` in place through steps ``t0 .. t1-1``, writing ``y[:, t]`` if given."""
     if t1 <= t0:
         return
     stepper = _Stepper(x) if stepper is None else stepper
@@ -200,8 +180,6 @@ def forward_steps(
             stepper.step(span, t, state, state)
             if y is not None:
                 stepper.output(t, state, y)
-            if states is not None:
-                states[t - t0 + 1] = state
 
 
 def default_checkpoint_every(seq: int) -> int:
@@ -228,13 +206,9 @@ def backward(
     y: _Array | None = None,
     variant: Variant = _OP,
 ) -> None:
-    """The spec's backward, step by step, from checkpoints taken every ``every`` steps.
-
-    With ``record``, the checkpoints are kept in ``record.h``, and the state's cotangent at
-    each checkpoint and the final state are written to ``record``. With ``y`` ``[B, S, H,
-    N]``, the forward sweep writes the outputs there too: the steps are the forward's own, so
-    ``y`` is :func:`forward_steps`' bit for bit, whatever ``every``. ``variant``: the op read
-    otherwise (:class:`Variant`).
+    """The spec's backward, from checkpoints every ``every`` steps; with ``record`` they are kept
+    there (:class:`Boundaries`); with ``y`` the forward sweep writes the outputs, bit for bit
+    :func:`forward_steps`' whatever ``every``.
     """
     assert x.dy is not None
     b, h, s, n = x.q.shape
@@ -282,22 +256,12 @@ def step_gradients(
     checkpoint_every: int | None = None,
     record: Boundaries | None = None,
 ) -> GdnGrads:
-    """The step-by-step backward of the op read otherwise, in the op's shapes.
+    """The step-by-step backward of the op read otherwise (:class:`Variant`), in the op's shapes.
 
-    With the defaults it is ``backward(..., method="recurrent")`` unpacked, bit for bit.
-    ``decay`` ``[B, S, H]`` or ``[B, S, H, N]``, given instead of ``g`` (None then): the
-    decay factors themselves, any sign, in place of ``exp(g)``; ``dg`` is then their
-    gradient. ``columns``: a per-channel decay scales the state's value columns instead of its
-    key rows (a per-head one scales both alike). ``cotangent`` ``[B, H, N, N]``: a cotangent
-    on the final state, where the backward sweep starts. ``dstate`` is always given, that of
-    a zero initial state when ``state`` is None. ``record``: the checkpoints, their
-    cotangents and the final state are written there (:func:`backward`).
+    With the defaults it is ``backward(..., method="recurrent")`` unpacked, bit for bit. ``decay``,
+    given instead of ``g``: the decay factors themselves, any sign. ``dstate`` is always given
+    (for a zero initial state when ``state`` is None); nothing is checked finite.
 
-    Nothing is checked finite: where a reading's recurrence overflows, its values are not
-    finite.
-
-    Examples
-    --------
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
     >>> q, k, v, dy = (rng.standard_normal((1, 6, 2, 4)) for _ in range(4))
@@ -335,8 +299,7 @@ def _read(
     cotangent: ArrayLike | None,
     dtype: DTypeLike,
 ) -> tuple[Inputs, Variant]:
-    """The inputs of a run of the op read otherwise (``func``'s), a zero initial state where
-    none is given, and what is read otherwise."""
+    """The inputs of ``func``'s run of the op read otherwise; a zero state where none is given."""
     if (g is None) == (decay is None):
         raise ValueError(f"{func}: give the log-gate g or the decay, not both")
     gate = decay if g is None else g
@@ -352,9 +315,9 @@ def _read(
 
 
 class Part(NamedTuple):
-    """Steps ``t0 .. t1-1`` of a run made apart (:func:`step_parts`): ``entering`` the state
-    before step ``t0`` (None: no state is stepped), ``leaving`` the cotangent of the state
-    after step ``t1-1`` from the steps after it (None: no sweep)."""
+    """Steps ``t0 .. t1-1`` run apart (:func:`step_ends`), from the state ``entering`` them (None:
+    none stepped) and the cotangent ``leaving`` them (None: no sweep).
+    """
 
     t0: int
     t1: int
@@ -378,18 +341,11 @@ def step_ends(
     steps: int = 16,
     parts: Sequence[Part] = (),
 ) -> GdnGrads:
-    """Of :func:`step_gradients` with the same arguments, ``dq`` on the first ``steps`` steps
-    and ``dv`` on the last ``steps``, every other value NaN: the same steps on the same values,
-    equal to its values (a zero may differ in sign: where an outer product is formed, the
-    module docstring). The first steps read the initial state alone and the last the final
-    cotangent alone: twice ``steps`` steps' work, not the sequence's.
+    """:func:`step_gradients`' ``dq`` on the first ``steps`` steps and ``dv`` on the last, NaN
+    elsewhere, from twice ``steps`` steps' work; its values (but the sign of a zero). ``parts``
+    (:class:`Part`) run more steps apart: ``dq`` from an entering state, ``dv`` from a leaving
+    cotangent, every gradient but ``dstate`` from both.
 
-    ``parts`` (:class:`Part`) run more steps apart: from a state entering them, ``dq``; from
-    a cotangent leaving them, ``dv``; from both, every gradient of those steps but
-    ``dstate``. Given the run's own state and cotangent there, they are its values too.
-
-    Examples
-    --------
     >>> import numpy as np
     >>> rng = np.random.default_rng(0)
     >>> q, k, v, dy = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))
@@ -427,8 +383,7 @@ def step_ends(
 
 
 class _Backward:
-    """The backward sweep's buffers and steps; ``d_state`` is the gradient reaching ``S_t``
-    from later steps."""
+    """The backward sweep's buffers and steps; ``d_state`` reaches ``S_t`` from later steps."""
 
     def __init__(self, x: Inputs, grads: GdnGrads, every: int, stepper: _Stepper) -> None:
         b, h, _, n = x.q.shape
@@ -476,8 +431,7 @@ class _Backward:
         return span
 
     def sweep(self, span: _Interval, t0: int, t1: int, full: bool = True) -> None:
-        """The backward through steps ``t1-1 .. t0``; unless ``full``, its cotangent alone
-        (dv, and ``d_state`` as the full sweep has it: no state is read)."""
+        """The backward through steps ``t1-1 .. t0``; unless ``full``, only dv and ``d_state``."""
         x = self.x
         dy = self.dy[:, :, t0:t1]
         c_q = x.scale * x.q[:, :, t0:t1]  # c * q[t], as the spec's c * q[t] * dy[t] rounds it

@@ -1,13 +1,5 @@
-"""The states at chunk boundaries and their cotangents: the parts a chunked kernel is built of.
-
-A chunked kernel computes the state entering each chunk (``h``) in its forward and the
-cotangent of that state (``dh``) in its backward; comparing them one by one says which part of
-a kernel is wrong when its gradient is wrong everywhere. They come from the reference's own
-backward, run with its intervals (or stacks) set to the chunk: its forward sweep already keeps
-the state entering each, and its backward sweep carries the state's cotangent through them.
-
-The same run of the step-by-step form gives everything a fixture measures its precision floors
-with (:func:`step_by_step`): the gradients, and from its forward sweep ``y`` and the states.
+"""The states at chunk boundaries and their cotangents (:func:`chunk_states`), and everything
+one step-by-step run gives for a fixture's floors (:func:`step_by_step`).
 """
 
 from __future__ import annotations
@@ -47,39 +39,30 @@ def chunk_states(
     q, k, v, g, beta, dy, state : array_like
         As :func:`backward`.
     chunk : int
-        The chunk length: chunk ``c`` holds steps ``c*chunk`` to ``(c+1)*chunk - 1`` (the
-        last one may be shorter).
+        The chunk length: chunk ``c`` holds steps ``c*chunk`` to ``(c+1)*chunk - 1``.
     dtype : {float64, float32}
-        The computation dtype, and that of the results. As in :func:`backward`, the chunked
-        form's backward sweep computes in float64 whatever it is, from the float32 states:
-        ``dh`` in float32 is the float64 cotangent rounded once.
+        The computation dtype, and that of the results (``dh`` of the chunked form is its
+        float64 cotangent rounded once).
     method : {"chunked", "recurrent"}
-        As in :func:`backward`: ``"recurrent"`` is the spec's step-by-step form throughout,
-        in ``dtype`` (what the precision floors of states are measured with).
+        As in :func:`backward`.
     workers : int or None
-        How many threads share the work, as in :func:`backward`: 1 (the default) computes
-        in the calling thread, None takes one per core this process may use; each takes a
-        group of batch elements and heads. The results are the same, bit for bit, for every
-        value.
+        As in :func:`backward`: the results are the same bit for bit.
 
     Returns
     -------
     h : ndarray
-        ``[B, K, H, N, N]`` with ``K = ceil(S / chunk)``: ``h[b, c, h]`` is the state entering
-        chunk ``c`` (before step ``c*chunk``), row ``i`` a key channel, column ``j`` a value
-        channel; ``h[:, 0]`` is the initial state (zeros when ``state`` is None).
+        ``[B, K, H, N, N]``, ``K = ceil(S / chunk)``: the state entering each chunk (row a key
+        channel, column a value channel); ``h[:, 0]`` is the initial state (or zeros).
     dh : ndarray
-        ``[B, K, H, N, N]``: the gradient of ``sum(y * dy)`` with respect to ``h[:, c]``, from
-        the outputs at steps ``c*chunk`` onward. ``dh[:, 0]`` is :func:`backward`'s ``dstate``
-        (defined, as the gradient for a zero initial state, also when none is given).
+        ``[B, K, H, N, N]``: the gradient of ``sum(y * dy)`` with respect to ``h``;
+        ``dh[:, 0]`` is :func:`backward`'s ``dstate`` (also when no state is given).
     final_state : ndarray
-        ``[B, H, N, N]``, the state after the last step (the initial state when ``S = 0``).
+        ``[B, H, N, N]``, the state after the last step.
 
     Raises
     ------
     TypeError, ValueError, FloatingPointError
-        As :func:`backward`; also a TypeError or ValueError for a ``chunk`` that is not a
-        positive integer, or for a bad ``workers``.
+        As :func:`backward`; also for a ``chunk`` that is not a positive integer.
 
     See Also
     --------
@@ -88,15 +71,8 @@ def chunk_states(
 
     Notes
     -----
-    The results are those of :func:`backward` run with ``checkpoint_every=chunk``: its
-    forward sweep keeps the state entering every interval of ``chunk`` steps (returned as
-    ``h``), and its backward sweep, which here skips the gradients of the inputs, steps the
-    state's cotangent back and records it at every interval's entry. Memory is ``h`` and
-    ``dh`` plus the backward's own working set (no state is kept between boundaries), and time
-    0.4 to 0.65 of the backward's at S = 4096, H = 8, N = 64 with ``chunk=64``. Where the
-    default method takes the step-by-step form (``N = 1``, or a step with ``beta |k|^2 > 2``),
-    so does this, at the backward's cost: that form forms the gradients of the inputs too,
-    into a scratch buffer.
+    The results are :func:`backward`'s run with ``checkpoint_every=chunk``, its backward sweep
+    skipping the inputs' gradients where the chunked form is taken.
 
     Examples
     --------
@@ -165,17 +141,11 @@ def step_by_step(
     dtype: DTypeLike = np.float32,
     workers: int | None = 1,
 ) -> tuple[_Array, dict[str, _Array]]:
-    """Everything the step-by-step form gives, from one run of its backward.
+    """The packed gradients and ``{"y", "final_state", "h", "dh"}`` of one step-by-step run.
 
-    Returns the packed gradients and a dict of ``y``; of ``final_state`` when ``state`` or
-    ``chunk`` is given; and of ``h`` and ``dh`` with ``chunk``. Each is, bit for bit, what
-    ``backward``, ``forward`` and :func:`chunk_states` give with ``method="recurrent"``: the
-    backward's forward sweep takes the forward's own steps (its checkpoints, at the chunks'
-    boundaries, are ``h``), and a step's values do not depend on where the checkpoints are.
-    One run instead of three is what makes a fixture's floors cheap to measure.
+    ``final_state`` with ``state`` or ``chunk``, ``h`` and ``dh`` with ``chunk``: each bit for bit
+    what ``backward``, ``forward`` and :func:`chunk_states` give with ``method="recurrent"``.
 
-    Examples
-    --------
     >>> import numpy as np
     >>> from gdn_layout.reference import backward, forward
     >>> rng = np.random.default_rng(0)
@@ -230,7 +200,7 @@ def step_by_step(
 
 
 def _nothing() -> None:
-    """No progress to report."""
+    return None
 
 
 def _chunk_length(value: object) -> int:

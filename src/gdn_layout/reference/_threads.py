@@ -1,5 +1,4 @@
-"""Work spread over threads: NumPy releases the GIL in its loops and products, so threads that
-each run a part of the work share the cores."""
+"""Work spread over threads: NumPy releases the GIL in its loops and products."""
 
 from __future__ import annotations
 
@@ -17,10 +16,9 @@ _R = TypeVar("_R")
 
 
 def mapped(func: Callable[[_T], _R], items: Iterable[_T], threads: int) -> list[_R]:
-    """``[func(item) for item in items]``, on up to ``threads`` threads.
-
-    Each item's result is what the plain loop gives; when some calls raise, the exception is
-    the one the plain loop would have raised first (that of the earliest item)."""
+    """``[func(item) for item in items]`` on up to ``threads`` threads, raising what the plain loop
+    would raise first.
+    """
     items = list(items)
     if threads <= 1 or len(items) <= 1:
         return [func(item) for item in items]
@@ -30,8 +28,8 @@ def mapped(func: Callable[[_T], _R], items: Iterable[_T], threads: int) -> list[
 
 
 def resolve_workers(value: object, func: str) -> int:
-    """The number of threads ``workers=value`` asks ``func`` for: a positive integer as
-    given, or for None the cores this process may use.
+    """The number of threads ``workers=value`` asks ``func`` for: a positive integer as given,
+    or for None the cores this process may use.
 
     See Also
     --------
@@ -42,8 +40,6 @@ def resolve_workers(value: object, func: str) -> int:
     --------
     >>> resolve_workers(3, "backward")
     3
-    >>> resolve_workers(None, "backward") >= 1
-    True
     """
     if value is None:
         try:
@@ -54,9 +50,9 @@ def resolve_workers(value: object, func: str) -> int:
 
 
 def groups(batch: int, heads: int, count: int) -> list[tuple[slice, slice]]:
-    """At most ``count`` groups of batch elements and heads, ``(batch, heads)`` slices that
-    cover every pair once: whole batch elements while there are enough of them, else each
-    batch element's heads in ranges."""
+    """At most ``count`` ``(batch, heads)`` slices covering every pair once: whole batch elements
+    while there are enough, else each one's heads in ranges.
+    """
     count = max(1, min(count, batch * heads))
     if count == 1 or batch == 0 or heads == 0:
         return [(slice(0, batch), slice(0, heads))]
