@@ -640,7 +640,7 @@ def matmul_gflops(dtype: str, size: int = 512, repeats: int = 30) -> float:
 def fixture_worker(config: Config) -> dict[str, Any]:
     """Time ``make_fixture`` and its parts against the float64 backward (the truth)."""
     from gdn_layout import reference
-    from gdn_layout._floors import CHUNKED_RUNS, measure_floors
+    from gdn_layout._floors import CHUNKED_RUNS, ROUNDINGS, _measure, _named
     from gdn_layout.generate import draw_inputs, make_fixture
     from gdn_layout.reference._fused import fused_backward
     from gdn_layout.reference._states import step_by_step
@@ -662,7 +662,9 @@ def fixture_worker(config: Config) -> dict[str, Any]:
     q, k, v, g, beta, _dy, state = wide
     _, times["forward"] = timed(lambda: reference.forward(q, k, v, g, beta, state))
     (low, _), times["step by step"] = timed(lambda: step_by_step(*x))
-    _, times["floors"] = timed(lambda: measure_floors(low, packed, layout))
+    low_named, truth_named = _named(low, {}, layout), _named(packed, {}, layout)
+    wanted = {"step-by-step": set(ROUNDINGS)}
+    _, times["floors"] = timed(lambda: _measure({"step-by-step": low_named}, truth_named, wanted))
     for form in ("chunked", "chunked-tf32"):  # a float32 fixture's chunked runs
         _, times[form] = timed(lambda: fused_backward(*x, bits=CHUNKED_RUNS[form]))  # noqa: B023
     _, times["fixture"] = timed(lambda: make_fixture(layout))  # float32's floors
@@ -674,20 +676,23 @@ def fixture_worker(config: Config) -> dict[str, Any]:
 
 def sampled_margin(shapes: list[tuple[int, int, int, int]], seed: int = 3) -> tuple[float, float]:
     """What the floors' step-by-step form on a sample of rows and heads
-    (``generate.sampled_pairs``, ``_floors.Sample``) does to the floors of every class: for
+    (``_floors.sampled_pairs``, ``_floors.Sample``) does to the floors of every class: for
     every shape, gate regime and mode, tensor and figure, the floors with the sample against
     those of the whole run, from the same runs. The lowest ratio is to be at least 1 (no floor
     lowered); the highest says how far ``_floors.SAMPLE_MARGIN`` raises a floor."""
     from gdn_layout import reference
-    from gdn_layout._floors import CHUNKED_RUNS, PANEL, SAMPLE_MARGIN, Sample, panel_floors
-    from gdn_layout.files import GdnInputs
-    from gdn_layout.generate import (
+    from gdn_layout._floors import (
+        CHUNKED_RUNS,
+        PANEL,
+        SAMPLE_MARGIN,
+        Sample,
         _named,
         _picked,
-        draw_inputs,
-        reference_outputs,
+        panel_floors,
         sampled_pairs,
     )
+    from gdn_layout.files import GdnInputs
+    from gdn_layout.generate import draw_inputs, reference_outputs
     from gdn_layout.reference._fused import fused_backward
     from gdn_layout.reference._states import step_by_step
     from gdn_layout.regimes import REGIMES

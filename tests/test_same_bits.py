@@ -1,10 +1,9 @@
-"""The fast step-by-step form and floors compute exactly what their plain forms compute.
+"""The fast step-by-step form computes exactly what its plain form computes.
 
 Fixtures keep floors measured from the float32 step-by-step form, so its every bit matters:
 here it is checked against the spec written out plainly, one NumPy expression per line (the
 form it replaced), on inputs that reach the outer product's exact-zero fallback (``beta`` of 0,
-keys with zero channels, subnormal values); and the floors against ``_figures`` of the rounded
-buffer, the plain definition.
+keys with zero channels, subnormal values).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from hypothesis import strategies as st
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout._floors import ROUNDINGS, _figures, measure_floors, round_to
 from gdn_layout.reference import backward, chunk_states, forward
 from gdn_layout.reference._states import step_by_step
 
@@ -199,56 +197,3 @@ def test_the_recurrent_forward_is_the_plain_spec(per_channel: bool) -> None:
         want = 0.25 * np.matmul(q[:, t, :, None, :], s_)[..., 0, :]
         assert y[:, t].tobytes() == want.tobytes(), t
     assert final.tobytes() == s_.tobytes()
-
-
-def _plain_floors(
-    low: NDArray[np.float32], truth: NDArray[np.float64], layout: GdnBackwardLayout
-) -> dict[str, dict[str, tuple[float, float]]]:
-    floors: dict[str, dict[str, tuple[float, float]]] = {}
-    for name in ROUNDINGS:
-        rounded = round_to(low, name).astype(np.float64)
-        floors[name] = {
-            seg.name: _figures(
-                rounded[seg.offset : seg.offset + seg.length],
-                truth[seg.offset : seg.offset + seg.length],
-            )
-            for seg in layout.segments()
-        }
-    return floors
-
-
-@settings(max_examples=40, deadline=None)
-@given(layout=st.from_type(GdnBackwardLayout), seed=st.integers(0, 2**16))
-def test_floors_are_the_plain_figures_of_the_rounded_buffer(
-    layout: GdnBackwardLayout, seed: int
-) -> None:
-    rng = np.random.default_rng(seed)
-    size = layout.total_elems
-    truth = rng.standard_normal(size) * np.exp(rng.standard_normal(size) * 6)
-    truth[rng.random(size) < 0.2] = 0.0
-    low = (truth * (1 + rng.standard_normal(size) * 1e-6)).astype(np.float32)
-    low[rng.random(size) < 0.1] = 0.0
-    if seed % 3 == 0:
-        truth[: size // 2] = 0.0  # gradients whose truth is all zero
-    with np.errstate(over="ignore"):
-        assert measure_floors(low, truth, layout) == _plain_floors(low, truth, layout)
-
-
-def test_floors_span_several_blocks() -> None:
-    layout = GdnBackwardLayout(1, 300, 4, 64, carry_state=True)  # segments past one block
-    rng = np.random.default_rng(3)
-    truth = rng.standard_normal(layout.total_elems)
-    low = (truth + rng.standard_normal(truth.size) * 1e-7).astype(np.float32)
-    assert measure_floors(low, truth, layout) == _plain_floors(low, truth, layout)
-
-
-def test_bfloat16_rounding_matches_the_wide_integer_form() -> None:
-    # Every class of float32 bits: both signs, subnormals, infinities, NaNs, ties.
-    bits = np.arange(0, 2**32, 65_521, dtype=np.uint64)
-    bits = np.concatenate((bits, [0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0xFFFFFFFF]))
-    values = bits.astype(np.uint32).view(np.float32)
-    wide = values.view(np.uint32).astype(np.uint64)
-    wide = (wide + np.uint64(0x7FFF) + ((wide >> np.uint64(16)) & np.uint64(1))) & np.uint64(
-        0xFFFF0000
-    )
-    assert round_to(values, "bfloat16").view(np.uint32).tolist() == wide.astype(np.uint32).tolist()
