@@ -243,15 +243,6 @@ def test_available_memory_falls_back_without_meminfo(monkeypatch: pytest.MonkeyP
         assert found is None
 
 
-@pytest.mark.parametrize("chunk", [1, 16, 100])
-def test_the_chunk_states_are_counted(chunk: int) -> None:
-    # h and dh, [B, K, H, N, N] with K = ceil(S / chunk), in float64 and as stored, at least.
-    layout = GdnBackwardLayout(1, 4096, 4, 64)
-    count = -(-layout.seq // chunk)
-    states = 2 * layout.batch * count * layout.heads * layout.state_size**2
-    assert fixture_memory(layout, states=chunk) >= fixture_memory(layout) + states * (8 + 4)
-
-
 @given(
     st.from_type(GdnBackwardLayout),
     st.sampled_from([None, 1, 3, 64]),
