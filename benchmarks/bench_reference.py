@@ -74,20 +74,23 @@ def fixture_time(shape: tuple[int, int, int, int], repeats: int) -> None:
 
 def sampled_margin(shapes: list[tuple[int, int, int, int]], seed: int = 3) -> tuple[float, float]:
     """What the floors' step-by-step form on a sample of rows and heads
-    (``generate.sampled_pairs``, ``_floors.Sample``) does to the floors of every class: for
+    (``_floors.sampled_pairs``, ``_floors.Sample``) does to the floors of every class: for
     every shape, gate regime and mode, tensor and figure, the floors with the sample against
     those of the whole run, from the same runs. The lowest ratio is to be at least 1 (no floor
     lowered); the highest says how far ``_floors.SAMPLE_MARGIN`` raises a floor."""
     from gdn_layout import reference
-    from gdn_layout._floors import CHUNKED_RUNS, PANEL, SAMPLE_MARGIN, Sample, panel_floors
-    from gdn_layout.files import GdnInputs
-    from gdn_layout.generate import (
+    from gdn_layout._floors import (
+        CHUNKED_RUNS,
+        PANEL,
+        SAMPLE_MARGIN,
+        Sample,
         _named,
         _picked,
-        draw_inputs,
-        reference_outputs,
+        panel_floors,
         sampled_pairs,
     )
+    from gdn_layout.files import GdnInputs
+    from gdn_layout.generate import draw_inputs, reference_outputs
     from gdn_layout.reference._fused import fused_backward
     from gdn_layout.reference._states import step_by_step
     from gdn_layout.regimes import REGIMES

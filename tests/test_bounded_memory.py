@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +16,7 @@ import numpy as np
 import pytest
 
 from gdn_layout import GdnBackwardLayout, make_fixture, unpack
-from gdn_layout._dtypes import PRECISIONS
-from gdn_layout.check import Criterion, compare
-from gdn_layout.check._criterion import Scores
-from gdn_layout.check._findings import MAX_WHOLE_ELEMENTS, buffer_findings, grad_findings
+from gdn_layout.check import compare
 from gdn_layout.files import Fixture, save_fixture
 
 MiB = 1 << 20
@@ -146,48 +142,6 @@ def test_a_binned_map_keeps_the_largest_error_of_each_block(
     assert grad.error_map[2, 7] == 3.0
     assert grad.error_map[5, 0] == np.inf
     assert np.count_nonzero(grad.error_map) == 2
-
-
-@pytest.mark.slow
-def test_buffer_findings_hold_a_few_copies_of_one_segment_not_of_the_buffer() -> None:
-    """The layout finding reads a segment at a time in float64 ("a few float64 copies of the
-    region"); the whole buffer in float64 would be 25 MiB on top."""
-    layout = GdnBackwardLayout(4, 512, 8, 64, carry_state=True)
-    expected = np.random.default_rng(0).standard_normal(layout.total_elems).astype(np.float32)
-    actual = expected.copy()
-    unpack(actual, layout).dq[...] = unpack(expected, layout).dq[:, ::-1]
-    e = unpack(expected, layout)
-    criteria = {n: Criterion.calibrated(None, "float32", n, getattr(e, n)) for n in layout.names}
-    segment = max(seg.length for seg in layout.segments()) * 8
-    tracemalloc.start()
-    try:
-        buffer_findings(actual, expected, layout, Scores(criteria, None, PRECISIONS["float32"]))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert layout.total_elems * 8 > 3 * segment  # a whole copy would show
-    assert peak <= 6 * segment, (peak / MiB, segment / MiB)
-
-
-@pytest.mark.slow
-def test_a_failing_gradient_s_findings_hold_copies_of_its_region_not_of_it() -> None:
-    """grad_findings reads the expected gradient a block at a time and holds float64 copies of
-    at most MAX_WHOLE_ELEMENTS of it: never the whole gradient in float64."""
-    layout = GdnBackwardLayout(8, 8192, 8, 128)
-    shape = layout.shape("dq")
-    expected = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
-    actual = 2 * expected
-    region = MAX_WHOLE_ELEMENTS * 8
-    assert expected.size * 8 > 6 * region  # a whole float64 copy would show
-    criterion = Criterion.calibrated(None, "float32", "dq", expected)
-    tracemalloc.start()
-    try:
-        found = grad_findings("dq", actual, expected, layout, lambda n, a, e: criterion.score(a, e))
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
-    assert [f.kind for f in found] == ["scale"]
-    assert peak <= 6 * region, (peak / MiB, region / MiB)  # measured: 5 copies (10 before)
 
 
 @pytest.mark.slow

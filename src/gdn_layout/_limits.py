@@ -1,25 +1,85 @@
-"""What a layout asks of the machine: whether its arrays can exist, and whether the memory its
-fixture needs (:func:`gdn_layout.generate.fixture_memory`) is available."""
+"""What a layout asks of the machine: whether its arrays can exist, the memory its fixture
+needs (:func:`fixture_memory`), and whether that is available (docs/memory.md)."""
 
 from __future__ import annotations
 
 import os
+from typing import Final
 
-from ._checks import array_can_exist
+import numpy as np
+from numpy.typing import DTypeLike
+
+from ._checks import array_can_exist, integer, not_a_layout
+from ._floors import PANEL, precisions_of
 from .layout import GdnBackwardLayout, layout_caption
+from .reference._chunked import chunk_length
+from .reference._fused import FUSED_CHUNK, KEEP_BYTES
+from .reference._threads import resolve_workers
 
 __all__ = [
     "available_memory",
+    "fixture_memory",
     "human_bytes",
     "impossible_arrays",
     "memory_refusal",
 ]
 
+#: What a first run imports and sets up, and the Python objects of one chunk of the runs.
+_FIRST_RUN: Final = 4 << 20
+_PER_CHUNK: Final = 16 << 10
 
-#: Where this process's cgroup (v2) is named, and where cgroups are mounted; module
-#: attributes so that tests can point them at files of their own.
-PROC_CGROUP = "/proc/self/cgroup"
-CGROUP_ROOT = "/sys/fs/cgroup"
+
+def fixture_memory(
+    layout: GdnBackwardLayout,
+    *,
+    dtype: DTypeLike = np.float32,
+    states: int | None = None,
+    precisions: tuple[str, ...] | str | None = None,
+    workers: int | None = 1,
+) -> int:
+    """The peak memory, in bytes, of :func:`~gdn_layout.make_fixture` of ``layout`` with these
+    arguments and :func:`~gdn_layout.save_fixture` of the result, within 2x: the arrays the
+    largest phase holds, from the shapes (the inputs and results in float64 and as stored,
+    a state at every chunk boundary, the floors' float32 runs; see docs/memory.md).
+
+    >>> layout = GdnBackwardLayout(1, 4096, 4, 64)
+    >>> fixture_memory(layout, states=1) > fixture_memory(layout) > layout.nbytes(np.float64)
+    True
+    """
+    from .files._fixture import resolve_dtype  # files imports this module
+
+    if not isinstance(layout, GdnBackwardLayout):
+        raise not_a_layout(layout, "fixture_memory")
+    if states is not None:
+        states = integer(states, "fixture_memory: states", least=1, or_none=True)
+    resolved = resolve_dtype(dtype, "fixture_memory")
+    stored = resolved.itemsize
+    forms = {form for c in precisions_of(resolved, precisions) for form, _ in PANEL[c]}
+    threads = resolve_workers(workers, "fixture_memory")
+    b, s, h, n = layout.batch, layout.seq, layout.heads, layout.state_size
+    state, qkv = b * h * n * n, layout.qkv_elems
+    inputs = 4 * qkv + layout.gate_elems + layout.beta_elems + layout.state_elems
+    kept = 2 * -(-s // states) * state if states else 0  # h and dh
+    final = state if layout.carry_state or states else 0
+    results = layout.total_elems + qkv + kept + final  # the gradients, y and the states
+    if b * h * n == 0:  # nothing runs: the inputs are drawn, copied and stored, results zero
+        return _FIRST_RUN + inputs * stored + (inputs + results) * 10
+    # The reference keeps a state at every boundary of its chunks (with a per-channel gate,
+    # at every step of a stack) and a per-head gate's decays of each pair of steps of a chunk;
+    # the fused runs a state at every boundary of their chunks of 64 steps and of ``states``,
+    # and a per-channel gate's [B, H, C, C, N] products.
+    length = chunk_length(n)
+    ref_chunks = -(-s // length) + 3 * min(s, length) * layout.gate_per_channel
+    pairs = 0 if layout.gate_per_channel else b * h * s * length
+    truth = (inputs + results + ref_chunks * state + pairs) * 8 + ref_chunks * _PER_CHUNK
+    chunks = -(-s // FUSED_CHUNK) + (-(-s // states) if states else 0)
+    products = 5 * b * h * FUSED_CHUNK**2 * n * layout.gate_per_channel
+    run = (inputs + results + 2 * chunks * state + products) * 4 + chunks * _PER_CHUNK
+    # and the forward's chunks it keeps for the backward, up to KEEP_BYTES
+    per_step = 6 * FUSED_CHUNK + 6 * n + FUSED_CHUNK * n * layout.gate_per_channel
+    run += min(KEEP_BYTES, b * h * s * per_step * 4)
+    runs = run * len(forms) if threads > 1 else run + results * 4  # beside the last's results
+    return _FIRST_RUN + inputs * stored + max(truth, results * 8 + runs)
 
 
 def available_memory() -> tuple[int, str] | None:
@@ -38,9 +98,9 @@ def available_memory() -> tuple[int, str] | None:
 def _cgroup_room() -> int | None:
     """``memory.max - memory.current`` of this process's own cgroup (v2); None without one."""
     try:
-        with open(PROC_CGROUP) as listing:
+        with open("/proc/self/cgroup") as listing:
             path = next(line[3:].strip() for line in listing if line.startswith("0::"))
-        folder = os.path.join(CGROUP_ROOT, path.lstrip("/"))
+        folder = os.path.join("/sys/fs/cgroup", path.lstrip("/"))
         with open(os.path.join(folder, "memory.max")) as limit:
             text = limit.read().strip()
         if text == "max":

@@ -9,8 +9,8 @@ Qwen3-Next, ``-exp(A_log) * softplus(a + dt_bias)``, ``exp(A_log)`` in ``[1, 16]
 ``extreme`` uniform in ``[-30, -10]``, where dividing by cumulative decays overflows.
 
 A new regime is one entry at the end of the table below, with the next revision of the
-standard suite as its ``since`` (:data:`REGIME_SINCE`), and its branch in :func:`draw_gate`:
-the suite then gains every shape in it, numbered and seeded after every file it had.
+standard suite as its ``since``: the suite then gains every shape in it, numbered and seeded
+after every file it had.
 
 >>> import numpy as np
 >>> g = draw_gate(np.random.default_rng(0), (1, 4, 2), "strong")
@@ -20,12 +20,42 @@ True
 
 from __future__ import annotations
 
-from typing import Final, NamedTuple
+from collections.abc import Callable
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 from numpy.typing import NDArray
 
 __all__ = ["REGIMES", "REGIME_SUMMARIES", "draw_gate"]
+
+
+_Draw = Callable[[np.random.Generator, tuple[int, ...]], NDArray[np.float64]]
+
+
+def _uniform(low: float, high: float) -> _Draw:
+    return lambda rng, shape: rng.uniform(low, high, shape)
+
+
+def _mild_strong(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[NDArray[Any], ...]:
+    """A mild and a strong draw, which each of the first four regimes makes (and so keeps
+    ``rng``'s stream after it). The bounds keep the regimes apart after a cast to bfloat16 too:
+    mild never rounds to 0."""
+    return rng.uniform(-0.1, -0.001, shape), rng.uniform(-8.0, -3.0, shape)
+
+
+def _mixed(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
+    mild, strong = _mild_strong(rng, shape)
+    pick = rng.integers(0, 3, shape)
+    return np.select([pick == 1, pick == 2], [mild, strong], 0.0)
+
+
+def _qwen(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float64]:
+    # Per head, broadcast over the batch, the steps and (per channel) the key channels.
+    per_head = shape[2:3] + (1,) * (len(shape) - 3)
+    decay = rng.uniform(1.0, 16.0, per_head)  # exp(A_log)
+    dt_bias = rng.uniform(-1.0, 1.0, per_head)
+    a = rng.standard_normal(shape)
+    return -decay * np.logaddexp(0.0, a + dt_bias)  # softplus(x) = log(1 + exp(x))
 
 
 class _Regime(NamedTuple):
@@ -35,16 +65,21 @@ class _Regime(NamedTuple):
     #: next, ... (the suite's shapes count in the same revisions). A new regime takes the
     #: next revision, above every shape's and regime's, so that its files follow all others.
     since: int
+    draw: _Draw
 
 
 #: Every gate regime, in the standard suite's order.
 _TABLE: Final = {
-    "zero": _Regime("no decay, where state-path bugs show most", since=0),
-    "mild": _Regime("exp(g) near 1", since=0),
-    "strong": _Regime("exp(g) near 0", since=0),
-    "mixed": _Regime("each element one of the three above", since=0),
-    "qwen": _Regime("Qwen3-Next's gates, -exp(A_log)*softplus(a+dt_bias)", since=1),
-    "extreme": _Regime("g in [-30, -10], exp(g) down to 1e-13", since=1),
+    "zero": _Regime(
+        "no decay, where state-path bugs show most",
+        0,
+        lambda r, s: np.zeros_like(_mild_strong(r, s)[0]),
+    ),
+    "mild": _Regime("exp(g) near 1", 0, lambda r, s: _mild_strong(r, s)[0]),
+    "strong": _Regime("exp(g) near 0", 0, lambda r, s: _mild_strong(r, s)[1]),
+    "mixed": _Regime("each element one of the three above", 0, _mixed),
+    "qwen": _Regime("Qwen3-Next's gates, -exp(A_log)*softplus(a+dt_bias)", 1, _qwen),
+    "extreme": _Regime("g in [-30, -10], exp(g) down to 1e-13", 1, _uniform(-30.0, -10.0)),
 }
 #: Each gate regime in a phrase (for help texts), in the standard suite's order.
 REGIME_SUMMARIES: Final = {name: regime.summary for name, regime in _TABLE.items()}
@@ -69,23 +104,4 @@ def draw_gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> 
     """
     if regime not in REGIMES:
         raise ValueError(f"draw_gate: regime must be one of {REGIMES}, got {regime!r}")
-    if regime == "qwen":
-        # Per head, broadcast over the batch, the steps and (per channel) the key channels.
-        per_head = shape[2:3] + (1,) * (len(shape) - 3)
-        decay = rng.uniform(1.0, 16.0, per_head)  # exp(A_log)
-        dt_bias = rng.uniform(-1.0, 1.0, per_head)
-        a = rng.standard_normal(shape)
-        return -decay * np.logaddexp(0.0, a + dt_bias)  # softplus(x) = log(1 + exp(x))
-    if regime == "extreme":
-        return rng.uniform(-30.0, -10.0, shape)
-    # The bounds keep every regime apart after a cast to bfloat16 too: mild never rounds to 0.
-    mild = rng.uniform(-0.1, -0.001, shape)
-    strong = rng.uniform(-8.0, -3.0, shape)
-    if regime == "zero":
-        return np.zeros(shape)
-    if regime == "mild":
-        return mild
-    if regime == "strong":
-        return strong
-    pick = rng.integers(0, 3, shape)
-    return np.select([pick == 1, pick == 2], [mild, strong], 0.0)
+    return _TABLE[regime].draw(rng, shape)
