@@ -687,5 +687,3 @@ def test_the_suite_s_digest_follows_its_definition(monkeypatch: pytest.MonkeyPat
 
 
 # -- the floors' step-by-step form on a sample of rows and heads --------------------------------
-
-
