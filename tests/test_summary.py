@@ -51,28 +51,26 @@ def summary_of(panel: list[tuple[Case, Any]], bug: Bug) -> Summary:
     return summarize(results)
 
 
-def _dstate(when: Callable[[Case], bool]) -> Bug:
+def _scaled(grad: str, by: float, when: Callable[[Case], bool]) -> Bug:
+    """A bug: ``grad`` scaled by ``by`` in the cases ``when`` holds for."""
+
     def bug(case: Case, grads: GdnGrads) -> None:
-        if grads.dstate is not None and when(case):
-            grads.dstate[...] *= 1.5
+        if getattr(grads, grad) is not None and when(case):
+            getattr(grads, grad)[...] *= by
 
     return bug
+
+
+def _dstate(when: Callable[[Case], bool]) -> Bug:
+    return _scaled("dstate", 1.5, when)
 
 
 def _dk(when: Callable[[Case], bool]) -> Bug:
-    def bug(case: Case, grads: GdnGrads) -> None:
-        if when(case):
-            grads.dk[...] *= 0.5
-
-    return bug
+    return _scaled("dk", 0.5, when)
 
 
 def _dq(when: Callable[[Case], bool]) -> Bug:
-    def bug(case: Case, grads: GdnGrads) -> None:
-        if when(case):
-            grads.dq[...] *= 2
-
-    return bug
+    return _scaled("dq", 2, when)
 
 
 def _always(case: Case) -> bool:
@@ -252,24 +250,8 @@ def test_failures_with_structure_get_no_precision_hint(panel: list[tuple[Case, A
     assert "not rounding alone" in str(unexplained)
 
 
-def test_a_case_result_survives_json(panel: list[tuple[Case, Any]]) -> None:
-    case, correct = panel[-1]
-    out = correct.copy()
-    unpack(out, case.layout).dq[...] = np.nan
-    record = case_result(case, case.compare(out))
-    assert not record.passed
-    assert record.failed == ("dq",)
-    text = json.dumps(record.to_dict(), allow_nan=False)
-    back = CaseResult.from_dict(json.loads(text))
-    assert back.failed == record.failed
-    assert back.findings == record.findings
-    assert [g.name for g in back.grads] == [g.name for g in record.grads]
-    assert np.isnan(back.grads[0].rms_ratio)
-    assert str(summarize([back])) == str(summarize([record]))
-
-
 _NAMES = st.text(min_size=1, max_size=8)
-_FIGURES = st.floats(allow_nan=False)
+_FIGURES = st.floats()
 _GRADS = st.builds(
     GradResult,
     name=st.sampled_from(GRADIENT_NAMES),
@@ -300,8 +282,9 @@ _RESULTS = st.builds(
 
 @given(_RESULTS)
 def test_every_case_result_survives_json(record: CaseResult) -> None:
-    text = json.dumps(record.to_dict(), allow_nan=False)
-    assert CaseResult.from_dict(json.loads(text)) == record
+    back = CaseResult.from_dict(json.loads(json.dumps(record.to_dict(), allow_nan=False)))
+    assert str(back) == str(record)  # NaN is not equal to itself: compared as text
+    assert str(summarize([back])) == str(summarize([record]))
 
 
 def test_bad_input_is_named() -> None:
