@@ -295,8 +295,8 @@ def test_gdn_save_keeps_a_failure_s_output_and_picture(pytester: pytest.Pytester
     kept.stdout.fnmatch_lines([f"gdn-layout: failing cases are kept in {pytester.path / 'kept'}"])
     stem = f"test_kernel-test_off-{wrong.removesuffix('.safetensors')}"
     files = sorted(p.name for p in (pytester.path / "kept").iterdir())
-    assert files == [f"{stem}-output.npy", f"{stem}.png"]
-    picture, output = (str(pytester.path / "kept" / name) for name in reversed(files))
+    assert files == [".gdn-layout-kept", f"{stem}-output.npy", f"{stem}.png"]  # and what it kept
+    picture, output = (str(pytester.path / "kept" / name) for name in reversed(files[1:]))
     (words,) = _redraw(kept)
     assert words == ["compare", "--plot", picture, "--force", output, str(folder / wrong)]
     drawn = run(*words)
@@ -314,10 +314,38 @@ def test_gdn_save_says_once_that_it_keeps_no_picture_without_matplotlib(
     result.assert_outcomes(failed=len(REGIMES))
     said = "without pictures: matplotlib is not installed (pip install 'gdn-layout[plot]'"
     assert result.stdout.str().count(said) == 1
-    kept = sorted(p.name for p in (pytester.path / "kept").iterdir())
+    kept = sorted(p.name for p in (pytester.path / "kept").iterdir() if p.name[0] != ".")
     assert len(kept) == 2 * len(REGIMES)
     assert all(name.endswith(("-output.npy", "-fixture.safetensors")) for name in kept)
     assert all(words[2] == "PICTURE.png" for words in _redraw(result))
+
+
+CASE = "b1s3h2n2-channel-state-zero-seed0"
+
+
+def test_gdn_save_never_replaces_a_file_it_did_not_write(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # no pictures: quicker
+    pytester.makepyfile(test_kernel=ONE_WRONG)
+    layout = ("--gdn-layout", "1,3,2,2,channel,state", "--gdn-regime", "zero")
+    args = (*NO_CACHE, *layout, "--gdn-save", "kept")
+    mine = (
+        pytester.path / "kept" / "test_kernel-test_off-b1s3h2n2-channel-state-zero-seed0-output.npy"
+    )
+    mine.parent.mkdir()
+    mine.write_bytes(b"mine")
+    refused = pytester.runpytest_inprocess(*args)
+    refused.assert_outcomes(failed=1)
+    said = f"*nothing more kept in *: {mine} is there already, and gdn-layout did not write it"
+    refused.stdout.fnmatch_lines([said])
+    assert mine.read_bytes() == b"mine"
+    mine.unlink()
+    for _ in range(2):  # its own files: replaced on the next run
+        again = pytester.runpytest_inprocess(*args)
+        again.assert_outcomes(failed=1)
+        assert "nothing more kept" not in again.stdout.str()
+    assert mine.read_bytes() != b"mine"
 
 
 @pytest.mark.slow
@@ -370,6 +398,11 @@ def test_the_settings_come_from_the_configuration_and_the_command_line_wins(
         (["--gdn-layout", "0,1099511627776,1099511627776,2"], "*which no array can have*"),
         (["--gdn-suite", "SUITE", "--gdn-dtype", "bf16"], "*--gdn-dtype bfloat16: the suite *"),
         (["--gdn-suite", "HUGE"], "*gdn-layout: *manifest.json is not JSON*digits*"),
+        (
+            ["--gdn-suite", "EMPTY"],  # a manifest listing no case, as a selection of none
+            "*gdn-layout: --gdn-suite: *: the selection keeps no case; a gdn_case test never "
+            "passes by being skipped",
+        ),
     ],
 )
 def test_a_usage_error_is_one_line(
@@ -389,6 +422,10 @@ def test_a_usage_error_is_one_line(
         )
         huge = str(suite_with_huge_integer(tmp_path / "suite", fixture))
         args = [huge if a == "HUGE" else a for a in args]
+    if "EMPTY" in args:
+        manifest = {"format": "gdn-layout-fixture-suite", "fixtures": []}
+        (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+        args = [str(tmp_path) if a == "EMPTY" else a for a in args]
     pytester.makepyfile(test_kernel=KERNEL_TESTS)
     start = time.perf_counter()
     result = pytester.runpytest(*NO_CACHE, *args)
@@ -557,3 +594,71 @@ def test_the_summary_says_what_failed_across_each_test_s_cases(
     quiet = pytester.runpytest(*NO_CACHE, "--gdn-layout", "1,2,1,2")
     quiet.assert_outcomes(passed=n)
     assert "what failed across the cases" not in quiet.stdout.str()
+
+
+def test_a_selection_of_no_case_of_the_cached_suite_fails(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(FIRST_SHAPE)
+    pytester.makepyfile(test_kernel=CORRECT_KERNEL)
+    result = pytester.runpytest_subprocess("--gdn-min-seq", "100000")
+    assert result.ret == pytest.ExitCode.INTERRUPTED  # an error in collection, not a skip
+    result.stdout.fnmatch_lines(["*the standard suite: the selection keeps no case*"])
+    result.assert_outcomes(errors=1)  # not "1 skipped"
+
+
+def test_the_plugin_loads_where_fcntl_does_not_exist(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernel="def test_one(gdn_case):\n    assert gdn_case.layout.seq == 2")
+    (pytester.path / "blocked.py").write_text(
+        "import sys\nsys.modules['fcntl'] = None  # as on Windows\n"
+        "import pytest\nsys.exit(pytest.main(sys.argv[1:]))\n"
+    )
+    args = ("blocked.py", *NO_CACHE, "--gdn-layout", "1,2,1,2", "test_kernel.py")
+    result = pytester.run(sys.executable, *args)
+    assert result.ret == pytest.ExitCode.OK, result.stderr.str()
+    result.assert_outcomes(passed=len(REGIMES))
+
+
+#: Tests that no comparison decides: each counted as what pytest made of it, a case once.
+VERDICTS = """
+import numpy as np
+import pytest
+from gdn_layout.reference import backward
+
+def test_then_fails(gdn_case):
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+    assert False, "after the check"
+
+def test_skipped(gdn_case):
+    pytest.skip("not this one")
+
+@pytest.mark.xfail(reason="known")
+def test_xfailed(gdn_case):
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32) * 2)
+
+@pytest.mark.parametrize("twice", [1, 2])
+def test_twice(gdn_case, twice):
+    gdn_case.check(backward(*gdn_case.inputs, dtype=np.float32))
+"""
+
+
+def test_the_summary_agrees_with_pytest_s_verdict_of_each_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_kernel=VERDICTS)
+    result = pytester.runpytest(*NO_CACHE, "--gdn-layout", "1,3,1,2")
+    n = len(REGIMES)
+    result.assert_outcomes(failed=n, skipped=n, xfailed=n, passed=2 * n)
+    lines = result.outlines
+    block = lines[next(i for i, line in enumerate(lines) if "what failed across" in line) :]
+
+    def after(head: str) -> str:
+        return block[block.index(head) + 1]
+
+    assert after(
+        f"test_kernel.py::test_then_fails: no comparison failed in {n} case(s)"
+    ).startswith(
+        f"  {n} case(s) raised AssertionError: after the check, after its comparison passed: "
+    )
+    for what in ("skipped", "xfailed"):
+        head = f"test_kernel.py::test_{what}: no comparison was made in {n} case(s)"
+        assert after(head).startswith(f"  {n} case(s) {what}: ")
+    assert any(
+        line.startswith(f"test_kernel.py::test_twice: all {n} cases passed") for line in block
+    )

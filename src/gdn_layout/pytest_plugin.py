@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import json
 import re
@@ -26,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -41,6 +40,10 @@ _CASES = pytest.StashKey[list[Case]]()
 _MAKE = pytest.StashKey[tuple[Callable[[], list[Case]], str]]()
 #: A worker's usage error, reported when its tests are collected.
 _ERROR = pytest.StashKey[str]()
+#: A case's last comparison when its test starts.
+_BEFORE = pytest.StashKey[object]()
+#: Why a selection of no case fails (README.md: a gdn_case test never passes by being skipped).
+_NONE_KEPT = "the selection keeps no case; a gdn_case test never passes by being skipped"
 #: What a run that asks for cases and cannot make the standard suite is told to do instead.
 _INSTEAD = "give --gdn-suite DIR or --gdn-layout B,S,H,N, or --gdn-skip to skip such tests"
 
@@ -148,7 +151,8 @@ def pytest_configure(config: pytest.Config) -> None:
         if suite is not None:
             from .suites import suite_files
 
-            suite_files(suite, **_selection(config))  # its manifest, and the selection
+            if not suite_files(suite, **_selection(config)):  # its manifest, and the selection
+                raise ValueError(f"{suite}: {_NONE_KEPT}")
             _precision(config, ())  # its spelling; its dtype's, once the suite is loaded
             make = functools.partial(_suite_cases, config, suite)
         else:
@@ -262,7 +266,7 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
         root = Path(cache.mkdir("gdn-layout"))
         folder = root / name
         with open(root / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the others wait, then read it
+            _lock(lock)  # one writer; the others wait, then read it
             try:
                 intact = (folder / "manifest.json").exists() and not verify_suite(folder)
             except FixtureError:  # a manifest cut short, say
@@ -283,6 +287,24 @@ def _cached_cases(config: pytest.Config) -> list[Case]:
             pytrace=False,
         )
     return _judged_in(config, cases)
+
+
+def _lock(file: IO[str]) -> None:
+    """Hold an exclusive lock on ``file`` until it is closed. Imported here, not at the top: a
+    plugin that fails to import breaks every pytest run of the environment."""
+    if sys.platform == "win32":
+        import msvcrt
+
+        while True:
+            try:
+                msvcrt.locking(file.fileno(), msvcrt.LK_LOCK, 1)
+                return
+            except OSError:  # LK_LOCK gives up after 10 s: the writer is still at work
+                pass
+    else:
+        import fcntl
+
+        fcntl.flock(file, fcntl.LOCK_EX)
 
 
 def _cache_key(dtype: str) -> str:
@@ -387,6 +409,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if cases is None and not _setting(config, "gdn_skip"):
         # Made here, when a test first asks: pytest-xdist's controller collects nothing.
         cases = config.stash[_CASES] = _cached_cases(config)
+    if cases == []:  # a test parametrized by nothing is skipped: it must not pass so
+        pytest.fail(f"gdn-layout: the standard suite: {_NONE_KEPT}", pytrace=False)
     if cases is not None:
         metafunc.parametrize("gdn_case", cases, ids=[c.name for c in cases], indirect=True)
 
@@ -399,6 +423,7 @@ def gdn_case(request: pytest.FixtureRequest) -> Any:
     if not hasattr(request, "param"):
         pytest.skip("gdn_case is skipped without --gdn-suite DIR or --gdn-layout (--gdn-skip)")
     case: Case = request.param
+    request.node.stash[_BEFORE] = case.last_comparison
     folder = _save_folder(request.config)
     if folder is None:
         return case
@@ -415,67 +440,88 @@ _RESULT = "gdn_case_result"
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    """After a test that takes ``gdn_case``, the result of its last comparison in the
-    report's ``user_properties`` (which pytest-xdist sends on); the case's name alone when the
-    test made none, with the first line of what it raised."""
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A test's report, with a record of its case in ``user_properties`` (which pytest-xdist
+    sends on): what pytest made of the test, and the result of its last comparison when that
+    is what decided it."""
+    report = yield
     case = getattr(item, "funcargs", {}).get("gdn_case")
-    if not isinstance(case, Case):
-        return (yield)
-    before = case.last_comparison
-    raised: Exception | None = None
-    try:
-        return (yield)
-    except Exception as error:  # not a skip or an exit: those are outcomes
-        raised = error
-        raise
-    finally:
-        from .summary import case_result
+    if call.when == "call" and isinstance(case, Case):
+        record = _record(case, item.stash.get(_BEFORE, None), call, report)
+        report.user_properties.append((_RESULT, json.dumps(record, allow_nan=False)))
+    return report
 
-        after = case.last_comparison
-        record: dict[str, Any] = {"name": case.name}
-        if after is not None and after is not before:
-            record = case_result(case, after).to_dict()
-        elif raised is not None:
-            lines = str(raised).strip().splitlines()
-            record["raised"] = f"{type(raised).__name__}: {lines[0] if lines else ''}".strip()
-        item.user_properties.append((_RESULT, json.dumps(record, allow_nan=False)))
+
+def _record(
+    case: Case, before: object, call: pytest.CallInfo[None], report: pytest.TestReport
+) -> dict[str, Any]:
+    """A case's record: its :class:`~gdn_layout.summary.CaseResult` when its comparison
+    decided the test; else its name and what became of it (skipped, xfailed, raised)."""
+    from .summary import case_result
+
+    after = case.last_comparison
+    compared = after is not None and after is not before
+    if hasattr(report, "wasxfail"):
+        return {"name": case.name, "outcome": "xfailed" if report.skipped else "xpassed"}
+    if report.skipped:
+        return {"name": case.name, "outcome": "skipped"}
+    if compared and (report.passed or not after.passed):  # type: ignore[union-attr]
+        return case_result(case, after).to_dict()  # type: ignore[arg-type]
+    if call.excinfo is None:
+        return {"name": case.name}
+    error = call.excinfo.value
+    lines = str(error).strip().splitlines()
+    raised = f"{type(error).__name__}: {lines[0] if lines else ''}".strip()
+    return {"name": case.name, "raised": raised + _AFTER * compared}
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """One block per test function that judged ``gdn_case``: what failed across its cases
-    (:func:`gdn_layout.summary.summarize`), and the cases that raised before a comparison, by
-    what they raised."""
+    (:func:`gdn_layout.summary.summarize`; a case once, however many tests it served), and
+    the cases no comparison decided, by what became of them."""
     from .summary import CaseResult, _names, summarize
 
-    by_test: dict[str, tuple[list[CaseResult], dict[str, list[str]]]] = {}
+    by_test: dict[str, tuple[dict[str, CaseResult], dict[str, set[str]]]] = {}
     for reports in terminalreporter.stats.values():
         for report in reports:
             for key, value in getattr(report, "user_properties", ()):
                 if key != _RESULT or getattr(report, "when", None) != "call":
                     continue
-                results, unjudged = by_test.setdefault(report.nodeid.split("[", 1)[0], ([], {}))
+                results, others = by_test.setdefault(report.nodeid.split("[", 1)[0], ({}, {}))
                 record = json.loads(value)
-                if "grads" in record:
-                    results.append(CaseResult.from_dict(record))
-                else:  # by what it raised ("": nothing)
-                    unjudged.setdefault(record.get("raised", ""), []).append(record["name"])
-    # A test that compared nothing is summarised only where some case raised: a comparison
-    # refused (an output of a coarser class, say) is a verdict on every case.
-    blocks = {test: found for test, found in by_test.items() if found[0] or set(found[1]) - {""}}
+                name = record["name"]
+                if "grads" in record:  # failed if it failed once
+                    if name not in results or results[name].passed:
+                        results[name] = CaseResult.from_dict(record)
+                    continue
+                what = record.get("outcome", "made no comparison")
+                others.setdefault(f"raised {record['raised']}" if "raised" in record else what,
+                                  set()).add(name)  # fmt: skip
+    # A test that compared nothing is summarised only where something became of a case: a
+    # comparison refused (an output of a coarser class, say) is a verdict on every case.
+    blocks = {t: found for t, found in by_test.items() if found[0] or set(found[1]) - {_NONE}}
     if not blocks:
         return
     terminalreporter.write_sep("=", "gdn-layout: what failed across the cases")
-    for test, (results, unjudged) in sorted(blocks.items()):
-        results.sort(key=lambda r: r.name)  # as run, under pytest-xdist: in no fixed order
-        lines = summarize(results, command="pytest").lines() if results else []
-        count = sum(map(len, unjudged.values()))
-        head = lines[0] if lines else f"no comparison was made in {count} case(s)"
-        terminalreporter.write_line(f"{test}: {head}")
-        more, tail = ("more ", ", not counted") if results else ("", "")
-        for error, names in sorted(unjudged.items(), key=lambda item: -len(item[1])):
-            what = f"raised {error}" if error else "made no comparison"
-            shown = _names(sorted(names))
-            terminalreporter.write_line(f"  {len(names)} {more}case(s) {what}{tail}: {shown}")
+    for test, (results, others) in sorted(blocks.items()):
+        for what in (_NONE, "skipped"):  # a case judged in another of its tests
+            others.get(what, set()).difference_update(results)
+        judged = sorted(results.values(), key=lambda r: r.name)  # xdist: in no fixed order
+        lines = summarize(judged, command="pytest").lines() if judged else []
+        count = len(set().union(*others.values()))
+        after = any(what.endswith(_AFTER) for what in others)
+        head = f"no comparison {'failed' if after else 'was made'} in {count} case(s)"
+        terminalreporter.write_line(f"{test}: {lines[0] if lines else head}")
+        more, tail = ("more ", ", not counted") if judged else ("", "")
+        for what, names in sorted(others.items(), key=lambda item: -len(item[1])):
+            if names:
+                shown = _names(sorted(names))
+                terminalreporter.write_line(f"  {len(names)} {more}case(s) {what}{tail}: {shown}")
         for line in lines[1:]:
             terminalreporter.write_line(line)
+
+
+#: What became of a case whose test made no comparison and raised nothing.
+_NONE = "made no comparison"
+#: What a case's record adds when its test raised after its comparison passed.
+_AFTER = ", after its comparison passed"

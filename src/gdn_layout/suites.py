@@ -409,20 +409,25 @@ def _keep(
     case: Case, stem: Path, actual: object, result: Comparison, kept: list[str]
 ) -> tuple[str, str, str | None]:
     """Write the output, the fixture (when it has no file) and the picture next to ``stem``;
-    their paths, each also named in ``kept``."""
+    their paths, each also named in ``kept``. A file of the same name is replaced only if
+    gdn-layout wrote it there and it is unchanged (:data:`_WRITTEN`): FileExistsError
+    otherwise."""
+    ours = _written(stem.parent)
     packed = as_packed(actual, "actual", "check")
     if packed.dtype.kind == "V" or packed.dtype.name == "bfloat16":  # .npy loses bfloat16
-        output = stem.with_name(f"{stem.name}-output.safetensors")
+        output = _free(stem.with_name(f"{stem.name}-output.safetensors"), ours)
         atomic_write(output, lambda out: write_safetensors(out, {"packed": packed}, {}),
                      overwrite=True)  # fmt: skip
     else:
-        output = stem.with_name(f"{stem.name}-output.npy")
+        output = _free(stem.with_name(f"{stem.name}-output.npy"), ours)
         atomic_write(output, lambda out: np.save(out, packed), overwrite=True)
+    _record(output)
     kept.append(f"  kept: {output} (the kernel's packed output)")
     fixture = case.path
     if fixture is None:
-        fixture = save_fixture(stem.with_name(f"{stem.name}-fixture.safetensors"), case.fixture,
-                               overwrite=True)  # fmt: skip
+        fixture = _free(stem.with_name(f"{stem.name}-fixture.safetensors"), ours)
+        save_fixture(fixture, case.fixture, overwrite=True)
+        _record(fixture)
         kept.append(f"  kept: {fixture} (the case's fixture)")
     picture = None
     try:
@@ -430,10 +435,41 @@ def _keep(
     except ImportError:
         pass  # said once by whoever set save_as (the pytest plugin, in its header)
     else:
-        picture = stem.with_name(f"{stem.name}.png")
+        picture = _free(stem.with_name(f"{stem.name}.png"), ours)
         result.plot(path=picture)
+        _record(picture)
         kept.append(f"  kept: {picture} (its picture)")
     return str(output), str(fixture), None if picture is None else str(picture)
+
+
+#: The file of a ``--gdn-save`` folder that names the files gdn-layout kept there, each with
+#: its identity as written (inode and modification time), one a line.
+_WRITTEN = ".gdn-layout-kept"
+
+
+def _written(folder: Path) -> dict[str, str]:
+    try:
+        lines = (folder / _WRITTEN).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return {}
+    return dict(line.rsplit("\t", 1) for line in lines if "\t" in line)
+
+
+def _identity_of(path: Path) -> str:
+    status = os.stat(path)
+    return f"{status.st_ino}:{status.st_mtime_ns}"
+
+
+def _free(path: Path, ours: Mapping[str, str]) -> Path:
+    """``path``, if it may be written: absent, or the file gdn-layout kept there, unchanged."""
+    if os.path.lexists(path) and ours.get(path.name) != _identity_of(path):
+        raise FileExistsError(f"{path} is there already, and gdn-layout did not write it")
+    return path
+
+
+def _record(path: Path) -> None:
+    with open(path.parent / _WRITTEN, "a", encoding="utf-8") as record:
+        record.write(f"{path.name}\t{_identity_of(path)}\n")  # one short append: whole
 
 
 # -- a suite's files, checked against its manifest and selected -----------------------------------
