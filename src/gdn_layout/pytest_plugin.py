@@ -479,7 +479,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
     """One block per test function that judged ``gdn_case``: what failed across its cases
     (:func:`gdn_layout.summary.summarize`; a case once, however many tests it served), and
     the cases no comparison decided, by what became of them."""
-    from .summary import CaseResult, _names, summarize
+    from .summary import CaseResult, summarize
 
     by_test: dict[str, tuple[dict[str, CaseResult], dict[str, set[str]]]] = {}
     for reports in terminalreporter.stats.values():
@@ -515,7 +515,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         more, tail = ("more ", ", not counted") if judged else ("", "")
         for what, names in sorted(others.items(), key=lambda item: -len(item[1])):
             if names:
-                shown = _names(sorted(names))
+                shown = ", ".join(sorted(names)[:6]) + (
+                    f", and {len(names) - 6} more" * (len(names) > 6)
+                )
                 terminalreporter.write_line(f"  {len(names)} {more}case(s) {what}{tail}: {shown}")
         for line in lines[1:]:
             terminalreporter.write_line(line)
