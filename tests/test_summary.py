@@ -51,28 +51,26 @@ def summary_of(panel: list[tuple[Case, Any]], bug: Bug) -> Summary:
     return summarize(results)
 
 
-def _dstate(when: Callable[[Case], bool]) -> Bug:
+def _scaled(grad: str, by: float, when: Callable[[Case], bool]) -> Bug:
+    """A bug: ``grad`` scaled by ``by`` in the cases ``when`` holds for."""
+
     def bug(case: Case, grads: GdnGrads) -> None:
-        if grads.dstate is not None and when(case):
-            grads.dstate[...] *= 1.5
+        if getattr(grads, grad) is not None and when(case):
+            getattr(grads, grad)[...] *= by
 
     return bug
+
+
+def _dstate(when: Callable[[Case], bool]) -> Bug:
+    return _scaled("dstate", 1.5, when)
 
 
 def _dk(when: Callable[[Case], bool]) -> Bug:
-    def bug(case: Case, grads: GdnGrads) -> None:
-        if when(case):
-            grads.dk[...] *= 0.5
-
-    return bug
+    return _scaled("dk", 0.5, when)
 
 
 def _dq(when: Callable[[Case], bool]) -> Bug:
-    def bug(case: Case, grads: GdnGrads) -> None:
-        if when(case):
-            grads.dq[...] *= 2
-
-    return bug
+    return _scaled("dq", 2, when)
 
 
 def _always(case: Case) -> bool:
@@ -124,15 +122,6 @@ def test_a_statement_is_made_where_it_holds_and_only_there(
     assert not any(line.startswith(statement) for line in other.statements), other
 
 
-def test_a_statement_needs_a_passing_case_without_the_property(
-    panel: list[tuple[Case, Any]],
-) -> None:
-    longer = [(case, out) for case, out in panel if case.layout.seq > 1]
-    summary = summary_of(longer, _dq(lambda c: c.layout.gate_per_channel))
-    assert "fails only with per-channel gates" in summary.statements
-    assert not any(" S " in line or "one step" in line for line in summary.statements), summary
-
-
 def test_the_counts_name_each_failing_gradient_and_those_that_never_fail(
     panel: list[tuple[Case, Any]],
 ) -> None:
@@ -147,6 +136,11 @@ def test_the_counts_name_each_failing_gradient_and_those_that_never_fail(
         f"{channel} of {len(panel)} cases failed: dk {channel}; "
         f"{', '.join(summary.never)} never fail"
     )
+    # Without a passing case of one step, nothing is said of the steps.
+    longer = [(case, out) for case, out in panel if case.layout.seq > 1]
+    summary = summary_of(longer, _dq(lambda c: c.layout.gate_per_channel))
+    assert "fails only with per-channel gates" in summary.statements
+    assert not any(" S " in line or "one step" in line for line in summary.statements), summary
 
 
 def test_a_gradient_s_own_statement_where_it_separates_better(
@@ -252,24 +246,8 @@ def test_failures_with_structure_get_no_precision_hint(panel: list[tuple[Case, A
     assert "not rounding alone" in str(unexplained)
 
 
-def test_a_case_result_survives_json(panel: list[tuple[Case, Any]]) -> None:
-    case, correct = panel[-1]
-    out = correct.copy()
-    unpack(out, case.layout).dq[...] = np.nan
-    record = case_result(case, case.compare(out))
-    assert not record.passed
-    assert record.failed == ("dq",)
-    text = json.dumps(record.to_dict(), allow_nan=False)
-    back = CaseResult.from_dict(json.loads(text))
-    assert back.failed == record.failed
-    assert back.findings == record.findings
-    assert [g.name for g in back.grads] == [g.name for g in record.grads]
-    assert np.isnan(back.grads[0].rms_ratio)
-    assert str(summarize([back])) == str(summarize([record]))
-
-
 _NAMES = st.text(min_size=1, max_size=8)
-_FIGURES = st.floats(allow_nan=False)
+_FIGURES = st.floats()
 _GRADS = st.builds(
     GradResult,
     name=st.sampled_from(GRADIENT_NAMES),
@@ -300,8 +278,9 @@ _RESULTS = st.builds(
 
 @given(_RESULTS)
 def test_every_case_result_survives_json(record: CaseResult) -> None:
-    text = json.dumps(record.to_dict(), allow_nan=False)
-    assert CaseResult.from_dict(json.loads(text)) == record
+    back = CaseResult.from_dict(json.loads(json.dumps(record.to_dict(), allow_nan=False)))
+    assert str(back) == str(record)  # NaN is not equal to itself: compared as text
+    assert str(summarize([back])) == str(summarize([record]))
 
 
 def test_bad_input_is_named() -> None:
@@ -318,15 +297,5 @@ def test_bad_input_is_named() -> None:
         case_result(case, "no")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="case_result: case must be a Case, got str"):
         case_result("no", case.compare(case.expected))  # type: ignore[arg-type]
-
-
-def test_case_compare_leaves_its_last_result() -> None:
-    case = make_case(GdnBackwardLayout(1, 2, 1, 2))
-    assert case.last_comparison is None
     first = case.compare(case.expected)
-    assert case.last_comparison is first
-    wrong = np.array(case.expected) + 1
-    with pytest.raises(AssertionError):
-        case.check(wrong)
-    assert case.last_comparison is not None
-    assert not case.last_comparison.passed
+    assert case.last_comparison is first  # what the plugin's summary reads

@@ -1,7 +1,5 @@
-"""Suites of fixtures as test cases: read a suite's manifest, check it, and judge a kernel.
-
-A suite is a folder of fixtures and a ``manifest.json`` (docs/files.md); see README.md's
-quickstart for a kernel's test over one.
+"""Suites of fixtures as test cases: :class:`Case`, its states' references, and the suite's
+manifest checked and selected (docs/files.md; README.md, *Quickstart*).
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout
@@ -9,8 +7,7 @@ quickstart for a kernel's test over one.
 >>> case = make_case(GdnBackwardLayout(1, 8, 2, 4, carry_state=True), regime="mild", seed=3)
 >>> case.name, case.expected.shape
 ('b1s8h2n4-scalar-state-mild-seed3', (256,))
->>> result = case.check(backward(*case.inputs, dtype=np.float32))
->>> result.passed
+>>> case.check(backward(*case.inputs, dtype=np.float32)).passed
 True
 """
 
@@ -19,10 +16,10 @@ from __future__ import annotations
 import os
 import shlex
 import stat
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Unpack
+from typing import Any, Unpack
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -72,7 +69,10 @@ class Case:
     """One test case of a suite: a fixture and the name a test runner shows for it.
 
     ``inputs`` are in the reference's argument order, :attr:`rlx_inputs` in RLX's;
-    ``expected`` is the packed reference gradient, in the fixture's dtype.
+    ``expected`` is the packed reference gradient, in the fixture's dtype. ``precision`` is
+    the class :meth:`compare` judges in when not told (``pytest --gdn-precision``);
+    ``save_as`` is where :meth:`check` keeps a failure's files, a path without suffix
+    (``pytest --gdn-save DIR``).
 
     See Also
     --------
@@ -82,11 +82,7 @@ class Case:
 
     name: str
     fixture: Fixture = field(repr=False)
-    #: The precision class :meth:`compare` and :meth:`check` judge in when not told (None:
-    #: the buffers'); ``pytest --gdn-precision`` sets it.
     precision: str | None = None
-    #: Where :meth:`check` keeps a failure's output, picture and fixture: a path without
-    #: suffix (``STEM-output.npy``, ``STEM.png``...); ``pytest --gdn-save DIR`` sets it.
     save_as: Path | None = None
     #: The reference outputs computed for this case's states, by chunk length.
     _states: _Outputs = field(default_factory=dict, repr=False, init=False)
@@ -111,12 +107,23 @@ class Case:
         return self.fixture.packed
 
     @property
+    def regime(self) -> str | None:
+        return self.fixture.regime
+
+    @property
+    def seed(self) -> int | None:
+        return self.fixture.seed
+
+    @property
+    def path(self) -> Path | None:
+        return self.fixture.path
+
+    @property
     def rlx_inputs(self) -> tuple[NDArray[Any], ...]:
         """``q, k, v, g, beta, state, dy`` in the order RLX's ``GatedDeltaNetBackward`` takes
         them (``state`` is left out when it is not carried)."""
         x = self.fixture.inputs
-        state = () if x.state is None else (x.state,)
-        return (x.q, x.k, x.v, x.g, x.beta, *state, x.dy)
+        return (x.q, x.k, x.v, x.g, x.beta, *(() if x.state is None else (x.state,)), x.dy)
 
     def inputs_as(
         self,
@@ -127,14 +134,13 @@ class Case:
         requires_grad: bool = False,
     ) -> Any:
         """:attr:`inputs` as new writable tensors of ``framework`` (``"torch"``, ``"jax"`` or
-        ``"numpy"``), in ``dtype`` (default: the fixture's) on ``device`` (the framework's
-        kind of device or its name; default: its default); ``requires_grad`` is torch's.
+        ``"numpy"``), in ``dtype`` (default: the fixture's) on ``device`` (default: the
+        framework's); ``requires_grad`` is torch's.
 
         >>> from gdn_layout import GdnBackwardLayout
         >>> case = make_case(GdnBackwardLayout(1, 4, 2, 4), regime="mild")
-        >>> x = case.inputs_as("numpy", device="cpu")
-        >>> x.q.flags.writeable, x.state is None
-        (True, True)
+        >>> case.inputs_as("numpy", device="cpu").q.flags.writeable
+        True
         >>> case.inputs_as("numpy", device="cuda")
         Traceback (most recent call last):
         ...
@@ -143,9 +149,8 @@ class Case:
         Raises
         ------
         ValueError
-            ``framework`` is unknown, ``dtype`` names no dtype of it, ``device`` is not one
-            it has here (the message lists those it has), or ``requires_grad`` is asked of
-            JAX or NumPy.
+            ``framework``, ``dtype`` or ``device`` is not one it has here (the message lists
+            those it has), or ``requires_grad`` is asked of JAX or NumPy.
         TypeError
             ``device`` is not of a type the framework names devices with.
         ImportError
@@ -157,18 +162,6 @@ class Case:
             else as_framework(a, framework, dtype=dtype, device=device, requires_grad=requires_grad)
             for a in self.inputs
         )
-
-    @property
-    def regime(self) -> str | None:
-        return self.fixture.regime
-
-    @property
-    def seed(self) -> int | None:
-        return self.fixture.seed
-
-    @property
-    def path(self) -> Path | None:
-        return self.fixture.path
 
     def compare(self, actual: object, **judging: Unpack[Judging]) -> Comparison:
         """:func:`~gdn_layout.compare` of ``actual`` (any array) with the fixture, in
@@ -251,6 +244,33 @@ class Case:
         return results
 
 
+def make_case(
+    layout: GdnBackwardLayout,
+    *,
+    dtype: DTypeLike = np.float32,
+    regime: str = "mixed",
+    seed: int = 0,
+    name: str | None = None,
+) -> Case:
+    """A case computed now by the reference, named by its layout, regime and seed.
+
+    See Also
+    --------
+    load_suite : Cases from files.
+    make_fixture : The fixture alone.
+    """
+    fixture = make_fixture(layout, dtype=dtype, regime=regime, seed=seed, precisions="all")
+    if name is None:
+        gate = "channel" if layout.gate_per_channel else "scalar"
+        state = "state" if layout.carry_state else "nostate"
+        dims = f"b{layout.batch}s{layout.seq}h{layout.heads}n{layout.state_size}"
+        name = f"{dims}-{gate}-{state}-{regime}-seed{seed}"
+    return Case(name, fixture)
+
+
+# -- the states' references ----------------------------------------------------------------------
+
+
 def compare_states(
     actual: object,
     fixture: Fixture,
@@ -259,26 +279,11 @@ def compare_states(
     chunk: int | None = None,
     precision: str | None = None,
 ) -> GradComparison:
-    """A kernel's ``y``, ``h``, ``dh`` or ``final_state`` judged against ``fixture``'s as its
-    gradients are (README.md, *Bisect*); computed from the inputs when the fixture keeps none.
-
-    Parameters
-    ----------
-    actual : array_like
-        The kernel's tensor, in the shape of the fixture's (any array: NumPy, torch, ...).
-    fixture : Fixture
-        The case.
-    tensor : {"y", "h", "dh", "final_state"}
-        Which part of the kernel ``actual`` is.
-    chunk : int, optional
-        The chunk length of ``h`` and ``dh``: the fixture's ``states_chunk``, else 64.
-    precision : str, optional
-        The precision class judged in, as :func:`~gdn_layout.compare` takes it.
-
-    Returns
-    -------
-    GradComparison
-        Named ``tensor``; ``str()`` of it is one line with the verdict.
+    """A kernel's ``y``, ``h``, ``dh`` or ``final_state`` (``tensor``) judged against
+    ``fixture``'s as its gradients are (README.md, *Bisect*), in ``precision`` as
+    :func:`~gdn_layout.compare` takes it; computed from the inputs when the fixture keeps
+    none. ``chunk`` is the chunk length of ``h`` and ``dh``: the fixture's ``states_chunk``,
+    else 64. ``str()`` of the result is one line with the verdict.
 
     Raises
     ------
@@ -355,6 +360,9 @@ def _state_reference(
     return expected, measured
 
 
+# -- a failure's files and the command that redraws it ---------------------------------------------
+
+
 def _redraw(case: Case, actual: object, result: Comparison, judging: Judging) -> list[str]:
     """A failure's lines that lead to its picture: the files kept and the redraw command."""
     fixture = None if case.path is None else str(case.path)
@@ -376,19 +384,16 @@ def _redraw(case: Case, actual: object, result: Comparison, judging: Judging) ->
         words.append("--force")  # the picture is there: the command draws it again
     if (precision := judging.get("precision") or case.precision) is not None:
         words += ["--precision", precision]
-    tolerances = {
-        "--rtol": judging.get("rtol"),
-        "--atol": judging.get("atol"),
-        "--max-rms-ratio": judging.get("max_rms_ratio"),
-    }
-    for option, value in tolerances.items():
-        if value is not None:
-            text = (
-                ",".join(f"{k}={float(v)!r}" for k, v in value.items())
-                if isinstance(value, Mapping)
-                else repr(float(value))
-            )
-            words += [option, text]
+    for option, key in (
+        ("--rtol", "rtol"),
+        ("--atol", "atol"),
+        ("--max-rms-ratio", "max_rms_ratio"),
+    ):
+        if (value := judging.get(key)) is not None:
+            if isinstance(value, Mapping):
+                words += [option, ",".join(f"{k}={float(v)!r}" for k, v in value.items())]
+            else:
+                words += [option, repr(float(value))]  # type: ignore[arg-type]
     words += [output or "OUTPUT.npy", str(fixture)]
     lines = [] if case.path is None else [f"  fixture: {case.path}"]
     lines += [*kept, f"  redraw: {shlex.join(words)}"]
@@ -404,21 +409,25 @@ def _keep(
     case: Case, stem: Path, actual: object, result: Comparison, kept: list[str]
 ) -> tuple[str, str, str | None]:
     """Write the output, the fixture (when it has no file) and the picture next to ``stem``;
-    their paths, each also named in ``kept``."""
+    their paths, each also named in ``kept``. A file of the same name is replaced only if
+    gdn-layout wrote it there and it is unchanged (:data:`_WRITTEN`): FileExistsError
+    otherwise."""
+    ours = _written(stem.parent)
     packed = as_packed(actual, "actual", "check")
     if packed.dtype.kind == "V" or packed.dtype.name == "bfloat16":  # .npy loses bfloat16
-        output = stem.with_name(f"{stem.name}-output.safetensors")
-        atomic_write(
-            output, lambda out: write_safetensors(out, {"packed": packed}, {}), overwrite=True
-        )
+        output = _free(stem.with_name(f"{stem.name}-output.safetensors"), ours)
+        atomic_write(output, lambda out: write_safetensors(out, {"packed": packed}, {}),
+                     overwrite=True)  # fmt: skip
     else:
-        output = stem.with_name(f"{stem.name}-output.npy")
+        output = _free(stem.with_name(f"{stem.name}-output.npy"), ours)
         atomic_write(output, lambda out: np.save(out, packed), overwrite=True)
+    _record(output)
     kept.append(f"  kept: {output} (the kernel's packed output)")
     fixture = case.path
     if fixture is None:
-        fixture = save_fixture(stem.with_name(f"{stem.name}-fixture.safetensors"), case.fixture,
-                               overwrite=True)  # fmt: skip
+        fixture = _free(stem.with_name(f"{stem.name}-fixture.safetensors"), ours)
+        save_fixture(fixture, case.fixture, overwrite=True)
+        _record(fixture)
         kept.append(f"  kept: {fixture} (the case's fixture)")
     picture = None
     try:
@@ -426,36 +435,44 @@ def _keep(
     except ImportError:
         pass  # said once by whoever set save_as (the pytest plugin, in its header)
     else:
-        picture = stem.with_name(f"{stem.name}.png")
+        picture = _free(stem.with_name(f"{stem.name}.png"), ours)
         result.plot(path=picture)
+        _record(picture)
         kept.append(f"  kept: {picture} (its picture)")
     return str(output), str(fixture), None if picture is None else str(picture)
 
 
-def make_case(
-    layout: GdnBackwardLayout,
-    *,
-    dtype: DTypeLike = np.float32,
-    regime: str = "mixed",
-    seed: int = 0,
-    name: str | None = None,
-) -> Case:
-    """A case computed now by the reference, named by its layout, regime and seed.
+#: The file of a ``--gdn-save`` folder that names the files gdn-layout kept there, each with
+#: its identity as written (inode and modification time), one a line.
+_WRITTEN = ".gdn-layout-kept"
 
-    See Also
-    --------
-    load_suite : Cases from files.
-    make_fixture : The fixture alone.
-    """
-    fixture = make_fixture(layout, dtype=dtype, regime=regime, seed=seed, precisions="all")
-    if name is None:
-        gate = "channel" if layout.gate_per_channel else "scalar"
-        state = "state" if layout.carry_state else "nostate"
-        name = (
-            f"b{layout.batch}s{layout.seq}h{layout.heads}n{layout.state_size}"
-            f"-{gate}-{state}-{regime}-seed{seed}"
-        )
-    return Case(name, fixture)
+
+def _written(folder: Path) -> dict[str, str]:
+    try:
+        lines = (folder / _WRITTEN).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return {}
+    return dict(line.rsplit("\t", 1) for line in lines if "\t" in line)
+
+
+def _identity_of(path: Path) -> str:
+    status = os.stat(path)
+    return f"{status.st_ino}:{status.st_mtime_ns}"
+
+
+def _free(path: Path, ours: Mapping[str, str]) -> Path:
+    """``path``, if it may be written: absent, or the file gdn-layout kept there, unchanged."""
+    if os.path.lexists(path) and ours.get(path.name) != _identity_of(path):
+        raise FileExistsError(f"{path} is there already, and gdn-layout did not write it")
+    return path
+
+
+def _record(path: Path) -> None:
+    with open(path.parent / _WRITTEN, "a", encoding="utf-8") as record:
+        record.write(f"{path.name}\t{_identity_of(path)}\n")  # one short append: whole
+
+
+# -- a suite's files, checked against its manifest and selected -----------------------------------
 
 
 def verify_suite(
@@ -466,10 +483,9 @@ def verify_suite(
     crossing: int | None = None,
     quick: bool = False,
 ) -> list[str]:
-    """Check a suite's files against its manifest; return one line per problem (none: intact).
-
-    Size, SHA-256, layout, regime and seed, of the cases selected as by :func:`load_suite`;
-    an unlisted fixture file is a problem too (docs/files.md).
+    """Check a suite's files against its manifest (size, SHA-256, layout, regime and seed, of
+    the cases selected as by :func:`load_suite`; an unlisted fixture is a problem too); one
+    line per problem, none when it is intact.
 
     Raises
     ------
@@ -482,8 +498,8 @@ def verify_suite(
     suites.suite_files : The files listed.
     write_suite : The writer.
     """
-    select = _selection(min_seq, regime, crossing, quick, "verify_suite")
-    return _examine(Path(directory), keep=False, select=select)[0]
+    options = _selection(min_seq, regime, crossing, quick, "verify_suite")
+    return _examine(Path(directory), False, options)[0]
 
 
 def suite_files(
@@ -497,19 +513,14 @@ def suite_files(
     """The fixture files the manifest in ``directory`` lists, selected as by
     :func:`load_suite`, unchecked.
 
-    Raises
-    ------
-    FixtureError
-        The manifest is missing or cannot be read.
-
     See Also
     --------
     load_suite : The cases those files hold.
     verify_suite : Check them.
     """
-    select = _selection(min_seq, regime, crossing, quick, "suite_files")
+    options = _selection(min_seq, regime, crossing, quick, "suite_files")
     entries = read_manifest(Path(directory))
-    chosen = select(entries)
+    chosen = _chosen(entries, *options)
     return [entry["file"] for entry in entries if entry["file"] in chosen]
 
 
@@ -541,8 +552,8 @@ def load_suite(
     Case : One case.
     """
     root = Path(directory)
-    select = _selection(min_seq, regime, crossing, quick, "load_suite")
-    problems, cases = _examine(root, keep=True, select=select)
+    options = _selection(min_seq, regime, crossing, quick, "load_suite")
+    problems, cases = _examine(root, True, options)
     if problems:
         raise FixtureError(
             f"{root}: {len(problems)} file(s) differ from {MANIFEST}:\n  " + "\n  ".join(problems)
@@ -550,38 +561,44 @@ def load_suite(
     return cases
 
 
+#: A selection, checked: min_seq, regime, crossing, quick.
+_Options = tuple[int | None, str | None, int | None, bool]
+
+
 def _selection(
-    min_seq: int | None, regime: str | None, crossing: int | None, quick: bool, func: str
-) -> _Select:
-    """The names of the selected entries of a manifest; an entry whose layout cannot be read
-    is selected, so that checking it reports the problem."""
+    min_seq: object, regime: object, crossing: object, quick: object, func: str
+) -> _Options:
+    """The selection's arguments, checked, or an error naming ``func`` and the argument."""
     if min_seq is not None:
         min_seq = integer(min_seq, f"{func}: min_seq", or_none=True)
     if crossing is not None:
         crossing = integer(crossing, f"{func}: crossing", least=1, or_none=True)
     if regime is not None and regime not in REGIMES:
         raise ValueError(f"{func}: regime must be one of {REGIMES}, got {regime!r}")
-    quick = flag(f"{func}: quick", quick)
+    return min_seq, regime, crossing, flag(f"{func}: quick", quick)
+
+
+def _chosen(
+    entries: Sequence[Mapping[str, Any]],
+    min_seq: int | None,
+    regime: str | None,
+    crossing: int | None,
+    quick: bool,
+) -> set[str]:
+    """The files of the entries selected; an entry whose layout cannot be read is selected, so
+    that checking it reports the problem."""
 
     def selected(entry: Mapping[str, Any]) -> bool:
-        seq = entry.get("layout", {}).get("seq") if isinstance(entry.get("layout"), dict) else None
-        if not isinstance(seq, int):
-            return True
-        return (
+        layout = entry.get("layout")
+        seq = layout.get("seq") if isinstance(layout, dict) else None
+        return not isinstance(seq, int) or (
             (min_seq is None or seq >= min_seq)
             and (regime is None or entry.get("regime") == regime)
             and (crossing is None or seq > crossing)
         )
 
-    def chosen(entries: Sequence[Mapping[str, Any]]) -> set[str]:
-        kept = [entry for entry in entries if selected(entry)]
-        return {entry["file"] for entry in (_quick_cover(kept) if quick else kept)}
-
-    return chosen
-
-
-#: What a selection makes of a manifest's entries: the names of the files it keeps.
-_Select = Callable[[Sequence[Mapping[str, Any]]], set[str]]
+    kept = [entry for entry in entries if selected(entry)]
+    return {entry["file"] for entry in (_quick_cover(kept) if quick else kept)}
 
 
 def _quick_cover(entries: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -613,8 +630,7 @@ def _holds(entry: Mapping[str, Any]) -> frozenset[tuple[Any, ...]] | None:
     regime = entry.get("regime")
     if regime is not None and not isinstance(regime, str):
         return None
-    seq = layout.seq
-    rows = entry.get("identical_rows", False) is True
+    seq, rows = layout.seq, entry.get("identical_rows", False) is True
     return frozenset(
         {
             ("shape", layout.batch, seq, layout.heads, layout.state_size, rows),
@@ -624,10 +640,11 @@ def _holds(entry: Mapping[str, Any]) -> frozenset[tuple[Any, ...]] | None:
     )
 
 
-def _examine(root: Path, *, keep: bool, select: _Select) -> tuple[list[str], list[Case]]:
+def _examine(root: Path, keep: bool, options: _Options) -> tuple[list[str], list[Case]]:
     """The problems of the selected cases at ``root``, and the cases when ``keep``; read
-    through one open folder, so that a suite replaced meanwhile is read old or new, whole."""
-    for attempt in range(_READS):
+    through one open folder, so that a suite replaced meanwhile is read old or new, whole
+    (read again, up to three times, when the folder was replaced while it was read)."""
+    for attempt in (1, 2, 3):
         try:
             fd = os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
         except FileNotFoundError:
@@ -635,22 +652,18 @@ def _examine(root: Path, *, keep: bool, select: _Select) -> tuple[list[str], lis
         except OSError as err:
             raise NotASuite(root, f"it cannot be opened ({err.strerror})") from None
         try:
-            opened = os.fstat(fd)
+            opened = _identity(os.fstat(fd))
             try:
-                found = _examine_in(root, fd, keep, select)
+                found = _examine_in(root, fd, keep, options)
             except NotASuite:  # its manifest gone with the old folder: read the new one
-                if attempt + 1 < _READS and _identity(opened) != _identity(root):
+                if attempt < 3 and opened != _identity(root):
                     continue
                 raise
-            if not found[0] or attempt + 1 == _READS or _identity(opened) == _identity(root):
+            if not found[0] or attempt == 3 or opened == _identity(root):
                 return found
         finally:
             os.close(fd)
     raise AssertionError("unreachable")  # pragma: no cover
-
-
-#: How many times a suite replaced while it is read is read again.
-_READS: Final = 3
 
 
 def _identity(what: Path | os.stat_result) -> tuple[int, int] | None:
@@ -662,16 +675,14 @@ def _identity(what: Path | os.stat_result) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
-def _examine_in(root: Path, fd: int, keep: bool, select: _Select) -> tuple[list[str], list[Case]]:
+def _examine_in(root: Path, fd: int, keep: bool, options: _Options) -> tuple[list[str], list[Case]]:
     """:func:`_examine` of the suite in the open folder ``fd``, named ``root``."""
     entries = read_manifest(root, dir_fd=fd)
+    chosen = _chosen(entries, *options)
     problems: list[str] = []
     cases: list[Case] = []
-    listed = set()
-    chosen = select(entries)
     for entry in entries:
         name = entry["file"]
-        listed.add(name)
         if name not in chosen:
             continue
         fixture, problem = _check_entry(root, entry, fd)
@@ -679,6 +690,7 @@ def _examine_in(root: Path, fd: int, keep: bool, select: _Select) -> tuple[list[
             problems.append(f"{name}: {problem}")
         elif keep and fixture is not None:
             cases.append(Case(name.removesuffix(".safetensors"), fixture))
+    listed = {entry["file"] for entry in entries}
     with os.scandir(fd) as found:
         strays = sorted(
             e.name

@@ -1,10 +1,8 @@
-"""What failed across a suite's cases: the verdicts of many comparisons read together.
-
-:func:`summarize` reads many cases' results and says which gradients fail, the case
-dimensions that separate failing cases from passing ones (each a statement that holds for
-every case), the likely causes counted over cases, and the precision class that passes
-failures with no structure (README.md, *Quickstart*, on pytest's summary). A
-:class:`CaseResult` is small and JSON-safe, to cross from pytest-xdist's workers.
+"""What failed across a suite's cases, read together (README.md, *Quickstart*, on pytest's
+summary): which gradients fail, the case dimensions that separate failing cases from passing
+ones, the likely causes counted over cases, and the precision class that passes failures with
+no structure. A :class:`CaseResult` is small and JSON-safe, to cross from pytest-xdist's
+workers.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, unpack
@@ -27,10 +25,9 @@ failures with no structure (README.md, *Quickstart*, on pytest's summary). A
 
 from __future__ import annotations
 
-import functools
-import numbers
+import dataclasses
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -68,12 +65,9 @@ _SHOWN: Final = 6
 
 @dataclass(frozen=True)
 class GradResult:
-    """One gradient's verdict in one case: a JSON-safe extract of a
-    :class:`~gdn_layout.GradComparison`.
-
-    ``passes_as`` names the other precision classes (of those the buffers allow) whose
-    calibrated criterion passes the gradient's figures; empty for a gradient that passed or
-    was judged by explicit tolerances.
+    """One gradient's verdict in one case, extracted from a
+    :class:`~gdn_layout.GradComparison`; ``passes_as`` names the other precision classes (of
+    those the buffers allow) whose calibrated criterion passes its figures.
 
     See Also
     --------
@@ -92,9 +86,8 @@ class GradResult:
 @dataclass(frozen=True)
 class CaseResult:
     """One case's result as :func:`summarize` reads it: its labels, its gradients' verdicts
-    and figures, and its findings (``(kind, gradient, text)``).
-
-    Made by :func:`case_result`; :meth:`to_dict` and :meth:`from_dict` carry it as JSON.
+    and figures, and its findings (``(kind, gradient, text)``); :meth:`to_dict` and
+    :meth:`from_dict` carry it as JSON across pytest-xdist's workers.
 
     See Also
     --------
@@ -126,21 +119,9 @@ class CaseResult:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-safe dict (``json.dumps(..., allow_nan=False)`` accepts it)."""
-        data = {f: getattr(self, f) for f in _LABELS}
-        data["name"] = self.name
-        data["grads"] = [
-            {
-                "name": g.name,
-                "passed": g.passed,
-                "error_floor_ratio": json_float(g.error_floor_ratio),
-                "rms_ratio": json_float(g.rms_ratio),
-                "max_abs_error": json_float(g.max_abs_error),
-                "precision": g.precision,
-                "passes_as": list(g.passes_as),
-            }
-            for g in self.grads
-        ]
-        data["findings"] = [list(f) for f in self.findings]
+        data = dataclasses.asdict(self)
+        for grad in data["grads"]:
+            grad.update((key, json_float(grad[key])) for key in _FIGURES)
         return data
 
     @classmethod
@@ -150,7 +131,7 @@ class CaseResult:
         Raises
         ------
         ValueError
-            ``data`` is not such a record; the message names the key that is wrong.
+            ``data`` is not such a record.
         """
         where = "CaseResult.from_dict"
         if not isinstance(data, Mapping):
@@ -158,71 +139,30 @@ class CaseResult:
         try:
             grads = tuple(
                 GradResult(
-                    name=_typed(g["name"], str, "grads[].name"),
-                    passed=_typed(g["passed"], bool, "grads[].passed"),
-                    error_floor_ratio=None
-                    if g["error_floor_ratio"] is None
-                    else _number(g["error_floor_ratio"], "error_floor_ratio"),
-                    rms_ratio=_number(g["rms_ratio"], "rms_ratio"),
-                    max_abs_error=_number(g["max_abs_error"], "max_abs_error"),
-                    precision=g["precision"],
-                    passes_as=tuple(_typed(p, str, "passes_as[]") for p in g["passes_as"]),
+                    **{
+                        **g,
+                        **{k: None if g[k] is None else float(g[k]) for k in _FIGURES},
+                        "passes_as": tuple(g["passes_as"]),
+                    }
                 )
                 for g in data["grads"]
             )
-            findings = tuple(
-                (_typed(k, str, "findings[].kind"), gradient, _typed(t, str, "findings[].text"))
-                for k, gradient, t in data["findings"]
-            )
-            labels = {
-                f: _typed(data[f], _LABELS[f], f)
-                for f in _LABELS
-                if not (f == "regime" and data[f] is None)
-            }
-            return cls(
-                name=_typed(data["name"], str, "name"),
-                grads=grads,
-                findings=findings,
-                **{"regime": None, **labels},
-            )
+            findings = tuple((kind, grad, text) for kind, grad, text in data["findings"])
+            return cls(**{**data, "grads": grads, "findings": findings})
         except KeyError as err:
             raise ValueError(f"{where}: the record has no key {err.args[0]!r}") from None
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
 
 
-#: The labels a case result has besides its name and verdicts, and their types.
-_LABELS: Final[dict[str, type]] = {
-    "batch": int,
-    "seq": int,
-    "heads": int,
-    "state_size": int,
-    "per_channel": bool,
-    "carry_state": bool,
-    "regime": str,
-    "dtype": str,
-}
-
-
-def _typed(value: Any, kind: type, key: str) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ValueError(f"{key} must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def _number(value: Any, key: str) -> float:
-    if isinstance(value, str) and value in ("inf", "-inf", "nan"):
-        return float(value)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    return float(value)
+#: A gradient's figures, which JSON carries as :func:`json_float` writes them.
+_FIGURES: Final = ("error_floor_ratio", "rms_ratio", "max_abs_error")
 
 
 def case_result(case: Case, comparison: Comparison) -> CaseResult:
     """The :class:`CaseResult` of ``case`` judged by ``comparison`` (what its
-    :meth:`~gdn_layout.suites.Case.compare` returned): its labels, and for each gradient its
-    verdict, figures and the other precision classes whose criterion passes them (judged from
-    the figures and the fixture's floors of every class; the buffers are not read again).
+    :meth:`~gdn_layout.suites.Case.compare` returned); the other precision classes that pass
+    a gradient are judged from its figures and the fixture's floors, not the buffers.
 
     Raises
     ------
@@ -242,8 +182,6 @@ def case_result(case: Case, comparison: Comparison) -> CaseResult:
         raise TypeError(
             f"case_result: comparison must be a Comparison, got {type(comparison).__name__}"
         )
-    layout = case.layout
-    floors = case.fixture.floors
     grads = []
     for g in comparison.grads:
         passes_as: tuple[str, ...] = ()
@@ -256,32 +194,24 @@ def case_result(case: Case, comparison: Comparison) -> CaseResult:
                 if p.name != c.precision.name
                 and p.unit_roundoff >= coarsest
                 and Criterion.calibrated(
-                    floors, p, g.name, np.array([c.scale]), c.term_scale
+                    case.fixture.floors, p, g.name, np.array([c.scale]), c.term_scale
                 ).passes(g.rms_ratio, g.max_abs_error, 0, g.nonfinite_mismatches)
             )
-        grads.append(
-            GradResult(
-                g.name,
-                g.passed,
-                g.error_floor_ratio,
-                g.rms_ratio,
-                g.max_abs_error,
-                c.precision_name,
-                passes_as,
-            )
-        )
+        figures = (g.error_floor_ratio, g.rms_ratio, g.max_abs_error, c.precision_name)
+        grads.append(GradResult(g.name, g.passed, *figures, passes_as))
+    layout = case.layout
     return CaseResult(
-        name=case.name,
-        batch=layout.batch,
-        seq=layout.seq,
-        heads=layout.heads,
-        state_size=layout.state_size,
-        per_channel=layout.gate_per_channel,
-        carry_state=layout.carry_state,
-        regime=case.regime,
-        dtype=case.fixture.dtype.name,
-        grads=tuple(grads),
-        findings=tuple((f.kind, f.gradient, f.text) for f in comparison.findings),
+        case.name,
+        layout.batch,
+        layout.seq,
+        layout.heads,
+        layout.state_size,
+        layout.gate_per_channel,
+        layout.carry_state,
+        case.regime,
+        case.fixture.dtype.name,
+        tuple(grads),
+        tuple((f.kind, f.gradient, f.text) for f in comparison.findings),
     )
 
 
@@ -289,31 +219,27 @@ def case_result(case: Case, comparison: Comparison) -> CaseResult:
 class Summary:
     """What failed across cases; ``str()`` is the summary, its most telling lines first.
 
+    ``total`` cases judged; the names of those ``failed``, in the order given; ``failures``:
+    how many cases each gradient failed in; ``never``: the gradients that never failed;
+    ``statements`` that separate failing cases from passing ones; the misreadings
+    ``verified`` by a re-run and the other likely ``causes``, counted over cases; the
+    ``precision_hint`` for failures with no structure, and the ``precision_class`` that
+    passes them all, if one does; the ``note`` the line saying every case passed adds.
+
     See Also
     --------
     summary.summarize : What makes one.
     """
 
-    #: How many cases were judged.
     total: int
-    #: The names of the cases that failed, in the order given.
     failed: tuple[str, ...]
-    #: How many cases each gradient failed in, for the gradients that failed somewhere.
     failures: Mapping[str, int]
-    #: The gradients present in some case that never failed.
     never: tuple[str, ...]
-    #: The separating statements, e.g. ``"fails only with a carried state"``.
     statements: tuple[str, ...]
-    #: The misreadings verified by a re-run, counted over cases.
     verified: tuple[str, ...]
-    #: The other likely causes, counted over cases.
     causes: tuple[str, ...]
-    #: What judging the failures with no structure in the other precision classes found, in
-    #: words; None when every failing case has a structural finding.
     precision_hint: str | None
-    #: The precision class that passes them all, if one does.
     precision_class: str | None = None
-    #: What the line said when every case passed adds (the float64 suite's note), else None.
     note: str | None = None
 
     @property
@@ -331,15 +257,18 @@ class Summary:
         head = f"{len(self.failed)} of {self.total} cases failed: {counts}{never}"
         hint = [] if self.precision_hint is None else [self.precision_hint]
         found, not_found = (hint, []) if self.precision_class else ([], hint)
-        shown = ", ".join(self.failed[:_SHOWN])
-        if len(self.failed) > _SHOWN:
-            shown += f", and {len(self.failed) - _SHOWN} more"
         body = [*self.statements, *self.verified, *found, *self.causes, *not_found]
-        body.append(f"failing cases: {shown}")
+        body.append(f"failing cases: {_names(self.failed)}")
         return [head, *(f"  {line}" for line in body)]
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _names(names: Sequence[str]) -> str:
+    """The first :data:`_SHOWN` of ``names``, and how many more."""
+    more = f", and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
 
 
 def summarize(
@@ -357,11 +286,6 @@ def summarize(
     command : {"python", "pytest", "cli"}
         How the hints name a precision class and a float64 suite (:data:`COMMANDS`):
         ``precision='tf32'``, ``--gdn-precision tf32`` or ``--precision tf32``.
-
-    Returns
-    -------
-    Summary
-        ``str()`` of it is the summary.
 
     Raises
     ------
@@ -381,10 +305,10 @@ def summarize(
     >>> from gdn_layout import GdnBackwardLayout
     >>> from gdn_layout.reference import backward
     >>> from gdn_layout.suites import make_case
-    >>> cases = [make_case(GdnBackwardLayout(1, 3, 2, 4), regime=r) for r in ("zero", "mild")]
-    >>> summary = summarize([(c, c.compare(backward(*c.inputs, dtype=np.float32))) for c in cases])
-    >>> print(summary)  # doctest: +ELLIPSIS
-    all 2 cases passed; a bug whose effect is below a correct kernel's rounding here ...
+    >>> case = make_case(GdnBackwardLayout(1, 3, 2, 4), regime="mild")
+    >>> print(summarize([(case, case.compare(backward(*case.inputs, dtype=np.float32)))]))
+    ... # doctest: +ELLIPSIS
+    all 1 cases passed; a bug whose effect is below a correct kernel's rounding here ...
     """
     if command not in COMMANDS:
         raise ValueError(
@@ -394,11 +318,7 @@ def summarize(
     precision_words, float64_words = COMMANDS[command]
     failing = [r for r in records if not r.passed]
     present = [n for n in GRADIENT_NAMES if any(g.name == n for r in records for g in r.grads)]
-    failures = {
-        n: sum(n in r.failed for r in records)
-        for n in present
-        if any(n in r.failed for r in records)
-    }
+    failures = {n: k for n in present if (k := sum(n in r.failed for r in records))}
     if not failing:
         note = None
         if records and any(r.dtype != "float64" for r in records):
@@ -411,10 +331,9 @@ def summarize(
     statements = _statements(records, lambda r: not r.passed)
     for name in failures:
         having = [r for r in records if any(g.name == name for g in r.grads)]
-        for line in _statements(having, functools.partial(_fails_in, name)):
-            mine = f"{name} {line}"
-            if line not in statements and mine not in statements:
-                statements.append(mine)
+        for line in _statements(having, lambda r, name=name: name in r.failed):  # type: ignore[misc]
+            if line not in statements and f"{name} {line}" not in statements:
+                statements.append(f"{name} {line}")
     causes = _causes(failing)
     hint, passing_class = _precision_hint(failing, precision_words)
     return Summary(
@@ -428,10 +347,6 @@ def summarize(
         precision_hint=hint,
         precision_class=passing_class,
     )
-
-
-def _fails_in(name: str, record: CaseResult) -> bool:
-    return name in record.failed
 
 
 def _record(item: object, index: int) -> CaseResult:
