@@ -33,7 +33,6 @@ from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
 from gdn_layout._dtypes import PRECISIONS, UNIT_ROUNDOFF
 from gdn_layout._floors import term_scales
 from gdn_layout.check import Criterion, K
-from gdn_layout.check import _findings as findings
 from gdn_layout.check._criterion import Scores, row_scores, step_scores
 from gdn_layout.check._findings import grad_findings
 from gdn_layout.files import Fixture, load_fixture
@@ -397,38 +396,3 @@ def test_compare_names_a_boundary_from_its_per_step_scores() -> None:
     dq[:, 20:] *= np.float32(1.5)  # right before step 20, wrong from it on
     (found,) = compare(a, e, layout)["dq"].findings
     assert (found.kind, found.details["step"], found.details["side"]) == ("boundary", 20, "from")
-
-
-@pytest.mark.parametrize(
-    ("name", "shape"),
-    [("dq", (2, 300, 4, 64)), ("dg", (3, 70000, 1)), ("dstate", (40, 2, 64, 64))],
-)
-def test_the_block_scan_counts_and_locates_what_every_element_shows(
-    name: str, shape: tuple[int, ...]
-) -> None:
-    """Shapes of several blocks, one step per block and huge blocks; NaN and Inf where the
-    expected values are finite, first in step (batch, for dstate) order."""
-    rng = np.random.default_rng(5)
-    e = rng.standard_normal(shape)
-    a = e.astype(np.float32)
-    flat = a.reshape(-1)
-    hit = rng.choice(a.size, 40, replace=False)
-    flat[hit[:30]] = np.nan
-    flat[hit[30:]] = -np.inf
-    e.reshape(-1)[hit[:3]] = np.inf  # not counted: expected not finite there
-    slab = 0 if name == "dstate" else 1
-    bad = ~np.isfinite(a) & np.isfinite(e)
-    order = np.argwhere(np.moveaxis(bad, slab, 0))  # slab first, then C order within it
-    first = [tuple(int(x) for x in np.insert(c[1:], slab, c[0])) for c in order[:5]]
-    per_slab = np.count_nonzero(np.moveaxis(bad, slab, 0).reshape(shape[slab], -1), axis=1)
-
-    scan = findings._scan(name, a, e)
-    assert scan.bad == 37
-    assert scan.first_bad == first
-    assert scan.bad_per_slab == per_slab.tolist()
-    assert scan.expected_finite is False
-    assert scan.wild == 40
-    assert scan.zeros == 0
-    rows = np.moveaxis(e, slab, 0).reshape(shape[slab], -1)
-    finite_rows = np.isfinite(rows).all(axis=1)  # the largest of the slabs all finite
-    assert scan.expected_max == np.abs(rows[finite_rows]).max()

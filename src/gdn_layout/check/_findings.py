@@ -52,21 +52,9 @@ __all__ = [
 ]
 
 #: Every kind of finding, most specific first: the order findings are returned in.
-KINDS: Final = (
-    "misreading",
-    "overflow",
-    "unwritten",
-    "nonfinite",
-    "layout",
-    "rows",
-    "axes",
-    "transpose",
-    "heads",
-    "batch",
-    "shift",
-    "scale",
-    "boundary",
-    "rounding",
+KINDS: Final = tuple(
+    "misreading overflow unwritten nonfinite layout rows axes transpose heads batch shift scale "
+    "boundary rounding".split()
 )
 #: The kinds of a gradient's own findings that explain it failing alone by the op's values as
 #: they are (moved, not written, not finite), without a fitted factor: no misreading is re-run
@@ -329,33 +317,9 @@ class _Context:
 def grad_findings(
     name: str, actual: NDArray[Any], expected: NDArray[Any], layout: GdnBackwardLayout, score: Score
 ) -> tuple[Finding, ...]:
-    """The hypotheses that explain a failing gradient (see the module docstring).
-
-    Parameters
-    ----------
-    name : str
-        The gradient: ``"dq"``, ``"dk"``, ``"dv"``, ``"dg"``, ``"dbeta"`` or ``"dstate"``.
-    actual : numpy.ndarray
-        The kernel's gradient, shaped as ``layout.shape(name)``, any floating dtype; read,
-        never written.
-    expected : numpy.ndarray
-        The reference's gradient.
-    layout : GdnBackwardLayout
-        The layout both belong to.
-    score : callable
-        ``score(name, actual, expected) -> float`` (:data:`Score`).
-
-    Returns
-    -------
-    tuple of Finding
-        Most specific first (:data:`KINDS`' order); empty when nothing holds.
-
-    Raises
-    ------
-    TypeError
-        ``layout`` is not a :class:`GdnBackwardLayout`.
-    ValueError
-        ``name`` is not a gradient of ``layout``, or a shape is not ``layout.shape(name)``.
+    """The findings of a failing gradient ``name`` of ``layout`` (any floating dtype, read,
+    never written), most specific first; ``score`` as :data:`Score`. Raises TypeError for a
+    ``layout`` that is not one, ValueError for a name or shape not the layout's.
 
     Examples
     --------
@@ -914,38 +878,12 @@ def buffer_findings(
     layout: GdnBackwardLayout,
     score: Score,
 ) -> tuple[Finding, ...]:
-    """The ``layout`` finding of a packed buffer: gradients found at other offsets.
-
-    Each gradient failing at its own offset is looked for where the other gate mode's layout
-    puts it and at every offset another order of the segments gives it; an offset holds it
-    by the hypothesis rule. This is a pass of its own over the buffer: it reads the kernel's
-    values where no gradient of the layout sits. A segment at a time, in float64, on at most
-    :data:`MAX_WHOLE_ELEMENTS` of it.
-
-    Parameters
-    ----------
-    actual_flat : numpy.ndarray
-        The kernel's 1-D packed buffer, ``layout.total_elems`` long, any floating dtype.
-    expected_flat : numpy.ndarray
-        The reference's packed buffer.
-    layout : GdnBackwardLayout
-        The layout both should have.
-    score : callable
-        As for :func:`grad_findings`.
-
-    Returns
-    -------
-    tuple of Finding
-        One ``layout`` finding (gradient None) when some gradient sits elsewhere, else empty.
-        Its details: ``offsets``, ``expected_offsets``, ``moved``, ``order``, ``pairs``,
-        ``layout`` (the other layout's fields, when it explains every move), ``missing``.
-
-    Raises
-    ------
-    TypeError
-        ``layout`` is not a :class:`GdnBackwardLayout`.
-    ValueError
-        A buffer is not 1-D of ``layout.total_elems`` elements.
+    """The ``layout`` finding of a packed buffer: gradients found at other offsets (where
+    the other gate mode's layout puts them, or another order of the segments), by the rule
+    of the module docstring. A pass of its own over the buffer (it reads the kernel's values
+    where no gradient of the layout sits), a segment at a time in float64, on at most
+    :data:`MAX_WHOLE_ELEMENTS` of it. Raises as :func:`grad_findings` does, and ValueError
+    for a buffer not 1-D of ``layout.total_elems``.
 
     Examples
     --------
@@ -1072,30 +1010,11 @@ def _layout_finding(
 
 
 def size_findings(elems: int, layout: GdnBackwardLayout) -> tuple[Finding, ...]:
-    """What a packed buffer of ``elems`` elements, where ``layout`` wants another number, fits.
-
-    The layouts of the same ``B, S, H, N`` in the other gate and state modes with that many
-    elements; else a buffer that ends where a gradient starts; else twice or half the length
-    (values of one size read as another).
-
-    Parameters
-    ----------
-    elems : int
-        The buffer's length.
-    layout : GdnBackwardLayout
-        The layout it should have.
-
-    Returns
-    -------
-    tuple of Finding
-        One ``layout`` finding (gradient None), or none when nothing fits or the length is
-        right. Its details: ``elems``, ``expected``, ``layouts`` (the fields of each layout
-        that fits), ``ends_before`` (a gradient's name or None), ``factor`` (2, 0.5 or None).
-
-    Raises
-    ------
-    TypeError
-        ``layout`` is not a :class:`GdnBackwardLayout`.
+    """What a packed buffer of ``elems`` elements, where ``layout`` wants another number,
+    fits: the layouts of the same ``B, S, H, N`` in the other gate and state modes; else a
+    buffer that ends where a gradient starts; else twice or half the length. One ``layout``
+    finding (details ``elems``, ``expected``, ``layouts``, ``ends_before``, ``factor``) or
+    none; TypeError for a ``layout`` that is not one.
 
     Examples
     --------

@@ -34,7 +34,7 @@ from .._floors import term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
-from ..reference._recurrent import step_gradients
+from ..reference._recurrent import step_ends, step_gradients
 from ._criterion import Scores
 from ._findings import ROUNDING_MAX, Finding
 
@@ -59,18 +59,16 @@ _FUSED_BYTES: Final = 32 << 20
 #: Values within 16 binades of float32's largest may overflow in another order of the sums
 #: that form them: a kernel's value there is free.
 _NEAR_OVERFLOW: Final = float(np.finfo(np.float32).max) * 2.0**-16
-#: The gradients whose floors a reading's own float32 rounding raises by at most :func:`_cap`.
-_CAPPED: Final = ("dq", "dk", "dv")
+#: The gradients a screen judges (dq on the first steps, dv on the last; dk where a variant
+#: takes dq for it), whose floors a reading's own float32 rounding raises by at most _cap.
+_SCREENED: Final = ("dq", "dk", "dv")
 #: The words of a variant whose gradients are taken back, by the chain rule, to the tensors
 #: the user passed: a port that wraps the op in autograd gets them so, where a hand-written
 #: kernel writes the gradients of what it read into its own slots.
 _CHAINED: Final = "its gradients taken back to the tensors passed (autograd)"
-#: The steps a screen runs (misreading_findings' ruled_out): a long case's full re-runs are
-#: made only for readings its first steps leave possible.
-_PREFIX: Final = 16
-_STEPPED: Final = ("q", "k", "v", "g", "beta", "dy")
-#: Variants whose dq is another gradient of the run (not the forward's): the screen skips them.
-_DQ_FROM_ELSEWHERE: Final = frozenset({("qk_swapped", _CHAINED)})
+#: The steps at each end a screen runs (misreading_findings' ruled_out): a long case's full
+#: re-runs are made only for the readings its two ends leave possible.
+_ENDS: Final = 16
 #: The chunk length of the fused kernels whose masked decay differences may overflow.
 _KERNEL_CHUNK: Final = 64
 
@@ -90,6 +88,7 @@ class _Slice(NamedTuple):
     per_channel: bool
     chunked: bool = False
     skip: frozenset[str] = frozenset()  # variants a screen ruled out: their runs not made
+    ends: bool = False  # dq on the first _ENDS steps and dv on the last alone (a screen's)
 
 
 class _NoForm(Exception):
@@ -133,9 +132,10 @@ def _step_form(
         grads = _fused_form(q, k, v, g, b, dy, s0, cotangent)
     else:
         gate_read = g if decay is None else None
-        grads = step_gradients(
+        run = functools.partial(step_ends, steps=_ENDS) if x.ends else step_gradients
+        grads = run(
             q, k, v, gate_read, b, dy, s0, decay=decay, columns=columns, cotangent=cotangent,
-            dtype=q.dtype, checkpoint_every=64,
+            dtype=q.dtype,
         )._asdict()  # fmt: skip
     if fold:
         for name in grads.keys() - {"dstate"}:
@@ -464,7 +464,7 @@ def misreading_findings(
                 if (~np.isfinite(a) & ~free).any():
                     return None
                 e, a = e[~free], a[~free]
-                cap = _cap(limit(name)) if name in _CAPPED else (math.inf, math.inf)
+                cap = _cap(limit(name)) if name in _SCREENED else (math.inf, math.inf)
                 forms = (np.asarray(form[name], np.float64)[~free] for form in rounded)
                 figures += [
                     (min(rms, cap[0]), min(peak, cap[1]))
@@ -517,34 +517,34 @@ def misreading_findings(
         ]
         return name if len(shown) >= 2 and holds({**grads, name: None}, None) else None
 
-    kernel_dq = np.asarray(actual_of["dq"], np.float64)
-    finite = np.isfinite(kernel_dq)
-    largest = float(np.abs(kernel_dq[finite]).max(initial=0.0))
+    kernel64 = {n: np.asarray(actual_of[n], np.float64) for n in _SCREENED if n in names}
+    peaks = {n: float(np.abs(a[np.isfinite(a)]).max(initial=0.0)) for n, a in kernel64.items()}
 
     def ruled_out(reading: Reading) -> frozenset[str] | None:
-        """The variants of ``reading`` a screen rules out; None when it rules out all. The
-        screen runs the first :data:`_PREFIX` steps alone, whose ``dq`` is the full run's
-        (``dq`` reads the forward alone), and rules out a variant the kernel's ``dq`` misses
-        there under any floors the full check may use (:func:`_misses`), where fewer than
-        two other gradients fail (so neither it nor "every gradient but dq" can be named).
-        Only for long sequences: a full run of a short one costs as little."""
-        if layout.seq <= 8 * _PREFIX or reading.name == "batch_folded" or len(failing - {"dq"}) > 1:
-            return frozenset()  # row 1 of a folded run reads row 0's last state
-        short = x._replace(**{f: getattr(x, f)[:, : _PREFIX + 1] for f in _STEPPED})
-        out = set()
-        tried = list(reading.truths(short))
-        for words, grads in tried:
-            e = grads.get("dq")
-            if e is None or (reading.name, words) in _DQ_FROM_ELSEWHERE:
-                continue
-            op = np.asarray(theirs["dq"])[:, :_PREFIX]
-            e = np.asarray(e, np.float64)[:, :_PREFIX]
-            if not np.isfinite(e).all() or np.abs(e).max() > 1e3 * np.abs(op).max():
-                continue  # the reading grows: its float32 run may free values the screen judges
-            if _misses(e, kernel_dq[:, :_PREFIX], largest, actual_of["dq"].dtype, scores):
+        """The variants of ``reading`` a screen rules out; None when it rules out all. On a
+        long sequence each reading runs first on its two ends alone (``dq`` on the first
+        :data:`_ENDS` steps, ``dv`` on the last: their values are the full run's), and a
+        variant the kernel misses there under any floors the full check may use
+        (:func:`_misses`), in as many gradients as leave it neither named nor named but one,
+        is not run in full."""
+        if layout.seq <= 8 * _ENDS:
+            return frozenset()  # a full run of a short sequence costs as little
+        ends = reading.truths(x._replace(ends=True))
+        lows = {} if low is None else dict(reading.truths(low._replace(ends=True)))
+        out, every = set(), True
+        for words, grads in ends:
+            judged = [n for n in names if grads.get(n) is not None]
+            missed = {
+                n
+                for n in kernel64
+                if _misses(n, grads.get(n), lows.get(words, {}).get(n), kernel64[n], peaks[n],
+                           actual_of[n].dtype, scores)
+            }  # fmt: skip
+            rest = failing - missed  # but_one names one gradient missed, two failing shown
+            if missed and (len(missed) >= 2 or len(judged) < 3 or len(rest) < 2):
                 out.add(words)
-        # gate_shift's variants depend on the gates of every step: it skips runs by x.skip
-        every = bool(out) and reading.name != "gate_shift" and out >= {w for w, _ in tried}
+            else:
+                every = False
         return None if every else frozenset(out)
 
     partial: Finding | None = None
@@ -584,23 +584,37 @@ def misreading_findings(
     return () if partial is None else (partial,)
 
 
-def _misses(e: _Array, a: _Array, largest: float, dtype: np.dtype[Any], scores: Scores) -> bool:
-    """Whether the kernel's ``dq`` values ``a`` (float64; ``largest`` the largest finite
-    magnitude of its whole ``dq``, in ``dtype``) fail against a variant's ``e`` under any
-    floors the full check may judge them by.
+def _misses(
+    name: str,
+    e: _Array | None,
+    low: _Array | None,
+    a: _Array,
+    largest: float,
+    dtype: np.dtype[Any],
+    scores: Scores,
+) -> bool:
+    """Whether the kernel's gradient ``name`` ``a`` (float64; ``largest`` its largest finite
+    magnitude, stored in ``dtype``) fails against a screen's values ``e`` (NaN where not
+    run; ``low`` the same in float32, whose overflow frees values) under any floors the full
+    check may judge it by.
 
     Why it holds: the full check's floors are at most ``f = max(fixture's, cap, eps)``
     (:func:`_cap`; ``eps`` the stored rounding), so a variant passing has ``rms(e) <= max|a| /
     (1 - K f_rms)``, and every error at most ``K f_max rms(e)``, or ``K eps max|e|``. An error
     past the larger bound fails it."""
+    if e is None:
+        return False
+    e = np.asarray(e, np.float64)
     reach = min(_NEAR_OVERFLOW, float(finfo(dtype).max))
     judged = np.isfinite(e) & np.isfinite(a) & (np.abs(e) <= reach)
+    if low is not None:
+        judged &= np.isfinite(low)
     if not judged.any():
         return False
     error = np.abs(a - e)[judged]
     eps = float(finfo(dtype).eps)  # a value stored in dtype is within eps/2 of it
-    cap = _cap(scores.against("dq", np.ones(1), None, None).limit)
-    judge = scores.against("dq", np.ones(1), None, (max(cap[0], eps), cap[1]))
+    cap = _cap(scores.against(name, np.ones(1), None, None).limit)
+    judge = scores.against(name, np.ones(1), None, (max(cap[0], eps), cap[1]))
     if judge.mode != "calibrated":  # explicit tolerances: elementwise, judged alike
         return bool(judge.counts_elements and (error > judge.allowances(np.abs(e[judged]))).any())
     assert judge.precision is not None
@@ -615,7 +629,7 @@ def _misses(e: _Array, a: _Array, largest: float, dtype: np.dtype[Any], scores: 
 
 def _cap(limit: float) -> tuple[float, float]:
     """The most a reading's own float32 rounding raises the ``(rms, max)`` floors of
-    :data:`_CAPPED`: ``1/(32K)`` and ``1/(8K)`` for the class's ``K``. Past that a kernel
+    :data:`_SCREENED`: ``1/(32K)`` and ``1/(8K)`` for the class's ``K``. Past that a kernel
     could miss the reading by an eighth of its values and pass."""
     if not limit > 0:
         return (math.inf, math.inf)
