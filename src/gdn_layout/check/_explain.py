@@ -30,8 +30,6 @@ from ._findings import ALONE, Finding, buffer_findings, grad_findings
 from ._misreadings import misreading_findings, overflow_finding
 from ._records import GradComparison
 
-__all__ = ["Evidence", "explain"]
-
 
 @dataclass(frozen=True)
 class Evidence:

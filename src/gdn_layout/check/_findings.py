@@ -38,23 +38,22 @@ from .._dtypes import UNIT_ROUNDOFF
 from ..layout import GdnBackwardLayout, Segment, gradient_axes
 from ._criterion import json_float
 
-__all__ = [
-    "ALONE",
-    "HYPOTHESES",
-    "KINDS",
-    "MAX_WHOLE_ELEMENTS",
-    "Finding",
-    "Score",
-    "buffer_findings",
-    "grad_findings",
-    "size_findings",
-    "tensor_findings",
-]
-
 #: Every kind of finding, most specific first: the order findings are returned in.
-KINDS: Final = tuple(
-    "misreading overflow unwritten nonfinite layout rows axes transpose heads batch shift scale "
-    "boundary rounding".split()
+KINDS: Final = (
+    "misreading",
+    "overflow",
+    "unwritten",
+    "nonfinite",
+    "layout",
+    "rows",
+    "axes",
+    "transpose",
+    "heads",
+    "batch",
+    "shift",
+    "scale",
+    "boundary",
+    "rounding",
 )
 #: The kinds of a gradient's own findings that explain it failing alone by the op's values as
 #: they are (moved, not written, not finite), without a fitted factor: no misreading is re-run

@@ -38,8 +38,6 @@ from ..reference._recurrent import step_ends, step_gradients
 from ._criterion import Scores
 from ._findings import ROUNDING_MAX, Finding
 
-__all__ = ["BUDGET", "READINGS", "Reading", "misreading_findings", "overflow_finding"]
-
 _Array = NDArray[Any]  # float64, or float32 for the re-run that rounds as a kernel does
 #: The gradients of one re-run, by name; None where the reading says nothing of one.
 _Grads = dict[str, _Array | None]
