@@ -142,13 +142,8 @@ def chunked(fx: Fixture, operands: str = "float32", chunk: int = 64) -> NDArray[
     return _packed(fx, leaves, y)
 
 
-def step_by_step(fx: Fixture, *, handed_back: tuple[int, float] | None = None) -> NDArray[Any]:
-    """The recurrence step by step in float32, its backward by autograd.
-
-    ``handed_back=(step, factor)`` puts one bug in the backward alone: the state's cotangent
-    handed back across ``step`` (to the steps before it) scaled by ``factor``, as a sweep that
-    hands ``dS`` to the chunk before with a wrong decay does. The forward, and so ``dq``, is
-    right."""
+def step_by_step(fx: Fixture) -> NDArray[Any]:
+    """The recurrence step by step in float32, its backward by autograd."""
     t = _torch()
     leaves = _leaves(fx)
     q, k, v, g, beta = (leaves[n] for n in ("q", "k", "v", "g", "beta"))
@@ -157,9 +152,6 @@ def step_by_step(fx: Fixture, *, handed_back: tuple[int, float] | None = None) -
     state = leaves.get("state", t.zeros(batch, heads, size, size))
     outputs = []
     for s in range(seq):
-        if handed_back is not None and s == handed_back[0]:
-            state = state * 1.0  # its own node, so that only what flows back through it moves
-            state.register_hook(lambda grad: grad * handed_back[1])
         decay = g[:, s].exp()
         state = state * (decay[..., None] if per_channel else decay[..., None, None])
         key = k[:, s]

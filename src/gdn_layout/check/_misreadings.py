@@ -1,43 +1,12 @@
 """Misreadings: the op computed with its inputs read another way, verified by re-running it.
 
-A port's first bugs are in how it reads the op's inputs: the state taken as ``[V, K]``, the
-decay passed where the log-gate is expected, ``g`` and ``beta`` in another library's order.
-Each misreading of :data:`READINGS` re-runs the op's step-by-step form in float64 with the
-inputs read that way and is named only when the kernel's every judged gradient *passes the
-same criterion* against that re-run: the cause is then shown, not guessed. The gradients
-compared are the kernel's with respect to what it read (for ``state_transposed`` its
-``dstate`` is transposed too; for ``g_beta_swapped`` its ``dg`` is the gradient of the
-``beta`` it took as a gate).
-
-**When one is named.** The reading must judge some gradient the kernel fails, change the
-op's values in the gradients it judges on at least 16 values (else a bug of another kind, a
-``dg`` stored a step off under a constant gate or over a few steps, would pass for it), and
-the kernel must pass against it in every gradient it judges, each against floors no lower
-than the rounding of the reading's own values to the kernel's dtype (the fixture's floors
-are its op's). A reading of the inputs changes every gradient, but under fast decay or a
-coarse dtype's floors only one may show it (a transposed state in ``dg`` alone): a case
-failing in one gradient alone is tried against every reading too, the other gradients then
-checked to agree with it.
-
-**Cost.** A re-run is the step-by-step form on a slice of the case: the first two batch rows
-(one when ``B = 1``) and as many heads as keep it within :data:`BUDGET` state elements
-stepped (``rows * heads * S * N**2``; at least one head), from the head where most gradients
-come nearest their largest error, its states kept at every 64th step and recomputed in
-between. It runs only when the kernel fails on that slice, once per reading and variant (a
-scale is the truth times a factor), and the first reading verified ends the search. On a long
-sequence each reading's run is screened first by its two ends alone (``dq`` on the first 16
-steps, ``dv`` on the last: their values are the full run's): a variant is not re-run where the
-kernel misses it there by more than any floors the full check may use allow, in as many
-gradients as leave it neither named nor named but one (:func:`_misses` argues the bound; a
-reading's own float32 rounding raises those gradients' floors by at most :func:`_cap`). The
-op's own run, made once in each dtype with its checkpoints and their cotangents, is the
-reading that changes no input (``beta_missing``'s ``dv``), and gives the screens of readings
-that share its sweep or its forward an interval of every gradient more (:func:`_shared`).
-Where a reading's op grows (its gradients a thousand times the op's, or not finite), or the
-kernel misses it by less than it misses the op, it runs again in float32, step by step and,
-where that form can compute it, in the fused kernels' chunked form: as the fixture's floors
-for the op, the worst rounding of the two then raises the floors, and the step-by-step run's
-overflow frees the kernel's values there.
+docs/findings.md (*Misreadings*) says when a reading is named and what a re-run costs. Each
+reading of :data:`READINGS` re-runs the op's step-by-step form in float64 on a slice of the
+case (the first two batch rows, as many heads as keep ``rows * heads * S * N**2`` within
+:data:`BUDGET`), and is named only when the kernel's every judged gradient passes the same
+criterion against that re-run. Where a reading's op grows, or the kernel nearly holds it, it
+runs again in float32, step by step and in the fused kernels' chunked form: their worst
+rounding raises the floors, as the fixture's two forms set the op's.
 
 >>> import numpy as np
 >>> from gdn_layout import GdnBackwardLayout, make_fixture, compare
@@ -65,22 +34,21 @@ from .._floors import term_scales
 from ..layout import GdnBackwardLayout
 from ..packing import unpack
 from ..reference._fused import FUSED_CHUNK, fused_backward
-from ..reference._recurrent import Boundaries, Part, step_ends, step_gradients
+from ..reference._recurrent import step_ends, step_gradients
 from ._criterion import Scores
 from ._findings import ROUNDING_MAX, Finding
-
-__all__ = ["BUDGET", "READINGS", "Reading", "misreading_findings", "overflow_finding"]
 
 _Array = NDArray[Any]  # float64, or float32 for the re-run that rounds as a kernel does
 #: The gradients of one re-run, by name; None where the reading says nothing of one.
 _Grads = dict[str, _Array | None]
 
-#: The most state elements a re-run steps through (``rows * heads * S * N**2``).
+# -- the tuned constants, each with its reason -----------------------------------------------
+
+#: The most state elements a re-run steps through (``rows * heads * S * N**2``): a failing
+#: compare of the standard suite re-runs in about 0.2 s, one of B=2 S=1024 H=8 N=128 in a few.
 BUDGET: Final = 1 << 24
-_CHECKPOINT: Final = 64  # steps between the states a re-run keeps
-_ENDS: Final = 16  # steps at each end a screen runs (_misses)
-#: The least values a reading is verified on (when overflow frees some), and shown on: those
-#: of the gradients where it differs from the op.
+#: The least values a reading is verified on, and shown on (those of the gradients where it
+#: differs from the op): on a handful a shift or a rounding matches as well.
 _VERIFIED: Final = 16
 _PADDED: Final = (16, 32, 64, 128, 256)  # head sizes a library pads N to
 #: About the most bytes a run of the fused chunked form takes at once: it runs a group of
@@ -89,12 +57,24 @@ _FUSED_BYTES: Final = 32 << 20
 #: Values within 16 binades of float32's largest may overflow in another order of the sums
 #: that form them: a kernel's value there is free.
 _NEAR_OVERFLOW: Final = float(np.finfo(np.float32).max) * 2.0**-16
+#: The gradients a screen judges (dq on the first steps, dv on the last; dk where a variant
+#: takes dq for it), whose floors a reading's own float32 rounding raises by at most _cap.
+_SCREENED: Final = ("dq", "dk", "dv")
+#: The words of a variant whose gradients are taken back, by the chain rule, to the tensors
+#: the user passed: a port that wraps the op in autograd gets them so, where a hand-written
+#: kernel writes the gradients of what it read into its own slots.
+_CHAINED: Final = "its gradients taken back to the tensors passed (autograd)"
+#: The steps at each end a screen runs (misreading_findings' ruled_out): a long case's full
+#: re-runs are made only for the readings its two ends leave possible.
+_ENDS: Final = 16
+#: The chunk length of the fused kernels whose masked decay differences may overflow.
+_KERNEL_CHUNK: Final = 64
 
 
-class _Case(NamedTuple):
+class _Slice(NamedTuple):
     """The slice of a case a re-run reads, in the op's ``[B, S, H, N]`` shapes: float64, or
-    float32 for a re-run that rounds as a kernel does, in the step-by-step form or, when
-    ``chunked``, in the fused kernels' chunked form."""
+    float32 for a re-run that rounds as a kernel does, step by step or, when ``chunked``, in
+    the fused kernels' chunked form."""
 
     q: _Array
     k: _Array
@@ -105,32 +85,8 @@ class _Case(NamedTuple):
     state: _Array | None
     per_channel: bool
     chunked: bool = False
-    ends: bool = False  # dq on the first _ENDS steps and dv on the last alone (step_ends)
-    skip: frozenset[str] = frozenset()  # variants ruled out: their runs are not made
-    #: The op's own float64 run of this slice, made once when first asked for (_op_run).
-    op: Callable[[], _OpRun] | None = None
-
-
-class _OpRun(NamedTuple):
-    """The op's step-by-step run of a slice: its gradients, and its checkpoints (every
-    ``_CHECKPOINT`` steps), their cotangents and its final state."""
-
-    grads: dict[str, _Array]
-    record: Boundaries
-
-
-def _op_run(x: _Case) -> _OpRun:
-    rows, seq, heads, n = x.q.shape
-    count = len(range(0, seq, _CHECKPOINT))
-    record = Boundaries(
-        np.empty((rows, count, heads, n, n), x.q.dtype),
-        np.empty((rows, count, heads, n, n), x.q.dtype),
-        np.empty((rows, heads, n, n), x.q.dtype),
-    )
-    grads = step_gradients(
-        *x[:7], dtype=x.q.dtype, checkpoint_every=_CHECKPOINT, record=record
-    )._asdict()
-    return _OpRun(grads, record)
+    skip: frozenset[str] = frozenset()  # variants a screen ruled out: their runs not made
+    ends: bool = False  # dq on the first _ENDS steps and dv on the last alone (a screen's)
 
 
 class _NoForm(Exception):
@@ -138,7 +94,7 @@ class _NoForm(Exception):
 
 
 def _step_form(
-    x: _Case,
+    x: _Slice,
     *,
     q: _Array | None = None,
     k: _Array | None = None,
@@ -150,30 +106,18 @@ def _step_form(
     cotangent: _Array | None = None,
     fold: bool = False,
 ) -> dict[str, _Array]:
-    """The op's step-by-step form (the reference's), or its fused chunked form when
-    ``x.chunked``, with the log-gate ``gate`` (``g`` by default) or a decay ``decay`` given
-    directly, scaling value columns when ``columns``; a cotangent ``cotangent`` on the final
-    state; the batch rows as one sequence when ``fold``. Returns ``dq, dk, dv, dbeta``,
-    ``dstate`` and ``dg``, the gradient of the gate read: the log-gate's, or with ``decay``
-    the decay's. Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``;
-    where either form overflows, its values are not finite."""
-    given = {"q": q, "k": k, "gate": gate, "decay": decay, "beta": beta, "state": state}
-    differs = {name for name, t in given.items() if t is not None}
-    differs |= {name for name, on in (("columns", columns), ("fold", fold)) if on}
-    differs |= set() if cotangent is None else {"cotangent"}
-    if not differs and x.op is not None and not x.chunked:
-        return dict(x.op().grads)  # the op itself: its run, made once
+    """The op's step-by-step form, or its fused chunked form when ``x.chunked``, with the
+    inputs given read in place of ``x``'s: the log-gate ``gate`` or a decay ``decay`` given
+    directly, a per-channel decay on value columns when ``columns``, a cotangent on the final
+    state, the batch rows as one sequence when ``fold``. ``dg`` is the gradient of the gate
+    read. Raises :class:`_NoForm` for a chunked form given ``decay`` or ``columns``."""
     q = x.q if q is None else q
     k = x.k if k is None else k
     g = x.g if gate is None else gate
     b = x.beta if beta is None else beta
     s0 = x.state if state is None else state
-    rows, seq, heads, n = q.shape
     v, dy = x.v, x.dy
-    parts: list[Part] = []
-    same: list[tuple[str, Any, _Array]] = []
-    if x.ends and x.op is not None and len(differs) == 1:
-        parts, same = _shared(x, differs, s0, cotangent)
+    rows, seq, heads, n = q.shape
     if fold:  # [B, S, ...] as [1, B*S, ...]: row r's first step follows row r-1's last
         q, k, v, dy = (t.reshape(1, rows * seq, heads, n) for t in (q, k, v, dy))
         g = g.reshape(1, rows * seq, *g.shape[2:])
@@ -185,72 +129,17 @@ def _step_form(
             raise _NoForm
         grads = _fused_form(q, k, v, g, b, dy, s0, cotangent)
     else:
-        grads = (step_ends if x.ends else step_gradients)(
-            q,
-            k,
-            v,
-            g if decay is None else None,
-            b,
-            dy,
-            s0,
-            decay=decay,
-            columns=columns,
-            cotangent=cotangent,
+        gate_read = g if decay is None else None
+        run = functools.partial(step_ends, steps=_ENDS) if x.ends else step_gradients
+        grads = run(
+            q, k, v, gate_read, b, dy, s0, decay=decay, columns=columns, cotangent=cotangent,
             dtype=q.dtype,
-            **({"steps": _ENDS, "parts": parts} if x.ends else {"checkpoint_every": _CHECKPOINT}),
-        )._asdict()
-        for name, where, values in same:
-            grads[name][where] = values
+        )._asdict()  # fmt: skip
     if fold:
         for name in grads.keys() - {"dstate"}:
             grads[name] = grads[name].reshape(rows, seq, *grads[name].shape[2:])
         grads["dstate"] = np.concatenate([grads["dstate"], np.zeros_like(grads["dstate"])])[:rows]
     return grads
-
-
-def _shared(
-    x: _Case, differs: set[str], state: _Array | None, cotangent: _Array | None
-) -> tuple[list[Part], list[tuple[str, Any, _Array]]]:
-    """What of a reading's screen (``x.ends``) the op's run makes exact, where the reading
-    differs from the op in one way (``differs``): steps of its run, as parts of it
-    (:class:`Part`), and gradients the op's run gives on every step, as ``(name, where,
-    values)`` to write into its gradients (``[1, 2S, ...]`` folded).
-
-    Why they are its run's values: the backward sweep of the state's cotangent reads no
-    state (``q``, ``dy``, ``k``, ``beta`` and the decay alone), and the forward reads no
-    cotangent; the same steps on the same values give the same values (but a zero's sign).
-    A state read otherwise (``state``) leaves the op's sweep: its first interval runs from
-    that state and the op's cotangent after it, and its ``dv`` is the op's. A cotangent on
-    the final state leaves the op's forward: its last interval runs from the op's checkpoint
-    and that cotangent, and its ``dq`` is the op's. Two rows folded into one sequence leave
-    row 0's forward and row 1's sweep: the last interval of row 0 runs from the op's
-    checkpoint and row 1's cotangent of its initial state, row 1's first from row 0's final
-    state and the op's cotangent after that interval; row 0's ``dq`` and row 1's ``dv`` are
-    the op's."""
-    assert x.op is not None
-    run = x.op()
-    record, op = run.record, run.grads
-    dh = record.dh
-    assert dh is not None  # _op_run keeps it
-    rows, seq = x.q.shape[:2]
-    count = record.h.shape[1]
-    first = min(_CHECKPOINT, seq)
-    after = dh[:, 1] if count > 1 else np.zeros_like(record.final)  # step `first`'s
-    if differs == {"state"}:
-        start = np.zeros_like(record.final) if state is None else state
-        return [Part(0, first, start, after)], [("dv", ..., op["dv"])]
-    if differs == {"cotangent"}:
-        return [Part((count - 1) * _CHECKPOINT, seq, record.h[:, -1], cotangent)], [
-            ("dq", ..., op["dq"])
-        ]
-    if differs == {"fold"} and rows == 2:
-        last = (count - 1) * _CHECKPOINT
-        parts = [
-            Part(last, seq, record.h[:1, -1], dh[1:, 0]),
-            Part(seq, seq + first, record.final[:1], after[1:]),
-        ]
-        return parts, [("dq", np.s_[0, :seq], op["dq"][0]), ("dv", np.s_[0, seq:], op["dv"][1])]
-    return [], []
 
 
 def _fused_form(
@@ -263,9 +152,8 @@ def _fused_form(
     state: _Array | None,
     cotangent: _Array | None,
 ) -> dict[str, _Array]:
-    """The fused kernels' chunked form in ``q``'s dtype, its products unrounded: the
-    fixture's ``chunked`` floors run, on a reading's inputs. A group of heads where it
-    overflows (a reading's op may) is NaN: its rounding is not measured there."""
+    """The fused kernels' chunked form in ``q``'s dtype: the fixture's ``chunked`` floors run,
+    on a reading's inputs. A group of heads where it overflows is NaN."""
     rows, seq, heads, n = q.shape
     out = {
         "dq": np.empty_like(q),
@@ -275,8 +163,8 @@ def _fused_form(
         "dbeta": np.empty_like(beta),
         "dstate": np.zeros((rows, heads, n, n), q.dtype),
     }
-    # A group of heads at a time (one at least), its chunks formed again in the backward:
-    # a per-channel chunk's temporaries are 64 times its inputs (reference._fused).
+    # A group of heads at a time (one at least): a per-channel chunk's temporaries are 64
+    # times its inputs (reference._fused).
     each = q.dtype.itemsize * rows * (8 * FUSED_CHUNK**2 * (n if g.ndim == 4 else 1) + 32 * seq * n)
     step = max(1, _FUSED_BYTES // max(each, 1))
     for h0 in range(0, heads, step):
@@ -314,16 +202,10 @@ class Reading(NamedTuple):
     name: str
     computes: str
     applies: Callable[[GdnBackwardLayout], bool]
-    truths: Callable[[_Case], Iterator[tuple[str, _Grads]]]
+    truths: Callable[[_Slice], Iterator[tuple[str, _Grads]]]
 
 
-#: The words of a variant whose gradients are taken back, by the chain rule, to the tensors
-#: the user passed: a port that wraps the op in autograd gets them so, where a hand-written
-#: kernel writes the gradients of what it read into its own slots.
-_CHAINED: Final = "its gradients taken back to the tensors passed (autograd)"
-
-
-def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _state_transposed(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     assert x.state is not None
     grads: _Grads = dict(_step_form(x, state=x.state.swapaxes(-1, -2)))
     yield "", grads
@@ -335,11 +217,11 @@ def _state_transposed(x: _Case) -> Iterator[tuple[str, _Grads]]:
     )
 
 
-def _gate_as_decay(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _gate_as_decay(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     yield "", dict(_step_form(x, decay=x.g))  # its dg: that of the decay read, g itself
 
 
-def _gate_exp_twice(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _gate_exp_twice(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     grads: _Grads = dict(_step_form(x, gate=np.exp(x.g)))
     yield "", grads
     dg = grads["dg"]
@@ -347,7 +229,7 @@ def _gate_exp_twice(x: _Case) -> Iterator[tuple[str, _Grads]]:
     yield _CHAINED, {**grads, "dg": dg * np.exp(x.g)}  # through the exp the glue took
 
 
-def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _gate_shift(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     for late in (True, False):
         g = np.zeros_like(x.g)  # the step without a gate reads g = 0: no decay
         if late:
@@ -376,11 +258,11 @@ def _gate_shift(x: _Case) -> Iterator[tuple[str, _Grads]]:
         yield own, {**grads, "dg": moved}
 
 
-def _gate_axis(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _gate_axis(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     yield "", dict(_step_form(x, columns=True))
 
 
-def _g_beta_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _g_beta_swapped(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     grads: _Grads = dict(_step_form(x, gate=x.beta, beta=x.g))
     yield "", grads
     yield _CHAINED, {**grads, "dg": grads["dbeta"], "dbeta": grads["dg"]}
@@ -389,7 +271,7 @@ def _g_beta_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
 _WITHOUT: Final = "dv formed without beta (dv = du, not beta * du)"
 
 
-def _beta_missing(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _beta_missing(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     ones = "beta = 1 in the update (dbeta not judged)"
     if ones not in x.skip:
         yield ones, {**_step_form(x, beta=np.ones_like(x.beta)), "dbeta": None}
@@ -403,13 +285,13 @@ def _beta_missing(x: _Case) -> Iterator[tuple[str, _Grads]]:
     yield _WITHOUT, {**truth, "dv": without}
 
 
-def _unit(t: _Array) -> tuple[_Array, _Array]:
+def _normalized(t: _Array) -> tuple[_Array, _Array]:
     norm = np.sqrt(np.sum(t * t, axis=-1, keepdims=True))
     return t / np.where(norm > 0, norm, 1.0), norm
 
 
-def _qk_normalized(x: _Case) -> Iterator[tuple[str, _Grads]]:
-    (q, nq), (k, nk) = _unit(x.q), _unit(x.k)
+def _qk_normalized(x: _Slice) -> Iterator[tuple[str, _Grads]]:
+    (q, nq), (k, nk) = _normalized(x.q), _normalized(x.k)
     grads: _Grads = dict(_step_form(x, q=q, k=k))
     chained = dict(grads)
     for name, unit, norm in (("dq", q, nq), ("dk", k, nk)):
@@ -421,19 +303,19 @@ def _qk_normalized(x: _Case) -> Iterator[tuple[str, _Grads]]:
     yield "its dq and dk those of the normalized q and k", grads
 
 
-def _qk_swapped(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _qk_swapped(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     grads: _Grads = dict(_step_form(x, q=x.k, k=x.q))
     yield "", grads
     yield _CHAINED, {**grads, "dq": grads["dk"], "dk": grads["dq"]}
 
 
-def _final_state_cotangent(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _final_state_cotangent(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     rows, _, heads, n = x.q.shape
     ones = np.ones((rows, heads, n, n), x.q.dtype)
     yield "", dict(_step_form(x, cotangent=ones))
 
 
-def _batch_folded(x: _Case) -> Iterator[tuple[str, _Grads]]:
+def _batch_folded(x: _Slice) -> Iterator[tuple[str, _Grads]]:
     yield "", {**_step_form(x, fold=True), "dstate": None}  # a folded run has one initial state
 
 
@@ -519,10 +401,11 @@ def misreading_findings(
     scores: Scores,
 ) -> tuple[Finding, ...]:
     """The misreadings of :data:`READINGS` the kernel's gradients ``actual`` (by name, in
-    their shapes) pass against, on a slice of the case (module docstring); () when the
-    slice passes against ``expected`` (the fixture's gradients), whose failure is elsewhere.
-    ``inputs`` are the case's ``q, k, v, g, beta, dy, state``; ``scores`` the criteria the
-    case was judged by, made again against a reading (:meth:`Scores.against`)."""
+    their shapes) pass against, on a slice of the case; () when the slice passes against
+    ``expected`` (the fixture's gradients). ``inputs`` are the case's ``q, k, v, g, beta, dy,
+    state``; ``scores`` the criteria the case was judged by, made again against a reading
+    (:meth:`Scores.against`). The first reading verified ends the search; else one every
+    gradient but one matches (docs/findings.md) is named so."""
     if layout.seq == 0 or layout.state_size == 0 or layout.batch == 0 or layout.heads == 0:
         return ()
     rows = slice(0, min(layout.batch, 2))
@@ -530,20 +413,17 @@ def misreading_findings(
     names = layout.names
     heads = _worst_heads(actual, expected, names, rows, max(1, min(layout.heads, BUDGET // steps)))
     actual_of = {n: _sliced(actual[n], n, rows, heads, keep=True) for n in names}
-    theirs = {n: _sliced(expected[n], n, rows, heads) for n in names}
-    sliced = _case_slice(inputs, layout, rows, heads)
-    x = sliced._replace(op=functools.cache(lambda: _op_run(sliced)))
-
+    op = {n: _sliced(expected[n], n, rows, heads) for n in names}
+    theirs: _Grads = dict(op)
+    x = _case_slice(inputs, layout, rows, heads)
     # The reading's op rounds as the kernel's would: its floors are at least that rounding,
     # and where it leaves the kernel's range the kernel's values are free.
     low = None
     if any(np.asarray(actual[n]).dtype != np.float64 for n in names):
         state = None if x.state is None else x.state.astype(np.float32)
         q, k, v, g, beta, dy = (t.astype(np.float32) for t in x[:6])
-        rounds = _Case(q, k, v, g, beta, dy, state, x.per_channel)
-        low = rounds._replace(op=functools.cache(lambda: _op_run(rounds)))
-
-    op_term = term_scales(x.q, x.k, theirs["dq"], theirs["dk"], per_channel=x.per_channel)["dg"]
+        low = _Slice(q, k, v, g, beta, dy, state, x.per_channel)
+    op_term = term_scales(x.q, x.k, op["dq"], op["dk"], per_channel=x.per_channel)["dg"]
 
     @functools.cache
     def limit(name: str) -> float:
@@ -551,8 +431,8 @@ def misreading_findings(
         return scores.against(name, np.ones(1), None, None).limit
 
     def dg_term(grads: _Grads) -> float:
-        """The scale of the terms ``grads``' ``dg`` is formed from: its own ``dq`` and ``dk``'s,
-        or, for a gradient judged alone, the op's."""
+        """The scale of the terms ``grads``' ``dg`` is formed from: its own ``dq`` and
+        ``dk``'s, or, for a gradient judged alone, the op's."""
         dq, dk = grads.get("dq"), grads.get("dk")
         if dq is None or dk is None or grads is theirs:
             return op_term
@@ -569,24 +449,21 @@ def misreading_findings(
         step-by-step form's first, whose overflow frees values; the floors are at least the
         worst of their rounding. ``stored``: the floors are at least the rounding of
         ``grads``' own values to the kernel's dtype (the fixture's are its op's)."""
-        judged = [n for n in names if grads.get(n) is not None]
         term = dg_term(grads)
-        verified = 0  # values compared: those an overflow leaves are free
-        for name in judged:
+        verified = 0
+        for name in (n for n in names if grads.get(n) is not None):
             e = np.asarray(grads[name], np.float64)
             a = np.asarray(kernel[name], np.float64)
             figures = []  # the (rms, max) of each rounding the floors are at least
             if rounded is not None and rounded[0].get(name) is not None:
                 r = np.asarray(rounded[0][name], np.float64)
-                largest = float(finfo(actual_of[name].dtype).max)
-                big = np.abs(e) > min(_NEAR_OVERFLOW, largest)
+                big = np.abs(e) > min(_NEAR_OVERFLOW, float(finfo(actual_of[name].dtype).max))
                 free = ~np.isfinite(r) | big | ~np.isfinite(e)  # past any float: unverifiable
                 if (~np.isfinite(a) & ~free).any():
                     return None
                 e, a = e[~free], a[~free]
-                verified += e.size
-                forms = (np.asarray(form[name], np.float64)[~free] for form in rounded)
                 cap = _cap(limit(name)) if name in _SCREENED else (math.inf, math.inf)
+                forms = (np.asarray(form[name], np.float64)[~free] for form in rounded)
                 figures += [
                     (min(rms, cap[0]), min(peak, cap[1]))
                     for rms, peak in (_figures(o, e) for o in forms if np.isfinite(o).all())
@@ -598,8 +475,7 @@ def misreading_findings(
             floor = (max(f[0] for f in figures), max(f[1] for f in figures)) if figures else None
             if scores.against(name, e, term if name == "dg" else None, floor).score(a, e) > 1:
                 return None
-            if rounded is None:
-                verified += e.size
+            verified += e.size
         return verified
 
     failing = {n for n in names if passes({n: theirs[n]}, None, actual_of) is None}
@@ -607,192 +483,158 @@ def misreading_findings(
         return ()
 
     def holds(grads: _Grads, rounded: tuple[_Grads, ...] | None) -> bool:
-        """The reading judges a gradient the kernel fails, changes the op's values in
-        one it judges (else a bug of its own, a moved ``dg``, would pass for it), and the
-        kernel passes against it."""
+        """The reading judges a gradient the kernel fails, changes the op's values in one it
+        judges (else a bug of its own, a moved ``dg``, would pass for it), and the kernel
+        passes against it."""
         judged = {n for n in names if grads.get(n) is not None}
         if not failing & judged:
             return False
         shown = [n for n in judged if passes({n: grads[n]}, None, theirs) is None]
         if sum(np.asarray(grads[n]).size for n in shown) < _VERIFIED:
-            return False  # shown on a handful of values, a shift or a rounding matches as well
+            return False
         verified = passes(grads, rounded, actual_of, stored=True)
         return verified is not None and verified >= _VERIFIED
 
     def but_one(grads: _Grads) -> str | None:
-        """The one judged gradient the kernel misses ``grads`` in, when it matches them in
-        every other, and those show the reading in two gradients the kernel fails against
-        the op: a reading in one place (the update) and not another (how one gradient is
-        formed)."""
+        """The one judged gradient the kernel misses ``grads`` in, past rounding's reach,
+        when it matches them in every other, and those show the reading in two gradients the
+        kernel fails against the op: a reading in the update, one gradient formed otherwise."""
         judged = [n for n in names if grads.get(n) is not None]
         missed = [n for n in judged if passes({n: grads[n]}, None, actual_of) is None]
         if len(missed) != 1 or len(judged) < 3:
             return None
-        # Formed otherwise, not a near miss: past what rounding reaches against the reading.
-        e, a = (np.asarray(t[missed[0]], np.float64) for t in (grads, actual_of))
-        near = dg_term(grads) if missed[0] == "dg" else None
-        if scores.against(missed[0], e, near, None).score(a, e) <= ROUNDING_MAX:
+        name = missed[0]
+        e, a = (np.asarray(t[name], np.float64) for t in (grads, actual_of))
+        near = dg_term(grads) if name == "dg" else None
+        if scores.against(name, e, near, None).score(a, e) <= ROUNDING_MAX:
             return None
-        rest = {**grads, missed[0]: None}
         shown = [
             n
             for n in judged
-            if n != missed[0] and n in failing and passes({n: grads[n]}, None, theirs) is None
+            if n != name and n in failing and passes({n: grads[n]}, None, theirs) is None
         ]
-        return missed[0] if len(shown) >= 2 and holds(rest, None) else None
+        return name if len(shown) >= 2 and holds({**grads, name: None}, None) else None
 
-    def op_s(name: str) -> bool:
-        """Whether the kernel's ``name`` is the op's: formed as for the op as given."""
-        return passes({name: theirs[name]}, None, actual_of) is not None
-
-    kernel64: dict[str, _Array] = {
-        n: np.asarray(actual_of[n], np.float64) for n in _SCREENED if n in actual_of
-    }
+    kernel64 = {n: np.asarray(actual_of[n], np.float64) for n in _SCREENED if n in names}
     peaks = {n: float(np.abs(a[np.isfinite(a)]).max(initial=0.0)) for n, a in kernel64.items()}
 
-    def ruled_out(reading: Reading, shared: bool) -> tuple[frozenset[str], bool, bool]:
-        """The variants of ``reading`` its run's two ends rule out (:func:`_misses`): the
-        kernel misses them there by more than the check allows any floors, in as many
-        gradients as leave no variant named, nor named but one; whether all are; whether
-        one left is missed in some gradient. ``shared``: with what the op's run gives
-        (:func:`_shared`)."""
-        ends = reading.truths(x._replace(ends=True, op=x.op if shared else None))
-        lows = {}
-        if low is not None:
-            lows = dict(reading.truths(low._replace(ends=True, op=low.op if shared else None)))
-        out, every, near = set(), True, False
+    def ruled_out(reading: Reading) -> frozenset[str] | None:
+        """The variants of ``reading`` a screen rules out; None when it rules out all. On a
+        long sequence each reading runs first on its two ends alone (``dq`` on the first
+        :data:`_ENDS` steps, ``dv`` on the last: their values are the full run's), and a
+        variant the kernel misses there under any floors the full check may use
+        (:func:`_misses`), in as many gradients as leave it neither named nor named but one,
+        is not run in full."""
+        if layout.seq <= 8 * _ENDS:
+            return frozenset()  # a full run of a short sequence costs as little
+        ends = reading.truths(x._replace(ends=True))
+        lows = {} if low is None else dict(reading.truths(low._replace(ends=True)))
+        out, every = set(), True
         for words, grads in ends:
             judged = [n for n in names if grads.get(n) is not None]
-            missed = _misses(grads, lows.get(words), kernel64, peaks, actual_of, scores, limit)
+            missed = {
+                n
+                for n in kernel64
+                if _misses(n, grads.get(n), lows.get(words, {}).get(n), kernel64[n], peaks[n],
+                           actual_of[n].dtype, scores)
+            }  # fmt: skip
             rest = failing - missed  # but_one names one gradient missed, two failing shown
             if missed and (len(missed) >= 2 or len(judged) < 3 or len(rest) < 2):
                 out.add(words)
             else:
-                every, near = False, near or bool(missed)
-        return frozenset(out), every, near
-
-    def screen(reading: Reading) -> tuple[frozenset[str], bool]:
-        """:func:`ruled_out`, with the op's run where a variant left is missed somewhere:
-        the op's run costs one re-run, spent only where the reading is not the kernel's
-        at its ends (there, it is likely the cause, and its own run comes first)."""
-        skip, every, near = ruled_out(reading, False)
-        if near:
-            skip, every, _ = ruled_out(reading, True)
-        return skip, every
+                every = False
+        return None if every else frozenset(out)
 
     partial: Finding | None = None
-    for reading in READINGS:
-        if not reading.applies(layout):
-            continue
-        variants: Iterator[tuple[str, _Grads]]
-        skip: frozenset[str] = frozenset()
-        if reading.name == "scale":
-            variants = (
-                (words, {n: factor * t for n, t in theirs.items()})
-                for words, factor in _scales(layout.state_size)
-            )
-        else:
-            with np.errstate(all="ignore"):
-                skip, every = screen(reading) if layout.seq > 8 * _ENDS else (frozenset(), True)
-            if skip and every:  # no variant of it is left to run
+    with np.errstate(all="ignore"):
+        for reading in READINGS:
+            if not reading.applies(layout):
                 continue
-            variants = reading.truths(x._replace(skip=skip))
-        rounded: dict[str, tuple[_Grads, ...]] | None = None
-        with np.errstate(all="ignore"):
+            scaled = reading.name == "scale"  # a scale is the truth times a factor: no re-run
+            if scaled:
+                variants: Iterator[tuple[str, _Grads]] = (
+                    (words, {n: factor * t for n, t in theirs.items() if t is not None})
+                    for words, factor in _scales(layout.state_size)
+                )
+            else:
+                skip = ruled_out(reading)
+                if skip is None:
+                    continue  # every variant ruled out: no full run
+                variants = (
+                    (w, g) for w, g in reading.truths(x._replace(skip=skip)) if w not in skip
+                )
+            rounded: dict[str, tuple[_Grads, ...]] | None = None
             for words, grads in variants:
-                if words in skip:
-                    continue
                 named = holds(grads, None)
-                rerun = reading.name != "scale"  # a scale is the truth times a factor
-                if (not named and rerun and low is not None) and (
+                if (not named and not scaled and low is not None) and (
                     _grows(grads, theirs, actual_of) or _nearer(grads, theirs, actual_of, failing)
                 ):
-                    # its op's own float32 rounding may be what the kernel misses by
-                    if rounded is None:  # the variants left, as they round in float32
-                        rounded = _rounded(reading, low._replace(skip=skip))
+                    # its op's own float32 rounding may be what the kernel misses by: a
+                    # second run of each variant, only for a reading that grows or nearly holds
+                    if rounded is None:
+                        rounded = _rounded(reading, low)
                     named = words in rounded and holds(grads, rounded[words])
-                if named:  # the first reading verified: the cause is shown
+                if named:
                     return (_finding(reading, words),)
-                if partial is None and rerun and (missed := but_one(grads)) is not None:
-                    partial = _finding(reading, words, but=missed, op_s=op_s(missed))
+                if partial is None and not scaled and (missed := but_one(grads)) is not None:
+                    op_s = passes({missed: theirs[missed]}, None, actual_of) is not None
+                    partial = _finding(reading, words, but=missed, op_s=op_s)
     return () if partial is None else (partial,)
 
 
-#: The gradients a run's two ends give (dq on the first steps, dv on the last; dk where a
-#: variant takes dq for it): those the screen judges, and whose float32 floors are capped.
-_SCREENED: Final = ("dq", "dk", "dv")
+def _misses(
+    name: str,
+    e: _Array | None,
+    low: _Array | None,
+    a: _Array,
+    largest: float,
+    dtype: np.dtype[Any],
+    scores: Scores,
+) -> bool:
+    """Whether the kernel's gradient ``name`` ``a`` (float64; ``largest`` its largest finite
+    magnitude, stored in ``dtype``) fails against a screen's values ``e`` (NaN where not
+    run; ``low`` the same in float32, whose overflow frees values) under any floors the full
+    check may judge it by.
+
+    Why it holds: the full check's floors are at most ``f = max(fixture's, cap, eps)``
+    (:func:`_cap`; ``eps`` the stored rounding), so a variant passing has ``rms(e) <= max|a| /
+    (1 - K f_rms)``, and every error at most ``K f_max rms(e)``, or ``K eps max|e|``. An error
+    past the larger bound fails it."""
+    if e is None:
+        return False
+    e = np.asarray(e, np.float64)
+    reach = min(_NEAR_OVERFLOW, float(finfo(dtype).max))
+    judged = np.isfinite(e) & np.isfinite(a) & (np.abs(e) <= reach)
+    if low is not None:
+        judged &= np.isfinite(low)
+    if not judged.any():
+        return False
+    error = np.abs(a - e)[judged]
+    eps = float(finfo(dtype).eps)  # a value stored in dtype is within eps/2 of it
+    cap = _cap(scores.against(name, np.ones(1), None, None).limit)
+    judge = scores.against(name, np.ones(1), None, (max(cap[0], eps), cap[1]))
+    if judge.mode != "calibrated":  # explicit tolerances: elementwise, judged alike
+        return bool(judge.counts_elements and (error > judge.allowances(np.abs(e[judged]))).any())
+    assert judge.precision is not None
+    assert judge.floor is not None
+    half = judge.precision.unit_roundoff / 2  # the least floor, by rms(expected)
+    k, rms_floor, max_floor = judge.limit, max(judge.floor[0], half), max(judge.floor[1], half)
+    if k * rms_floor >= 1 or k * eps >= 1:
+        return False
+    bound = max(k * max_floor * largest / (1 - k * rms_floor), k * eps * largest / (1 - k * eps))
+    return float(error.max()) > bound * (1 + 1e-9)
 
 
 def _cap(limit: float) -> tuple[float, float]:
-    """The most a reading's own float32 rounding raises a screened gradient's ``(rms, max)``
-    floors: ``1/(32K)`` and ``1/(8K)`` of its RMS for the class's ``K``. Past that a kernel
-    could miss the reading by an eighth of its values and pass: its float32 runs no longer
-    tell it, and the screen's bound (:func:`_misses`) needs the floors well below ``1/K``."""
+    """The most a reading's own float32 rounding raises the ``(rms, max)`` floors of
+    :data:`_SCREENED`: ``1/(32K)`` and ``1/(8K)`` for the class's ``K``. Past that a kernel
+    could miss the reading by an eighth of its values and pass."""
     if not limit > 0:
         return (math.inf, math.inf)
     return (1.0 / (32 * limit), 1.0 / (8 * limit))
 
 
-def _misses(
-    grads: _Grads,
-    low: _Grads | None,
-    kernel64: Mapping[str, _Array],
-    peaks: Mapping[str, float],
-    kernel: Mapping[str, Any],
-    scores: Scores,
-    limit: Callable[[str], float],
-) -> set[str]:
-    """The gradients of :data:`_SCREENED` the kernel ``kernel64`` (float64; ``kernel`` as
-    given) fails against a variant ``grads`` of a run's two ends (NaN where not run), under
-    any floors the full check may judge it by: that check then names neither the variant nor
-    the variant but that gradient. ``peaks``: the largest finite magnitude of each of
-    ``kernel64``. ``low``: the same ends in float32, None where no float32 run judges the
-    variant.
-
-    Why it holds: each value of the ends is the full run's (``step_ends``, :func:`_shared`), and
-    only values the full check judges count (finite, not past overflow, its float32 run's
-    finite: not freed). The full check's floors are at most ``f = max(fixture's, cap, eps)``
-    (:func:`_cap`; ``eps`` the stored rounding), so a variant passing has ``rms(e) <= max|a| /
-    (1 - K f_rms)`` (``a`` within ``K f_rms rms(e)`` of ``e`` in RMS), and every error at most
-    ``K f_max rms(e)``, or ``K eps max|e| <= K eps (max|a| + error)``. An error on the ends
-    past the larger of the two bounds fails it."""
-    out = set()
-    for name in _SCREENED:
-        e_all, a_all = grads.get(name), kernel64.get(name)
-        if e_all is None or a_all is None:
-            continue
-        dtype = np.asarray(kernel[name]).dtype
-        e = np.asarray(e_all, np.float64)
-        reach = min(_NEAR_OVERFLOW, float(finfo(dtype).max))
-        judged = np.isfinite(e) & np.isfinite(a_all) & (np.abs(e) <= reach)
-        r = None if low is None else low.get(name)
-        if r is not None:
-            judged &= np.isfinite(r)
-        if not judged.any():
-            continue
-        error = np.abs(a_all - e)[judged]
-        eps = float(finfo(dtype).eps)  # a value stored in dtype is within eps/2 of it
-        cap = _cap(limit(name))
-        judge = scores.against(name, np.ones(1), None, (max(cap[0], eps), cap[1]))
-        if judge.mode != "calibrated":  # explicit tolerances: elementwise, judged alike
-            if judge.counts_elements and (error > judge.allowances(np.abs(e[judged]))).any():
-                out.add(name)
-            continue
-        assert judge.precision is not None
-        assert judge.floor is not None
-        half = judge.precision.unit_roundoff / 2  # the least floor, by rms(expected)
-        k, rms_floor, max_floor = judge.limit, max(judge.floor[0], half), max(judge.floor[1], half)
-        if k * rms_floor >= 1 or k * eps >= 1:
-            continue
-        largest = peaks[name]
-        scale = largest / (1 - k * rms_floor)
-        bound = max(k * max_floor * scale, k * eps * largest / (1 - k * eps))
-        if float(error.max()) > bound * (1 + 1e-9):
-            out.add(name)
-    return out
-
-
-def _rounded(reading: Reading, low: _Case) -> dict[str, tuple[_Grads, ...]]:
+def _rounded(reading: Reading, low: _Slice) -> dict[str, tuple[_Grads, ...]]:
     """Each variant of ``reading`` run in float32, by its words: step by step, and in the
     fused kernels' chunked form where that form can compute it (a kernel of either form
     rounds as that form does; the fixture's floors are the worst of the same two). By words:
@@ -916,14 +758,14 @@ def _case_slice(
     layout: GdnBackwardLayout,
     rows: slice,
     heads: slice,
-) -> _Case:
+) -> _Slice:
     q, k, v, g, beta, dy, state = inputs
 
     def part(t: NDArray[Any] | None) -> _Array:
         assert t is not None
         return np.asarray(t[rows, :, heads], np.float64)
 
-    return _Case(
+    return _Slice(
         part(q),
         part(k),
         part(v),
@@ -933,10 +775,6 @@ def _case_slice(
         None if state is None else np.asarray(state[rows, heads], np.float64),
         layout.gate_per_channel,
     )
-
-
-#: The chunk length of the fused kernels whose masked decay differences may overflow.
-_KERNEL_CHUNK: Final = 64
 
 
 def overflow_finding(
