@@ -115,13 +115,13 @@ def test_the_command_line_refuses_a_fixture_truncated_after_it_was_opened(
         import gdn_layout.files._mapping, gdn_layout.cli as cli
 
         gdn_layout.files._mapping.MAP_THRESHOLD = 0
-        resolve = cli._resolve_layout
+        resolve = cli._layout
 
-        def truncating(sources, args):  # between opening the files and comparing them
+        def truncating(args, sources=()):  # between opening the files and comparing them
             os.truncate(sys.argv[2], 4096)
-            return resolve(sources, args)
+            return resolve(args, sources)
 
-        cli._resolve_layout = truncating
+        cli._layout = truncating
         sys.exit(cli.main(["compare", sys.argv[1], sys.argv[2]]))
     """
     done = _python(script, str(actual), str(fixture_path))
