@@ -1,4 +1,4 @@
-"""Views into a packed gradient buffer, and packing gradients into one (README.md, *unpack,
+"""Views into a packed gradient buffer, and gradients packed into one (README.md, *unpack,
 pack, empty*)."""
 
 from __future__ import annotations
@@ -21,14 +21,8 @@ _CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 
 
 class GdnGrads(NamedTuple):
-    """The gradients of ``GatedDeltaNetBackward``, in packing order: ``dq, dk, dv`` ``[B, S,
-    H, N]``, ``dg`` ``[B, S, H]`` (or ``[B, S, H, N]``), ``dbeta`` ``[B, S, H]``, ``dstate``
-    ``[B, H, N, N]`` or None; ``str()`` and a notebook show each one's statistics.
-
-    See Also
-    --------
-    unpack : A packed buffer as these views.
-    """
+    """The gradients of ``GatedDeltaNetBackward`` in packing order, ``dstate`` None when the
+    state is not carried; ``str()`` and a notebook show each one's statistics."""
 
     dq: NDArray[Any]
     dk: NDArray[Any]
@@ -38,7 +32,7 @@ class GdnGrads(NamedTuple):
     dstate: NDArray[Any] | None = None
 
     def __str__(self) -> str:
-        """Per-gradient statistics: shape, dtype, min, max, mean, RMS, NaN and Inf counts."""
+        """Per-gradient statistics."""
         return grads_text(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -50,8 +44,7 @@ class GdnGrads(NamedTuple):
 
 def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     """Split a packed buffer ``(..., layout.total_elems)`` into views of it, shaped ``(...,
-    *shape)``. Never copies: a write to a view writes to ``flat``, a read-only ``flat`` gives
-    read-only views, a memory-mapped one file-backed views; any dtype and strides work.
+    *shape)``: never a copy, so a write to a view writes to ``flat``.
 
     Raises
     ------
@@ -59,10 +52,6 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
         ``flat`` is not an ndarray, or ``layout`` not a :class:`GdnBackwardLayout`.
     ValueError
         The last axis of ``flat`` is not ``layout.total_elems`` long.
-
-    See Also
-    --------
-    pack : The inverse: gradients into one buffer.
 
     Examples
     --------
@@ -83,7 +72,6 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
             f"unpack: flat must have layout.total_elems = {layout.total_elems} elements "
             f"along its last axis, got {received}, for {layout!r}"
         )
-    # Splitting one axis into several is always expressible with strides: a view, never a copy.
     lead = flat.shape[:-1]
     return GdnGrads(
         *[
@@ -106,13 +94,12 @@ def pack(
     dtype: DTypeLike | None = None,
     casting: Casting = "same_kind",
 ) -> NDArray[Any]:
-    """Pack gradients (NumPy arrays, or torch or JAX tensors read as :func:`~gdn_layout.compare`
-    reads them) into one 1-D buffer in rlx-ir's order; the inverse of :func:`unpack`.
+    """Pack gradients (arrays, or tensors read as :func:`~gdn_layout.compare` reads them) into
+    one 1-D buffer in rlx-ir's order; the inverse of :func:`unpack`.
 
-    The layout is inferred from ``dq``, ``dg`` and ``dstate`` unless given; every shape is
-    checked against it. The result is ``out`` when given, else a new array, of ``dtype``, else
-    ``out.dtype``, else ``np.result_type`` of the gradients, each cast as ``np.copyto(...,
-    casting=casting)`` would cast it. Inputs may overlap ``out``. Nothing is written unless
+    The layout is inferred from ``dq``, ``dg`` and ``dstate`` unless given, and every shape
+    checked. The result is ``out`` (which the inputs may overlap), else a new array of ``dtype``
+    or ``np.result_type`` of the gradients, cast by ``casting``. Nothing is written unless
     every check passes.
 
     Raises
@@ -123,11 +110,6 @@ def pack(
     ValueError
         A shape does not match the layout, ``dstate`` does not match ``carry_state``, ``out``
         is not 1-D of ``total_elems`` or is read-only, or ``casting`` is unknown.
-
-    See Also
-    --------
-    unpack : The inverse: views of a packed buffer.
-    empty, zeros : A packed buffer to write gradients into, with no copy.
 
     Examples
     --------
@@ -251,16 +233,9 @@ def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
 def empty(
     layout: GdnBackwardLayout, dtype: DTypeLike = np.float32
 ) -> tuple[NDArray[Any], GdnGrads]:
-    """An uninitialised packed buffer of ``dtype`` (``"bfloat16"`` works as a name) and its
-    views, ``unpack(flat, layout)``, for a backward to write in place; a TypeError when
-    ``layout`` is not a layout or ``dtype`` not a dtype.
+    """An uninitialised packed buffer of ``dtype`` and its views, ``unpack(flat, layout)``,
+    for a backward to write in place.
 
-    See Also
-    --------
-    zeros : The same, zeroed.
-
-    Examples
-    --------
     >>> import numpy as np
     >>> flat, grads = empty(GdnBackwardLayout(1, 4, 2, 8), dtype=np.float64)
     >>> grads.dq[...] = 1.0  # writes into flat
@@ -275,12 +250,6 @@ def zeros(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """:func:`empty`, zeroed: for a backward that accumulates in place.
 
-    See Also
-    --------
-    empty : The same, uninitialised.
-
-    Examples
-    --------
     >>> flat, grads = zeros(GdnBackwardLayout(1, 4, 2, 8, carry_state=True))
     >>> grads.dstate.shape, float(flat.sum())
     ((1, 2, 8, 8), 0.0)

@@ -350,9 +350,7 @@ def _colours(data: NDArray[np.float64], kind: str) -> tuple[NDArray[np.float64],
 
 
 def _colour_bar(fig: Figure, ax: Axes, image: Any, data: NDArray[np.float64], kind: str) -> None:
-    """A colour bar: arrows at a ratio's ends that hold values beyond its range; a
-    symmetric-log one ticked at 0 and three decades each side, none crowding 0."""
-    from matplotlib.colors import SymLogNorm
+    """A colour bar, with arrows at a ratio's ends when values lie beyond its range."""
     from matplotlib.ticker import NullLocator
 
     norm, finite = image.norm, data[np.isfinite(data)]
@@ -360,10 +358,6 @@ def _colour_bar(fig: Figure, ax: Axes, image: Any, data: NDArray[np.float64], ki
     above = kind == "ratio" and bool(finite.size and finite.max() > norm.vmax)
     extend = {(True, True): "both", (True, False): "min", (False, True): "max"}
     bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=extend.get((below, above), "neither"))
-    if isinstance(norm, SymLogNorm) and norm.vmax is not None:
-        top = math.floor(math.log10(norm.vmax))
-        decades = [10.0**k for k in range(top, top - 3, -1)]
-        bar.set_ticks([*decades, 0.0, *(-d for d in decades)])
     bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
 
 
