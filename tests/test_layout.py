@@ -92,47 +92,41 @@ def test_sizes_past_int64_are_exact_and_overflow_is_refused_where_rust_panics() 
     assert GdnBackwardLayout(1, 1, 2**16, 2**24).total_elems == 3 * 2**40 + 2 * 2**16
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "error", "message"),
-    [
-        ({"batch": -1}, ValueError, "batch must be a non-negative integer, got -1"),
-        ({"seq": 2.0}, TypeError, "seq must be a non-negative integer, got float 2.0"),
-        ({"heads": "4"}, TypeError, "heads must be a non-negative integer, got str '4'"),
-        (
-            {"state_size": None},
-            TypeError,
-            "state_size must be a non-negative integer, got NoneType",
-        ),
-        ({"batch": True}, TypeError, "batch must be a non-negative integer, got bool True"),
-        ({"seq": np.float32(3)}, TypeError, "seq must be a non-negative integer, got float32"),
-        ({"heads": 2**64}, ValueError, "heads must fit in a 64-bit usize"),
-        ({"gate_per_channel": 1}, TypeError, "gate_per_channel must be a bool, got int 1"),
-        ({"carry_state": "yes"}, TypeError, "carry_state must be a bool, got str 'yes'"),
-    ],
-)
-def test_bad_constructor_arguments(
-    kwargs: dict[str, Any], error: type[Exception], message: str
-) -> None:
-    with pytest.raises(error, match=re.escape(message)):
-        GdnBackwardLayout(**({"batch": 1, "seq": 2, "heads": 3, "state_size": 4} | kwargs))
+def _made(**kwargs: Any) -> GdnBackwardLayout:
+    return GdnBackwardLayout(**({"batch": 1, "seq": 2, "heads": 3, "state_size": 4} | kwargs))
 
 
-@pytest.mark.parametrize(
-    ("data", "error", "message"),
-    [
-        ([1, 2, 3, 4], TypeError, "layout data must be a dict, got list"),
-        ({"batch": 1, "seq": 2, "heads": 3}, ValueError, "missing ['state_size']"),
-        (
-            {"batch": 1, "seq": 2, "heads": 3, "state_size": 4, "chunk": 6},
-            ValueError,
-            "unknown ['chunk']",
-        ),
-        ({"batch": 1, "seq": "2", "heads": 3, "state_size": 4}, TypeError, "seq must be"),
-    ],
-)
-def test_bad_dicts(data: Any, error: type[Exception], message: str) -> None:
+FROM_DICT: Any = GdnBackwardLayout.from_dict
+BAD: list[tuple[Any, type[Exception], str]] = [
+    (lambda: _made(batch=-1), ValueError, "batch must be a non-negative integer, got -1"),
+    (lambda: _made(seq=2.0), TypeError, "seq must be a non-negative integer, got float 2.0"),
+    (lambda: _made(heads="4"), TypeError, "heads must be a non-negative integer, got str '4'"),
+    (lambda: _made(state_size=None), TypeError,
+     "state_size must be a non-negative integer, got NoneType"),
+    (lambda: _made(batch=True), TypeError, "batch must be a non-negative integer, got bool True"),
+    (lambda: _made(seq=np.float32(3)), TypeError, "seq must be a non-negative integer, got float3"),
+    (lambda: _made(heads=2**64), ValueError, "heads must fit in a 64-bit usize"),
+    (lambda: _made(gate_per_channel=1), TypeError, "gate_per_channel must be a bool, got int 1"),
+    (lambda: _made(carry_state="yes"), TypeError, "carry_state must be a bool, got str 'yes'"),
+    (lambda: FROM_DICT([1, 2, 3, 4]), TypeError, "layout data must be a dict, got list"),
+    (lambda: FROM_DICT({"batch": 1, "seq": 2, "heads": 3}), ValueError, "missing ['state_size']"),
+    (lambda: FROM_DICT(_made().to_dict() | {"chunk": 6}), ValueError, "unknown ['chunk']"),
+    (lambda: FROM_DICT(_made().to_dict() | {"seq": "2"}), TypeError, "seq must be"),
+    (lambda: GdnBackwardLayout.from_inputs((2, 5, 3), (2, 5, 3)), ValueError,
+     "q must have 4 dimensions [B, S, H, N], got shape (2, 5, 3)"),
+    (lambda: GdnBackwardLayout.from_inputs((2, 5, 3, 8), (2, 5, 4)), ValueError,
+     "g must have shape [B, S, H] = (2, 5, 3) or [B, S, H, N] = (2, 5, 3, 8) of q, got (2, 5, 4)"),
+    (lambda: GdnBackwardLayout.from_inputs((2, 5, 3, 8), (2, 5, 3), (2, 3, 8)), ValueError,
+     "state must have shape [B, H, N, N] = (2, 3, 8, 8) of q, got (2, 3, 8)"),
+    (lambda: GdnBackwardLayout.from_inputs((2, 5, 3, 8), 7), TypeError,
+     "g must be an array or a shape, got int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "message"), BAD)
+def test_bad_arguments_are_named(call: Any, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
-        GdnBackwardLayout.from_dict(data)
+        call()
 
 
 def test_from_inputs_infers_the_flags() -> None:
@@ -146,38 +140,3 @@ def test_from_inputs_infers_the_flags() -> None:
         ValueError, match=re.escape("dv has shape (2, 5, 3, 7), expected (2, 5, 3, 8)")
     ):
         GdnBackwardLayout.from_grads(*shapes)
-
-
-@pytest.mark.parametrize(
-    ("q", "g", "state", "error", "message"),
-    [
-        (
-            (2, 5, 3),
-            (2, 5, 3),
-            None,
-            ValueError,
-            "q must have 4 dimensions [B, S, H, N], got shape (2, 5, 3)",
-        ),
-        (
-            (2, 5, 3, 8),
-            (2, 5, 4),
-            None,
-            ValueError,
-            "g must have shape [B, S, H] = (2, 5, 3) or [B, S, H, N] = (2, 5, 3, 8) of q, "
-            "got (2, 5, 4)",
-        ),
-        (
-            (2, 5, 3, 8),
-            (2, 5, 3),
-            (2, 3, 8),
-            ValueError,
-            "state must have shape [B, H, N, N] = (2, 3, 8, 8) of q, got (2, 3, 8)",
-        ),
-        ((2, 5, 3, 8), 7, None, TypeError, "g must be an array or a shape, got int"),
-    ],
-)
-def test_bad_inference_inputs(
-    q: Any, g: Any, state: Any, error: type[Exception], message: str
-) -> None:
-    with pytest.raises(error, match=re.escape(message)):
-        GdnBackwardLayout.from_inputs(q, g, state)

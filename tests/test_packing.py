@@ -157,108 +157,51 @@ ZEROS: Any = zeros
 SHAPE_84 = "GdnBackwardLayout(batch=1, seq=2, heads=3, state_size=4, gate_per_channel=False"
 
 
-@pytest.mark.parametrize(
-    ("call", "error", "message"),
-    [
-        (
-            lambda: UNPACK([0.0] * 84, LAYOUT),
-            TypeError,
-            "unpack: flat must be a NumPy array, got list",
-        ),
-        (
-            lambda: UNPACK(np.array(0.0), LAYOUT),
-            ValueError,
-            "84 elements along its last axis, got a 0-d array",
-        ),
-        (
-            lambda: UNPACK(np.zeros(83), LAYOUT),
-            ValueError,
-            "unpack: flat must have layout.total_elems = 84 elements along its last axis, "
-            f"got shape (83,), for {SHAPE_84}",
-        ),
-        (
-            lambda: UNPACK(np.zeros(84), (1, 2, 3, 4)),
-            TypeError,
-            "unpack: layout must be a GdnBackwardLayout, got tuple",
-        ),
-        (lambda: EMPTY((1, 2, 3, 4)), TypeError, "layout must be a GdnBackwardLayout, got tuple"),
-        (lambda: EMPTY(LAYOUT, dtype="nope"), TypeError, "empty: dtype must be a NumPy dtype"),
-        (lambda: ZEROS(LAYOUT, dtype=3.5), TypeError, "zeros: dtype must be a NumPy dtype"),
-        (
-            lambda: LAYOUT.nbytes("nope"),
-            TypeError,
-            "nbytes: dtype must be a NumPy dtype, got 'nope'",
-        ),
-        (
-            lambda: PACK(*GRADS[:2], np.zeros((1, 2, 3, 5)), *GRADS[3:]),
-            ValueError,
-            "pack: dv has shape (1, 2, 3, 5), expected (1, 2, 3, 4)",
-        ),
-        (
-            lambda: PACK(*GRADS[:3], np.zeros((1, 2)), GRADS[4]),
-            ValueError,
-            "pack: dg must have shape [B, S, H] = (1, 2, 3) or [B, S, H, N] = (1, 2, 3, 4) of dq, "
-            "got (1, 2)",
-        ),
-        (
-            lambda: PACK(*GRADS[:4], np.zeros((1, 2, 4)), layout=LAYOUT),
-            ValueError,
-            f"pack: dbeta has shape (1, 2, 4), expected (1, 2, 3) for {SHAPE_84}",
-        ),
-        (
-            lambda: PACK(*GRADS, layout=CARRIED),
-            ValueError,
-            "pack: dstate is missing, but the layout has carry_state=True",
-        ),
-        (
-            lambda: PACK(*GRADS, np.zeros((1, 3, 4, 4)), layout=LAYOUT),
-            ValueError,
-            "pack: dstate is given, but the layout has carry_state=False",
-        ),
-        (
-            lambda: PACK(*GRADS, layout=(1, 2, 3, 4)),
-            TypeError,
-            "pack: layout must be a GdnBackwardLayout, got tuple",
-        ),
-        (
-            lambda: PACK(*GRADS, out=[0.0] * 84),
-            TypeError,
-            "pack: out must be a NumPy array, got list",
-        ),
-        (
-            lambda: PACK(*GRADS, out=np.zeros(85)),
-            ValueError,
-            f"pack: out must have shape (84,) for {SHAPE_84}, carry_state=False), got (85,)",
-        ),
-        (lambda: PACK(*GRADS, out=np.zeros((1, 84))), ValueError, "got (1, 84)"),
-        (
-            lambda: PACK(*GRADS, out=READ_ONLY),
-            ValueError,
-            "pack: out must be writeable, got a read-only array",
-        ),
-        (
-            lambda: PACK(*GRADS, dtype="nope"),
-            TypeError,
-            "pack: dtype must be a NumPy dtype, got 'nope'",
-        ),
-        (
-            lambda: PACK(*GRADS[:4], np.full((1, 2, 3), "x")),
-            TypeError,
-            "pack: gradients are numbers; the packed dtype would be <U32",
-        ),
-        (
-            lambda: PACK(*GRADS, out=np.zeros(84), dtype=np.float32),
-            TypeError,
-            "pack: dtype=float32 conflicts with out.dtype=float64",
-        ),
-        (
-            lambda: PACK(*GRADS, casting="nope"),
-            ValueError,
-            "pack: casting must be one of ('no', 'equiv', 'safe', 'same_kind', 'unsafe'), "
-            "got 'nope'",
-        ),
-    ],
-)
+B84 = f"for {SHAPE_84}"
+BAD: list[tuple[Any, type[Exception], str]] = [
+    (lambda: UNPACK([0.0] * 84, LAYOUT), TypeError, "unpack: flat must be a NumPy array, got list"),
+    (lambda: UNPACK(np.array(0.0), LAYOUT), ValueError,
+     "84 elements along its last axis, got a 0-d"),
+    (lambda: UNPACK(np.zeros(83), LAYOUT), ValueError,
+     f"unpack: flat must have layout.total_elems = 84 elements along its last axis, got "
+     f"shape (83,), {B84}"),
+    (lambda: UNPACK(np.zeros(84), (1, 2)), TypeError,
+     "unpack: layout must be a GdnBackwardLayout, got tuple"),
+    (lambda: EMPTY((1, 2, 3, 4)), TypeError, "layout must be a GdnBackwardLayout, got tuple"),
+    (lambda: EMPTY(LAYOUT, dtype="nope"), TypeError, "empty: dtype must be a NumPy dtype"),
+    (lambda: ZEROS(LAYOUT, dtype=3.5), TypeError, "zeros: dtype must be a NumPy dtype"),
+    (lambda: LAYOUT.nbytes("nope"), TypeError, "nbytes: dtype must be a NumPy dtype, got 'nope'"),
+    (lambda: PACK(*GRADS[:2], np.zeros((1, 2, 3, 5)), *GRADS[3:]), ValueError,
+     "pack: dv has shape (1, 2, 3, 5), expected (1, 2, 3, 4)"),
+    (lambda: PACK(*GRADS[:3], np.zeros((1, 2)), GRADS[4]), ValueError,
+     "pack: dg must have shape [B, S, H] = (1, 2, 3) or [B, S, H, N] = (1, 2, 3, 4) of dq, "
+     "got (1, 2)"),
+    (lambda: PACK(*GRADS[:4], np.zeros((1, 2, 4)), layout=LAYOUT), ValueError,
+     f"pack: dbeta has shape (1, 2, 4), expected (1, 2, 3) {B84}"),
+    (lambda: PACK(*GRADS, layout=CARRIED), ValueError,
+     "pack: dstate is missing, but the layout has carry_state=True"),
+    (lambda: PACK(*GRADS, np.zeros((1, 3, 4, 4)), layout=LAYOUT), ValueError,
+     "pack: dstate is given, but the layout has carry_state=False"),
+    (lambda: PACK(*GRADS, layout=(1, 2)), TypeError,
+     "pack: layout must be a GdnBackwardLayout, got tuple"),
+    (lambda: PACK(*GRADS, out=[0.0] * 84), TypeError, "pack: out must be a NumPy array, got list"),
+    (lambda: PACK(*GRADS, out=np.zeros(85)), ValueError,
+     f"pack: out must have shape (84,) {B84}, carry_state=False), got (85,)"),
+    (lambda: PACK(*GRADS, out=np.zeros((1, 84))), ValueError, "got (1, 84)"),
+    (lambda: PACK(*GRADS, out=READ_ONLY), ValueError,
+     "pack: out must be writeable, got a read-only array"),
+    (lambda: PACK(*GRADS, dtype="nope"), TypeError,
+     "pack: dtype must be a NumPy dtype, got 'nope'"),
+    (lambda: PACK(*GRADS[:4], np.full((1, 2, 3), "x")), TypeError,
+     "pack: gradients are numbers; the packed dtype would be <U32"),
+    (lambda: PACK(*GRADS, out=np.zeros(84), dtype="f4"), TypeError,
+     "pack: dtype=float32 conflicts with out.dtype=float64"),
+    (lambda: PACK(*GRADS, casting="nope"), ValueError,
+     "pack: casting must be one of ('no', 'equiv', 'safe', 'same_kind', 'unsafe'), got 'nope'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("call", "error", "message"), BAD)
 def test_bad_inputs(call: Any, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=re.escape(message)):
         call()

@@ -27,8 +27,8 @@ PLOT_HINT = "pip install 'gdn-layout[plot]' (from a clone: pip install '.[plot]'
 def integer(
     value: object, what: str, *, least: int = 0, most: int | None = None, or_none: bool = False
 ) -> int:
-    """``value`` as a Python int from ``least`` to ``most``: any integer, NumPy's included, but
-    not a bool. ``or_none`` only says in the message that the caller also takes None.
+    """``value`` as a Python int from ``least`` to ``most`` (any integer but a bool);
+    ``or_none`` says in the message that the caller also takes None.
 
     >>> integer(True, "seed")
     Traceback (most recent call last):
@@ -83,7 +83,7 @@ def require_matplotlib() -> None:
 
 def array_can_exist(shape: Sequence[int], itemsize: int) -> bool:
     """Whether NumPy can make an array of ``shape``: its non-zero dimensions times the item
-    size must fit in an ``intp`` (NumPy refuses the shape even when a dimension is 0).
+    size fit in an ``intp`` (NumPy checks that even when a dimension is 0).
 
     >>> array_can_exist((0, 2**40, 2**40), 4), array_can_exist((0, 2**40), 4)
     (False, True)

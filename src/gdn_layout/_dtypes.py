@@ -1,5 +1,5 @@
-"""The floating dtypes (:data:`DTYPES`, one record of facts each, every common spelling of a
-name accepted in any case) and the precision classes a kernel is judged in (:data:`PRECISIONS`).
+"""The floating dtypes (:data:`DTYPES`) and the precision classes a kernel is judged in
+(:data:`PRECISIONS`, docs/criterion.md).
 
 >>> [canonical_name(n) for n in ("BF16", "f32", "half", "double", "F64")]
 ['bfloat16', 'float32', 'float16', 'float64', 'float64']
@@ -21,7 +21,7 @@ BF16_HINT: Final = (
 
 
 class DType(NamedTuple):
-    """A floating dtype gdn-layout handles, with its facts: one record of :data:`DTYPES`."""
+    """A floating dtype gdn-layout handles, with its facts."""
 
     name: str  # NumPy's (ml_dtypes' for bfloat16)
     code: str  # safetensors'
@@ -33,12 +33,11 @@ class DType(NamedTuple):
     ml_dtypes: bool = False  # defined by ml_dtypes (an optional extra), not NumPy
 
     def numpy(self) -> np.dtype[Any]:
-        """The NumPy dtype; for one of ml_dtypes', an ImportError naming the extra without it."""
+        """The NumPy dtype (ml_dtypes', or an ImportError naming the extra)."""
         return bfloat16() if self.ml_dtypes else np.dtype(self.name)
 
 
-#: The floating dtypes, from the most precise: the one table of dtype facts, which every
-#: other lookup by dtype reads.
+#: The floating dtypes, from the most precise: the one table of dtype facts.
 DTYPES: Final = {
     d.name: d
     for d in (
@@ -52,17 +51,14 @@ DTYPES: Final = {
               ml_dtypes=True),
     )
 }  # fmt: skip
-#: Every accepted spelling of each dtype, by name, from the least precise (as the command line
-#: lists them).
+#: Every accepted spelling of each dtype, from the least precise (as the command line lists them).
 SPELLINGS: Final = {d.name: d.spellings for d in reversed(DTYPES.values())}
-#: The unit roundoff of each dtype, by name.
 UNIT_ROUNDOFF: Final = {d.name: d.unit_roundoff for d in DTYPES.values()}
 _BY_SPELLING: Final = {alias: d for d in DTYPES.values() for alias in d.spellings}
 
 
 class Precision(NamedTuple):
-    """A precision class: what a kernel computes in, judged against the floors of its class
-    times its margin ``K`` (docs/criterion.md)."""
+    """A precision class: what a kernel computes in (docs/criterion.md)."""
 
     name: str  # as precision= takes it
     buffer: str  # the dtype of the kernel's inputs and outputs
@@ -74,12 +70,12 @@ class Precision(NamedTuple):
 
     @property
     def unit_roundoff(self) -> float:
-        """Of the buffers: the largest relative error of storing a result."""
+        """Of the buffers."""
         return DTYPES[self.buffer].unit_roundoff
 
     @property
     def compute_roundoff(self) -> float:
-        """Of the computation dtype: float64's for float64, float32's for every other class."""
+        """Of the computation dtype: float64's for float64, else float32's."""
         return DTYPES["float64" if self.buffer == "float64" else "float32"].unit_roundoff
 
     @property
@@ -116,8 +112,7 @@ _PRECISION_NAMES: Final = {
 
 
 def precision_of(value: object, where: str) -> Precision:
-    """The precision class spelled ``value`` (any case), or of the dtype ``value`` (``np.float32``
-    is ``float32``); a ValueError naming ``where`` and the classes otherwise."""
+    """The precision class spelled ``value``, or of the dtype ``value``; else a ValueError."""
     if isinstance(value, str):
         name = _PRECISION_NAMES.get(value.strip().lower())
     else:  # a dtype, or a scalar type: its class
@@ -131,8 +126,7 @@ def precision_of(value: object, where: str) -> Precision:
 
 
 def default_precision(*dtypes: np.dtype[Any]) -> Precision:
-    """The class buffers of ``dtypes`` are judged in by default: that of the less precise
-    dtype; any other dtype (longdouble, an integer) counts as float64."""
+    """The default class of buffers of ``dtypes``: the less precise one's (others: float64)."""
     known = [DTYPES.get(d.name, DTYPES["float64"]) for d in dtypes]
     return PRECISIONS[max(known, key=lambda d: d.unit_roundoff).precision]
 
@@ -154,8 +148,7 @@ def bfloat16() -> np.dtype[Any]:
 
 
 def finfo(dtype: np.dtype[Any]) -> Any:
-    """``numpy.finfo`` of a floating dtype; ml_dtypes' for bfloat16, which NumPy before 2
-    does not take.
+    """``numpy.finfo``; ml_dtypes' for bfloat16, which NumPy before 2 does not take.
 
     >>> float(finfo(np.dtype(np.float32)).max) > 3e38
     True
@@ -168,8 +161,7 @@ def finfo(dtype: np.dtype[Any]) -> Any:
 
 
 def is_floating(dtype: np.dtype[Any]) -> bool:
-    """NumPy's floating dtypes, and ml_dtypes' (bfloat16, float8), which are not subtypes of
-    ``np.floating``."""
+    """NumPy's floating dtypes, and ml_dtypes' (not subtypes of ``np.floating``)."""
     if np.issubdtype(dtype, np.floating):
         return True
     module = getattr(dtype.type, "__module__", "") or ""
@@ -177,9 +169,7 @@ def is_floating(dtype: np.dtype[Any]) -> bool:
 
 
 def resolve(dtype: object, where: str) -> np.dtype[Any]:
-    """``dtype`` as a NumPy dtype; ``"bfloat16"`` works as a name even before ml_dtypes is
-    imported, and so does every spelling of :data:`SPELLINGS`. A value that is no dtype is a
-    TypeError naming ``where``."""
+    """``dtype`` as a NumPy dtype, any spelling of :data:`SPELLINGS` too; else a TypeError."""
     if isinstance(dtype, str) and (name := canonical_name(dtype)) is not None:
         return DTYPES[name].numpy()
     try:

@@ -1,5 +1,4 @@
-"""The figure type the plots return; it imports matplotlib, so it is imported only once
-matplotlib is known to be there."""
+"""The figure the plots return; imported only once matplotlib is known to be there."""
 
 from __future__ import annotations
 
@@ -11,15 +10,8 @@ __all__ = ["Picture"]
 
 
 class Picture(Figure):
-    """A matplotlib ``Figure`` that Jupyter displays as a PNG, with no magic (README.md, *In a
-    notebook*): made without pyplot, so it opens no window and leaves no global state; its one
-    addition is ``_repr_png_``, the hook IPython calls to show an object as an image.
-
-    See Also
-    --------
-    plot.plot_errors : Returns one.
-    plot.plot_layout : Returns one.
-    """
+    """A matplotlib ``Figure``, made without pyplot, that Jupyter shows as a PNG by its
+    ``_repr_png_`` (README.md, *In a notebook*)."""
 
     def _repr_png_(self) -> bytes:
         buffer = io.BytesIO()

@@ -16,8 +16,8 @@ __all__ = ["GradStats", "grad_stats", "grads_html", "grads_text"]
 
 
 class GradStats(NamedTuple):
-    """Statistics of one gradient: ``min``, ``max``, ``mean`` and ``rms`` of its finite values
-    in float64 (None when it has none), and its NaN and Inf counts."""
+    """One gradient's statistics of its finite values (None when it has none), and its NaN and
+    Inf counts."""
 
     name: str
     shape: tuple[int, ...]
@@ -31,8 +31,7 @@ class GradStats(NamedTuple):
 
 
 def grad_stats(grads: Mapping[str, ArrayLike | None] | Any) -> list[GradStats]:
-    """:class:`GradStats` of each gradient of a :class:`~gdn_layout.GdnGrads` (or a name to
-    array map); a ``dstate`` of None is skipped, and one NaN does not hide the rest.
+    """:class:`GradStats` of each gradient of a ``GdnGrads`` or a name-to-array map.
 
     >>> row = grad_stats({"dbeta": np.array([1.0, -3.0, np.nan], dtype=np.float32)})[0]
     >>> row.min, row.max, row.mean, row.nan, row.inf
@@ -53,8 +52,7 @@ def grads_text(grads: Mapping[str, ArrayLike | None] | Any) -> str:
 
 
 def grads_html(grads: Mapping[str, ArrayLike | None] | Any) -> str:
-    """:func:`grad_stats` as an HTML table (a notebook's ``_repr_html_``), rows with a NaN or
-    an Inf shaded."""
+    """:func:`grad_stats` as an HTML table, rows with a NaN or an Inf shaded."""
     rows = grad_stats(grads)
     styles = ["background:#fdd" if r.nan or r.inf else "" for r in rows]
     return html_table(

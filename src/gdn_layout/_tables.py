@@ -1,5 +1,4 @@
-"""Fixed-width text tables and self-contained HTML tables (inline styles, every text escaped),
-shared by the terminal, notebook and report views."""
+"""Fixed-width text tables and self-contained HTML tables, every text escaped."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ def html_table(
     caption: str | None = None,
     row_styles: Sequence[str] | None = None,
 ) -> str:
-    """An HTML table; every header, cell and the caption are escaped. ``row_styles`` gives an
-    inline CSS declaration per row (empty for none): this package's text, never user data.
+    """An HTML table, every text escaped; ``row_styles``: this package's CSS for each row.
 
     >>> html_table(["<a>"], [["x & y"]])  # doctest: +ELLIPSIS
     '<table ...><th ...>&lt;a&gt;</th>...<td ...>x &amp; y</td>...'

@@ -1,6 +1,4 @@
-"""Where each gradient sits in the packed output of RLX's ``GatedDeltaNetBackward``: rlx-ir's
-``GdnBackwardLayout`` (``src/gdn.rs``) in Python integers, exact at any size (README.md, *The
-layout*)."""
+"""rlx-ir's ``GdnBackwardLayout`` (``src/gdn.rs``) in Python integers (README.md, *The layout*)."""
 
 from __future__ import annotations
 
@@ -47,13 +45,6 @@ INPUT_NAMES: Final = dict(
 class Segment(NamedTuple):
     """One gradient's place in the packed buffer: ``flat[offset : offset + length]``.
 
-    See Also
-    --------
-    GdnBackwardLayout : The layout whose segments these are.
-    layout.gradient_axes : The names of a segment's axes.
-
-    Examples
-    --------
     >>> GdnBackwardLayout(1, 2, 3, 4, carry_state=True).segment("dstate").axes
     ('b', 'h', 'i', 'j')
     """
@@ -65,15 +56,13 @@ class Segment(NamedTuple):
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """Each axis's name: ``("b", "s", "h", "n")`` for ``dq``, ``("b", "s", "h")`` for
-        ``dbeta``, ``("b", "h", "i", "j")`` (key row, value column) for ``dstate``."""
+        """Each axis's name (``i``, ``j``: key row, value column of ``dstate``)."""
         return gradient_axes(self.name, len(self.shape))
 
 
 def gradient_axes(name: str, ndim: int) -> tuple[str, ...]:
-    """The axis names of the gradient ``name`` with ``ndim`` axes (see :attr:`Segment.axes`);
-    also of the states a fixture may hold: ``h`` and ``dh`` are ``("b", "c", "h", "i", "j")``
-    (``c`` the chunk), ``final_state`` is as ``dstate``, ``y`` as ``dq``."""
+    """The axis names of the gradient (or fixture state: ``h``, ``dh``, ``final_state``)
+    ``name`` with ``ndim`` axes; ``c`` is the chunk."""
     if name in ("h", "dh"):
         return ("b", "c", "h", "i", "j")
     if name in ("dstate", "final_state"):
@@ -94,18 +83,9 @@ class GdnBackwardLayout:
     """The packed-gradient layout of ``GatedDeltaNetBackward``, equal to rlx-ir's.
 
     ``dq, dk, dv, dg, dbeta`` and, with ``carry_state``, ``dstate``, each flattened in C order,
-    concatenated in that order. Every quantity of the Rust type is a read-only property of the
-    Rust name; a configuration whose ``usize`` arithmetic would overflow (where a debug build
-    of rlx-ir panics) is a ValueError.
+    concatenated; the Rust quantities are read-only properties of the Rust names. A
+    configuration whose ``usize`` arithmetic would overflow is a ValueError.
 
-    See Also
-    --------
-    unpack : A packed buffer as shaped views of its gradients.
-    pack : Gradients into one packed buffer.
-    layout.layout_text : The layout as a table.
-
-    Examples
-    --------
     >>> layout = GdnBackwardLayout(batch=2, seq=3, heads=4, state_size=8)
     >>> layout.total_elems, layout.slices()[3:], layout.shape("dg")
     (624, [(576, 24), (600, 24)], (2, 3, 4))
@@ -136,27 +116,23 @@ class GdnBackwardLayout:
                 "overflow, and rlx-ir's arithmetic would panic"
             )
 
-    # The Rust quantities, as gdn.rs computes them; computed once and kept in the instance, not
-    # as fields (equality, repr and dataclasses.asdict see the six fields only).
+    # The Rust quantities, as gdn.rs computes them; cached, not fields (equality, repr and
+    # asdict see the six fields only).
 
     @cached_property
     def qkv_elems(self) -> int:
-        """Elements of one of ``q``/``k``/``v``/``dy``, ``[B, S, H, N]``."""
         return self.batch * self.seq * self.heads * self.state_size
 
     @cached_property
     def beta_elems(self) -> int:
-        """Elements of ``beta``, ``[B, S, H]``."""
         return self.batch * self.seq * self.heads
 
     @cached_property
     def gate_elems(self) -> int:
-        """Elements of ``g``: ``qkv_elems`` per channel, else ``beta_elems``."""
         return self.qkv_elems if self.gate_per_channel else self.beta_elems
 
     @cached_property
-    def state_elems(self) -> int:
-        """Elements of the carried state ``[B, H, N, N]``; 0 when it is not carried."""
+    def state_elems(self) -> int:  # 0 when the state is not carried
         return self.batch * self.heads * self.state_size**2 if self.carry_state else 0
 
     @cached_property
@@ -185,7 +161,6 @@ class GdnBackwardLayout:
 
     @cached_property
     def total_elems(self) -> int:
-        """Length of the packed buffer."""
         return self.dstate_offset + self.state_elems
 
     def slices(self) -> list[tuple[int, int]]:
@@ -194,56 +169,41 @@ class GdnBackwardLayout:
 
     @cached_property
     def _segments(self) -> tuple[Segment, ...]:
-        shapes = gradient_shapes(
-            self.batch,
-            self.seq,
-            self.heads,
-            self.state_size,
-            self.gate_per_channel,
-            self.carry_state,
-        )
-        places = (
-            (self.dq_offset, self.qkv_elems),
-            (self.dk_offset, self.qkv_elems),
-            (self.dv_offset, self.qkv_elems),
-            (self.dg_offset, self.gate_elems),
-            (self.dbeta_offset, self.beta_elems),
-            (self.dstate_offset, self.state_elems),
-        )
-        # dstate's place is defined even when it is not carried, as in Rust; its shape is not
-        return tuple(
-            Segment(name, offset, length, shape)
-            for name, (offset, length), shape in zip(GRADIENT_NAMES, places, shapes, strict=False)
-        )
+        dims = (self.batch, self.seq, self.heads, self.state_size)
+        shapes = gradient_shapes(*dims, self.gate_per_channel, self.carry_state)
+        q, gate, beta, state = self.qkv_elems, self.gate_elems, self.beta_elems, self.state_elems
+        lengths = (q, q, q, gate, beta, state)
+        offsets = (0, q, 2 * q, 3 * q, self.dbeta_offset, self.dstate_offset)
+        # zip stops at the shapes: no dstate segment when the state is not carried
+        return tuple(map(Segment, GRADIENT_NAMES, offsets, lengths, shapes))
 
     @cached_property
     def shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The shape of each gradient, in packing order."""
+        """Each gradient's shape, in packing order."""
         return tuple(seg.shape for seg in self._segments)
 
     @property
     def names(self) -> tuple[str, ...]:
-        """The gradient names in packing order: ``dq, dk, dv, dg, dbeta`` (and ``dstate``)."""
+        """The gradient names, in packing order."""
         return GRADIENT_NAMES[: len(self._segments)]
 
     def segments(self) -> tuple[Segment, ...]:
-        """One :class:`Segment` ``(name, offset, length, shape)`` per gradient, in order."""
+        """One :class:`Segment` per gradient, in packing order."""
         return self._segments
 
     def segment(self, name: str) -> Segment:
-        """The :class:`Segment` of the gradient ``name``; a KeyError naming those there are."""
+        """The :class:`Segment` of the gradient ``name``; a KeyError names those there are."""
         for seg in self._segments:
             if seg.name == name:
                 return seg
         raise KeyError(f"no gradient {name!r} in this layout; it has {', '.join(self.names)}")
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """The shape of the gradient called ``name`` (``"dq"``, ..., ``"dstate"``)."""
+        """The shape of the gradient ``name``."""
         return self.segment(name).shape
 
     def input_shape(self, name: str) -> tuple[int, ...]:
-        """The shape of the op's input ``name`` (``"q"``, ..., ``"state"``), of the cotangent
-        ``"dy"`` or of the output ``"y"``.
+        """The shape of the op's input ``name``, of the cotangent ``"dy"`` or the output ``"y"``.
 
         >>> GdnBackwardLayout(2, 3, 4, 8).input_shape("beta")
         (2, 3, 4)
@@ -253,8 +213,7 @@ class GdnBackwardLayout:
         return self.shape(INPUT_NAMES[name])
 
     def nbytes(self, dtype: DTypeLike) -> int:
-        """Bytes of a packed buffer of this layout in ``dtype`` (``"bfloat16"`` works as a name
-        without ml_dtypes); a TypeError when ``dtype`` is not a dtype.
+        """Bytes of a packed buffer in ``dtype`` (a name needs no ml_dtypes for bfloat16).
 
         >>> GdnBackwardLayout(2, 3, 4, 8).nbytes("float32")
         2496
@@ -262,7 +221,7 @@ class GdnBackwardLayout:
         return self.total_elems * itemsize(dtype, "nbytes: dtype")
 
     def __str__(self) -> str:
-        """The layout table: name, shape, offset, length and float32 bytes of each gradient."""
+        """:func:`layout_text`."""
         return layout_text(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -277,8 +236,8 @@ class GdnBackwardLayout:
 
     @classmethod
     def from_dict(cls, data: Any) -> GdnBackwardLayout:
-        """A layout from :meth:`to_dict`'s output, validated as the constructor validates: a
-        TypeError for what is not a dict, a ValueError for a key missing or unknown.
+        """A layout from :meth:`to_dict`'s output: a TypeError for what is not a dict, a
+        ValueError for a key missing or unknown.
 
         >>> layout = GdnBackwardLayout(2, 3, 4, 8, carry_state=True)
         >>> GdnBackwardLayout.from_dict(layout.to_dict()) == layout
@@ -297,10 +256,9 @@ class GdnBackwardLayout:
 
     @classmethod
     def from_inputs(cls, q: Any, g: Any, state: Any = None) -> GdnBackwardLayout:
-        """The layout of the backward of a forward called with ``q`` ``[B, S, H, N]``, ``g``
-        ``[B, S, H]`` (or ``[B, S, H, N]`` per channel) and ``state`` ``[B, H, N, N]`` or None,
-        each an array or a shape: a TypeError for neither, a ValueError for a shape that does
-        not fit the others.
+        """The layout of a forward called with ``q`` ``[B, S, H, N]``, ``g`` ``[B, S, H]`` (or
+        ``[B, S, H, N]``) and ``state`` ``[B, H, N, N]`` or None, arrays or shapes; a shape
+        that does not fit is a ValueError.
 
         >>> layout = GdnBackwardLayout.from_inputs(q=(1, 16, 2, 4), g=(1, 16, 2), state=None)
         >>> layout.gate_per_channel, layout.carry_state, layout.total_elems
@@ -312,8 +270,7 @@ class GdnBackwardLayout:
     def from_grads(
         cls, dq: Any, dk: Any, dv: Any, dg: Any, dbeta: Any, dstate: Any = None
     ) -> GdnBackwardLayout:
-        """The layout that packs these gradients (arrays or shapes); every shape is checked,
-        with the errors of :meth:`from_inputs`."""
+        """The layout that packs these gradients (arrays or shapes), every shape checked."""
         layout = cls._infer(("dq", dq), ("dg", dg), ("dstate", dstate))
         for name, grad in zip(("dk", "dv", "dbeta"), (dk, dv, dbeta), strict=True):
             if (shape := _shape_of(name, grad)) != layout.shape(name):
@@ -344,7 +301,7 @@ class GdnBackwardLayout:
         return cls(b, s, h, n, len(gate_shape) == 4, state[1] is not None)
 
     def plot(self, **options: Any) -> Picture:
-        """:func:`gdn_layout.plot.plot_layout` of this layout, with the same options."""
+        """:func:`gdn_layout.plot.plot_layout` of this layout."""
         from .plot import plot_layout  # deferred: plot builds on this module
 
         picture: Picture = plot_layout(self, **options)
@@ -358,9 +315,6 @@ def _shape_of(name: str, value: Any) -> tuple[int, ...]:
         raise TypeError(f"{name} must be an array or a shape, got {type(value).__name__}") from None
 
 
-# -- the layout as a table ---------------------------------------------------------------------
-
-
 class LayoutRow(NamedTuple):
     """One gradient's place in a packed buffer, with its size in bytes."""
 
@@ -372,7 +326,7 @@ class LayoutRow(NamedTuple):
 
 
 def layout_table(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> list[LayoutRow]:
-    """One :class:`LayoutRow` ``(name, shape, offset, length, nbytes)`` per gradient.
+    """One :class:`LayoutRow` per gradient.
 
     >>> layout_table(GdnBackwardLayout(1, 2, 1, 2), dtype=np.float64)[3]
     LayoutRow(name='dg', shape=(1, 2, 1), offset=12, length=2, nbytes=16)
@@ -404,7 +358,7 @@ def layout_text(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str
 
 
 def layout_html(layout: GdnBackwardLayout, dtype: DTypeLike = np.float32) -> str:
-    """:func:`layout_text`'s table as HTML (a notebook's ``_repr_html_``)."""
+    """:func:`layout_text` as HTML."""
     body, caption = _layout_cells(layout, dtype)
     styles = [""] * (len(body) - 1) + ["font-weight:bold"]
     return html_table(_LAYOUT_HEADERS, body, align="llrrr", caption=caption, row_styles=styles)
@@ -421,7 +375,7 @@ def _layout_cells(layout: GdnBackwardLayout, dtype: DTypeLike) -> tuple[list[lis
 
 
 def layout_caption(layout: GdnBackwardLayout) -> str:
-    """A one-line description of a layout, short enough for a table caption.
+    """A one-line description of a layout.
 
     >>> layout_caption(GdnBackwardLayout(2, 5, 3, 8, gate_per_channel=True, carry_state=True))
     'B=2 S=5 H=3 N=8, per-channel gate, carried state'

@@ -1,4 +1,4 @@
-"""Views into a packed gradient buffer, and packing gradients into one (README.md, *unpack,
+"""Views into a packed gradient buffer, and gradients packed into one (README.md, *unpack,
 pack, empty*)."""
 
 from __future__ import annotations
@@ -21,14 +21,8 @@ _CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 
 
 class GdnGrads(NamedTuple):
-    """The gradients of ``GatedDeltaNetBackward``, in packing order: ``dq, dk, dv`` ``[B, S,
-    H, N]``, ``dg`` ``[B, S, H]`` (or ``[B, S, H, N]``), ``dbeta`` ``[B, S, H]``, ``dstate``
-    ``[B, H, N, N]`` or None; ``str()`` and a notebook show each one's statistics.
-
-    See Also
-    --------
-    unpack : A packed buffer as these views.
-    """
+    """The gradients of ``GatedDeltaNetBackward`` in packing order, ``dstate`` None when the
+    state is not carried; ``str()`` and a notebook show each one's statistics."""
 
     dq: NDArray[Any]
     dk: NDArray[Any]
@@ -38,7 +32,7 @@ class GdnGrads(NamedTuple):
     dstate: NDArray[Any] | None = None
 
     def __str__(self) -> str:
-        """Per-gradient statistics: shape, dtype, min, max, mean, RMS, NaN and Inf counts."""
+        """Per-gradient statistics."""
         return grads_text(self)
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -50,8 +44,7 @@ class GdnGrads(NamedTuple):
 
 def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
     """Split a packed buffer ``(..., layout.total_elems)`` into views of it, shaped ``(...,
-    *shape)``. Never copies: a write to a view writes to ``flat``, a read-only ``flat`` gives
-    read-only views, a memory-mapped one file-backed views; any dtype and strides work.
+    *shape)``: never a copy, so a write to a view writes to ``flat``.
 
     Raises
     ------
@@ -59,10 +52,6 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
         ``flat`` is not an ndarray, or ``layout`` not a :class:`GdnBackwardLayout`.
     ValueError
         The last axis of ``flat`` is not ``layout.total_elems`` long.
-
-    See Also
-    --------
-    pack : The inverse: gradients into one buffer.
 
     Examples
     --------
@@ -83,13 +72,12 @@ def unpack(flat: NDArray[Any], layout: GdnBackwardLayout) -> GdnGrads:
             f"unpack: flat must have layout.total_elems = {layout.total_elems} elements "
             f"along its last axis, got {received}, for {layout!r}"
         )
-    # Splitting one axis into several is always expressible with strides: a view, never a copy.
     lead = flat.shape[:-1]
     return GdnGrads(
-        *(
+        *[
             flat[..., s.offset : s.offset + s.length].reshape(lead + s.shape)
             for s in layout.segments()
-        )
+        ]
     )
 
 
@@ -106,13 +94,12 @@ def pack(
     dtype: DTypeLike | None = None,
     casting: Casting = "same_kind",
 ) -> NDArray[Any]:
-    """Pack gradients (NumPy arrays, or torch or JAX tensors read as :func:`~gdn_layout.compare`
-    reads them) into one 1-D buffer in rlx-ir's order; the inverse of :func:`unpack`.
+    """Pack gradients (arrays, or tensors read as :func:`~gdn_layout.compare` reads them) into
+    one 1-D buffer in rlx-ir's order; the inverse of :func:`unpack`.
 
-    The layout is inferred from ``dq``, ``dg`` and ``dstate`` unless given; every shape is
-    checked against it. The result is ``out`` when given, else a new array, of ``dtype``, else
-    ``out.dtype``, else ``np.result_type`` of the gradients, each cast as ``np.copyto(...,
-    casting=casting)`` would cast it. Inputs may overlap ``out``. Nothing is written unless
+    The layout is inferred from ``dq``, ``dg`` and ``dstate`` unless given, and every shape
+    checked. The result is ``out`` (which the inputs may overlap), else a new array of ``dtype``
+    or ``np.result_type`` of the gradients, cast by ``casting``. Nothing is written unless
     every check passes.
 
     Raises
@@ -123,11 +110,6 @@ def pack(
     ValueError
         A shape does not match the layout, ``dstate`` does not match ``carry_state``, ``out``
         is not 1-D of ``total_elems`` or is read-only, or ``casting`` is unknown.
-
-    See Also
-    --------
-    unpack : The inverse: views of a packed buffer.
-    empty, zeros : A packed buffer to write gradients into, with no copy.
 
     Examples
     --------
@@ -140,60 +122,77 @@ def pack(
     """
     given = (dq, dk, dv, dg, dbeta) if dstate is None else (dq, dk, dv, dg, dbeta, dstate)
     arrays = [x if isinstance(x, np.ndarray) else _array(x) for x in given]
-    if layout is not None and not isinstance(layout, GdnBackwardLayout):
+    expected: tuple[tuple[int, ...], ...] = ()
+    if layout is None:
+        if len(shape := arrays[0].shape) == 4:
+            b, s, h, n = shape
+            expected = gradient_shapes(b, s, h, n, arrays[3].ndim == 4, dstate is not None)
+    elif not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "pack")
-    if layout is not None and (dstate is None) == layout.carry_state:
+    elif (dstate is None) == layout.carry_state:
         wrong = "missing" if layout.carry_state else "given"
         raise ValueError(
             f"pack: dstate is {wrong}, but the layout has carry_state={layout.carry_state}: "
             f"{layout!r}"
         )
-    # The shapes are checked against those a layout would have; a layout is made (inferred
-    # from dq, dg and dstate) only to say what is wrong.
-    shapes = tuple([a.shape for a in arrays])
-    expected: tuple[tuple[int, ...], ...] = ()
-    if layout is not None:
+    else:
         expected = layout.shapes
-    elif len(shapes[0]) == 4:
-        b, s, h, n = shapes[0]
-        expected = gradient_shapes(b, s, h, n, len(shapes[3]) == 4, dstate is not None)
-    if shapes != expected:
+    # One comparison of shapes when all is well; a layout is made only to say what is wrong.
+    if tuple([a.shape for a in arrays]) != expected:
         _raise_shape_error(arrays, layout)
     if casting not in _CASTINGS:
         raise ValueError(f"pack: casting must be one of {_CASTINGS}, got {casting!r}")
+    wanted = None if dtype is None else resolve(dtype, "pack: dtype")
     if out is None:
-        target = resolve(dtype, "pack: dtype") if dtype is not None else np.result_type(*arrays)
-        if not (target.kind in "biufc" or is_floating(target)):
-            raise TypeError(f"pack: gradients are numbers; the packed dtype would be {target}")
-    else:
-        total = sum([a.size for a in arrays])
-        if not (isinstance(out, np.ndarray) and out.shape == (total,) and out.flags.writeable):
-            check_out(out, layout or GdnBackwardLayout.from_grads(*arrays), "pack")
-        target = out.dtype
-        if dtype is not None and (wanted := resolve(dtype, "pack: dtype")) != target:
-            raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={target}; give one")
-    if any(a.dtype != target for a in arrays):
-        for name, a in zip(GRADIENT_NAMES, arrays, strict=False):
-            if not np.can_cast(a.dtype, target, casting=casting):
-                raise TypeError(
-                    f"pack: cannot cast {name} from {a.dtype} to {target} with casting={casting!r}"
-                )
-    # concatenate(axis=None) flattens each input in C order straight into the result, strided
-    # or not: one pass, with NumPy's own casting.
-    if out is None:
-        return np.concatenate(arrays, axis=None, dtype=target, casting=casting)
+        try:
+            packed = np.concatenate(_raveled(arrays), dtype=wanted, casting=casting)
+        except TypeError:  # a cast casting refuses: say which gradient
+            _raise_cast_error(arrays, wanted, casting)
+            raise
+        if not (packed.dtype.kind in "biufc" or is_floating(packed.dtype)):
+            raise TypeError(
+                f"pack: gradients are numbers; the packed dtype would be {packed.dtype}"
+            )
+        return packed
+    if not isinstance(out, np.ndarray):
+        check_out(out, layout or GdnBackwardLayout.from_grads(*arrays), "pack")
+    if wanted is not None and wanted != out.dtype:
+        raise TypeError(f"pack: dtype={wanted} conflicts with out.dtype={out.dtype}; give one")
+    # Every cast checked before any write, so that nothing is half-written; when the arrays'
+    # common type is out's, each casts to it safely, which every rule but these two allows.
+    if casting in ("no", "equiv") or np.result_type(*arrays) != out.dtype:
+        _raise_cast_error(arrays, out.dtype, casting)
     # An input that overlaps out is copied first, so that no write clobbers what is still to
     # be read; memory an array owns is no other's, so only views can overlap.
-    if not out.flags.owndata or any(a.base is not None for a in arrays):
+    if not out.flags.owndata or any([a.base is not None for a in arrays]):
         arrays = [a.copy() if np.may_share_memory(a, out) else a for a in arrays]
-    return np.concatenate(arrays, axis=None, out=out, casting=casting)
+    try:  # NumPy checks out's size, rank and writeability before it writes
+        return np.concatenate(_raveled(arrays), out=out, casting=casting)
+    except ValueError:
+        check_out(out, layout or GdnBackwardLayout.from_grads(*arrays), "pack")
+        raise
+
+
+def _raveled(arrays: list[NDArray[Any]]) -> list[NDArray[Any]]:
+    """Each array flattened in C order: a view where it is contiguous, else a copy. (NumPy's
+    ``concatenate(axis=None)`` does the same but costs a small pack twice as much.)"""
+    return [a.ravel() for a in arrays]
 
 
 def _array(x: object) -> NDArray[Any]:
-    """A gradient as an ndarray: a torch or JAX tensor as :func:`~gdn_layout._arrays.as_packed`
-    reads it (bfloat16 included, one copy from a device's memory), else by
-    :func:`numpy.asarray`."""
+    """A gradient as an ndarray; a tensor with ``__dlpack__`` read as ``compare`` reads it."""
     return as_packed(x, "a gradient", "pack") if hasattr(x, "__dlpack__") else np.asarray(x)
+
+
+def _raise_cast_error(arrays: list[NDArray[Any]], target: Any, casting: Casting) -> None:
+    """The error naming the first gradient that ``casting`` does not allow to cast."""
+    if target is None:
+        target = np.result_type(*arrays)
+    for name, a in zip(GRADIENT_NAMES, arrays, strict=False):
+        if a.dtype != target and not np.can_cast(a.dtype, target, casting=casting):
+            raise TypeError(
+                f"pack: cannot cast {name} from {a.dtype} to {target} with casting={casting!r}"
+            )
 
 
 def _raise_shape_error(arrays: list[NDArray[Any]], layout: GdnBackwardLayout | None) -> None:
@@ -202,27 +201,21 @@ def _raise_shape_error(arrays: list[NDArray[Any]], layout: GdnBackwardLayout | N
         try:
             layout = GdnBackwardLayout.from_grads(*arrays)
         except (TypeError, ValueError) as error:
-            if isinstance(error, ValueError):
-                _raise_if_dq_alone_is_wrong(arrays)
-            raise type(error)(f"pack: {error}") from None
+            # Inferred from dq, a wrong dq makes the others look wrong: when dk's layout fits
+            # every gradient but dq, name dq.
+            try:
+                dk_layout = GdnBackwardLayout.from_grads(arrays[1], *arrays[1:])
+            except (TypeError, ValueError):
+                raise type(error)(f"pack: {error}") from None
+            raise ValueError(
+                f"pack: dq has shape {arrays[0].shape}, expected {dk_layout.shape('dq')} for "
+                f"{dk_layout!r}, the layout of the other gradients"
+            ) from None
     for seg, array in zip(layout.segments(), arrays, strict=True):
         if array.shape != seg.shape:
             raise ValueError(
                 f"pack: {seg.name} has shape {array.shape}, expected {seg.shape} for {layout!r}"
             )
-
-
-def _raise_if_dq_alone_is_wrong(arrays: list[NDArray[Any]]) -> None:
-    """The layout is inferred from ``dq``, so a wrong ``dq`` makes the others look wrong: when
-    the layout that ``dk`` gives fits every gradient but ``dq``, name ``dq``."""
-    try:
-        layout = GdnBackwardLayout.from_grads(arrays[1], *arrays[1:])
-    except (TypeError, ValueError):
-        return  # dk does not fit the others either: the inference's own error says which
-    raise ValueError(
-        f"pack: dq has shape {arrays[0].shape}, expected {layout.shape('dq')} for {layout!r}, "
-        "the layout of the other gradients"
-    )
 
 
 def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
@@ -240,16 +233,9 @@ def check_out(out: Any, layout: GdnBackwardLayout, func: str) -> None:
 def empty(
     layout: GdnBackwardLayout, dtype: DTypeLike = np.float32
 ) -> tuple[NDArray[Any], GdnGrads]:
-    """An uninitialised packed buffer of ``dtype`` (``"bfloat16"`` works as a name) and its
-    views, ``unpack(flat, layout)``, for a backward to write in place; a TypeError when
-    ``layout`` is not a layout or ``dtype`` not a dtype.
+    """An uninitialised packed buffer of ``dtype`` and its views, ``unpack(flat, layout)``,
+    for a backward to write in place.
 
-    See Also
-    --------
-    zeros : The same, zeroed.
-
-    Examples
-    --------
     >>> import numpy as np
     >>> flat, grads = empty(GdnBackwardLayout(1, 4, 2, 8), dtype=np.float64)
     >>> grads.dq[...] = 1.0  # writes into flat
@@ -264,12 +250,6 @@ def zeros(
 ) -> tuple[NDArray[Any], GdnGrads]:
     """:func:`empty`, zeroed: for a backward that accumulates in place.
 
-    See Also
-    --------
-    empty : The same, uninitialised.
-
-    Examples
-    --------
     >>> flat, grads = zeros(GdnBackwardLayout(1, 4, 2, 8, carry_state=True))
     >>> grads.dstate.shape, float(flat.sum())
     ((1, 2, 8, 8), 0.0)

@@ -1,5 +1,5 @@
-"""Pictures of a packed layout and of a comparison's errors (README.md, *In a notebook*); needs
-``gdn-layout[plot]``. matplotlib is imported only when drawing, never pyplot."""
+"""Pictures of a packed layout and of a comparison's errors (README.md, *In a notebook*);
+needs ``gdn-layout[plot]``. matplotlib is imported only when drawing, never pyplot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import math
 import operator
 import os
 import warnings
-from typing import TYPE_CHECKING, Any, SupportsIndex, TypeVar, overload
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, SupportsIndex
 
 import numpy as np
 from numpy.typing import DTypeLike, NDArray
@@ -30,7 +31,6 @@ _BAD = "magenta"  # a NaN or Inf mismatch: a colour neither colour map uses
 _OUT = "red"  # the outline of cells with an element out of tolerance
 _NO_RATIO = "0.6"  # a ratio cell whose expected values are all zero
 _FINDING = "boundary finding"  # dashed orange lines at the steps a boundary finding names
-_MAX_EDGES = 4000  # past this many unit edges an outline is slow and a tangle: shade instead
 _MAX_MARKERS = 1000  # past this many non-finite cells, their fill alone marks them
 _NARROW = 0.07  # a span narrower than this fraction of the buffer is named in the key
 _PANEL, _DPI = (4.2, 3.0), 100  # inches of one heatmap panel; dots per inch of every picture
@@ -49,41 +49,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-@overload
 def plot_layout(
     layout: GdnBackwardLayout,
-    ax: None = None,
-    *,
-    dtype: DTypeLike = ...,
-    path: str | os.PathLike[str] | None = ...,
-) -> Picture: ...
-@overload
-def plot_layout(
-    layout: GdnBackwardLayout,
-    ax: Axes,
-    *,
-    dtype: DTypeLike = ...,
-    path: str | os.PathLike[str] | None = ...,
-) -> Figure: ...
-def plot_layout(
-    layout: GdnBackwardLayout,
-    ax: Axes | None = None,
     *,
     dtype: DTypeLike = np.float32,
     path: str | os.PathLike[str] | None = None,
-) -> Figure:
-    """Draw the packed buffer as one bar with a span per gradient, proportional to its length.
+) -> Picture:
+    """Draw the packed buffer as one bar with a span per gradient, proportional to its length;
+    ``GdnBackwardLayout.plot()`` calls this. Saved to ``path`` too when given.
 
-    Returns a new 8x1.8-inch, 100-dpi :class:`Picture`; or, given ``ax``, draws on it and
-    returns its figure. Saves the figure to ``path`` when given, in the format its suffix
-    names. ``GdnBackwardLayout.plot()`` calls this.
-
-    See Also
-    --------
-    layout.layout_text : The layout as text.
-
-    Examples
-    --------
     >>> from gdn_layout import GdnBackwardLayout
     >>> plot_layout(GdnBackwardLayout(batch=1, seq=16, heads=4, state_size=8)).axes[0].get_title()
     'B=1 S=16 H=4 N=8, per-head gate, no state; float32'
@@ -96,8 +70,8 @@ def plot_layout(
 
     from ._picture import Picture
 
-    if ax is None:
-        ax = Picture(figsize=(8, 1.8), dpi=_DPI, layout="constrained").add_subplot()
+    fig = Picture(figsize=(8, 1.8), dpi=_DPI, layout="constrained")
+    ax = fig.add_subplot()
     total = layout.total_elems
     ax.set_title(f"{layout_caption(layout)}; {resolve(dtype, 'dtype').name}")
     ax.set_yticks([])
@@ -107,7 +81,7 @@ def plot_layout(
     if total == 0:
         ax.set_xlim(0, 1)
         ax.text(0.5, 0.0, "empty buffer: every gradient has length 0", ha="center", va="center")
-        return _saved(_root(ax), path)
+        return _saved(fig, path)
     ax.set_xlim(0, total)
     ax.set_xlabel(f"element offset (total {total}, {layout.nbytes(dtype)} bytes)")
     ax.xaxis.set_major_locator(MaxNLocator(nbins=7, integer=True))
@@ -117,9 +91,16 @@ def plot_layout(
         colour = colormaps["tab10"](i)
         bar = ax.barh(0, seg.length, left=seg.offset, height=0.8, color=colour, edgecolor="white")
         if seg.length >= _NARROW * total:
-            label = f"{seg.name}\n{seg.length}"
             x = seg.offset + seg.length / 2
-            ax.text(x, 0, label, ha="center", va="center", fontsize=8, color="white")
+            ax.text(
+                x,
+                0,
+                f"{seg.name}\n{seg.length}",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="white",
+            )
         else:  # too narrow for its label: named in a key above the bar
             bar.set_label(f"{seg.name} {seg.length}")
             narrow.append(bar)
@@ -133,7 +114,7 @@ def plot_layout(
             frameon=False,
             handlelength=1.0,
         )
-    return _saved(_root(ax), path)
+    return _saved(fig, path)
 
 
 def plot_errors(
@@ -143,18 +124,16 @@ def plot_errors(
     batch: SupportsIndex | None = None,
     only_failed: bool | None = None,
     chunk: SupportsIndex | None = None,
-    log: bool = True,
     kind: str = "error",
     path: str | os.PathLike[str] | None = None,
 ) -> Picture:
     """A heatmap per gradient of ``|a - e|`` over (head, sequence position), its errors marked
-    (README.md, *In a notebook*): cells with an element out of tolerance outlined red, NaN/Inf
-    mismatches filled magenta, a ``boundary`` finding's steps dashed orange, a large map binned.
+    (README.md, *In a notebook*); ``comparison.plot(...)`` calls this.
 
     Parameters
     ----------
     comparison : Comparison
-        What :func:`~gdn_layout.compare` returned (``comparison.plot(...)`` calls this).
+        What :func:`~gdn_layout.compare` returned.
     names : sequence of str, optional
         The panels; by default every gradient, or the failing ones when some fail.
     batch : int, optional
@@ -163,8 +142,6 @@ def plot_errors(
         Overrides the default of ``names``: True the failing gradients, False all.
     chunk : int, optional
         A light line every ``chunk`` positions, ticks on its multiples.
-    log : bool
-        Colour on a log scale (zero error gets the lowest colour).
     kind : {"error", "signed", "ratio"}
         ``|a - e|``; the signed ``a - e`` of largest magnitude; or ``<a, e> / <e, e>`` per cell,
         of a failing gradient (``dstate`` as one ``i x j`` tile per head).
@@ -174,12 +151,7 @@ def plot_errors(
     Returns
     -------
     Picture
-        The figure, three 4.2x3-inch panels a row; a TypeError or ValueError names a wrong
-        argument.
-
-    See Also
-    --------
-    error_map : One gradient's map as an array.
+        The figure, three panels a row; a TypeError or ValueError names a wrong argument.
 
     Examples
     --------
@@ -241,9 +213,9 @@ def plot_errors(
         if kind != "error" and (grad.signed_error_map is None or grad.ratio_map is None):
             _no_map(ax, grad, kind)
         elif kind != "error" and name == "dstate":
-            marks.update(_state_tiles(fig, ax, grad, kind, log))
+            marks.update(_state_tiles(fig, ax, grad, kind))
         else:
-            marks.update(_heatmap(fig, ax, grad, batch, chunk, log, kind))
+            marks.update(_heatmap(fig, ax, grad, batch, chunk, kind))
         marks.update(_boundaries(ax, grad))
     for ax in axes[len(chosen) :]:
         fig.delaxes(ax)
@@ -266,7 +238,6 @@ def _heatmap(
     grad: GradComparison,
     batch: int | None,
     chunk: int | None,
-    log: bool,
     kind: str,
 ) -> dict[str, Artist]:
     """One panel of ``kind`` over (head, position); the legend entries of its marks."""
@@ -298,7 +269,7 @@ def _heatmap(
         ax.set_yticks([])
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return {}
-    values, cmap, norm = _colours(data, kind, log)
+    values, cmap, norm = _colours(data, kind)
     image = ax.imshow(
         np.ma.masked_invalid(values), aspect="auto", interpolation="nearest", cmap=cmap, norm=norm
     )
@@ -351,12 +322,9 @@ def _cause_cells(grad: GradComparison, batch: int | None, kind: str) -> NDArray[
     return largest
 
 
-def _colours(
-    data: NDArray[np.float64], kind: str, log: bool
-) -> tuple[NDArray[np.float64], Any, Any]:
-    """The values to draw, the colour map and the norm: viridis for an error (log-scaled when
-    ``log``); coolwarm about 0 for a signed error (symmetric-log when ``log``) and about 1 for
-    a ratio (its 1st to 99th percentile)."""
+def _colours(data: NDArray[np.float64], kind: str) -> tuple[NDArray[np.float64], Any, Any]:
+    """The values to draw, the colour map and the norm: viridis on a log scale for an error;
+    coolwarm about 0 (symmetric-log) for a signed error, about 1 for a ratio."""
     from matplotlib import colormaps
     from matplotlib.colors import LogNorm, Normalize, SymLogNorm, TwoSlopeNorm
 
@@ -366,16 +334,15 @@ def _colours(
     if kind == "error":
         cmap = colormaps["viridis"].with_extremes(bad=_BAD)
         positive = data[finite & (data > 0)]
-        if log and positive.size:
-            high = float(positive.max())
-            low = min(float(positive.min()), high / 100)  # two decades: labelled major ticks
-            return np.where(finite, np.maximum(data, low), np.nan), cmap, LogNorm(low, high)
-        high = float(data[finite].max()) if finite.any() else 0.0
-        return values, cmap, Normalize(0.0, high if high > 0 else 1.0)
+        if not positive.size:  # no error at all: one colour
+            return values, cmap, Normalize(0.0, 1.0)
+        high = float(positive.max())
+        low = min(float(positive.min()), high / 100)  # two decades: labelled major ticks
+        return np.where(finite, np.maximum(data, low), np.nan), cmap, LogNorm(low, high)
     if kind == "signed":
         high = float(np.abs(data[finite]).max()) if finite.any() else 0.0
         high = high if high > 0 else 1.0
-        norm = SymLogNorm(high / 1000, vmin=-high, vmax=high) if log else Normalize(-high, high)
+        norm = SymLogNorm(high / 1000, vmin=-high, vmax=high)
         return values, colormaps["coolwarm"].with_extremes(bad=_BAD), norm
     low, high = np.percentile(data[finite], (1, 99)) if finite.any() else (1.0, 1.0)
     norm = TwoSlopeNorm(1.0, vmin=min(float(low), 1 - 1e-3), vmax=max(float(high), 1 + 1e-3))
@@ -383,9 +350,7 @@ def _colours(
 
 
 def _colour_bar(fig: Figure, ax: Axes, image: Any, data: NDArray[np.float64], kind: str) -> None:
-    """A colour bar: arrows at a ratio's ends that hold values beyond its range; a
-    symmetric-log one ticked at 0 and three decades each side, none crowding 0."""
-    from matplotlib.colors import SymLogNorm
+    """A colour bar, with arrows at a ratio's ends when values lie beyond its range."""
     from matplotlib.ticker import NullLocator
 
     norm, finite = image.norm, data[np.isfinite(data)]
@@ -393,16 +358,10 @@ def _colour_bar(fig: Figure, ax: Axes, image: Any, data: NDArray[np.float64], ki
     above = kind == "ratio" and bool(finite.size and finite.max() > norm.vmax)
     extend = {(True, True): "both", (True, False): "min", (False, True): "max"}
     bar = fig.colorbar(image, ax=ax, label=_BAR[kind], extend=extend.get((below, above), "neither"))
-    if isinstance(norm, SymLogNorm) and norm.vmax is not None:
-        top = math.floor(math.log10(norm.vmax))
-        decades = [10.0**k for k in range(top, top - 3, -1)]
-        bar.set_ticks([*decades, 0.0, *(-d for d in decades)])
     bar.ax.yaxis.set_minor_locator(NullLocator())  # minor ticks crowd and are slow to lay out
 
 
-def _state_tiles(
-    fig: Figure, ax: Axes, grad: GradComparison, kind: str, log: bool
-) -> dict[str, Artist]:
+def _state_tiles(fig: Figure, ax: Axes, grad: GradComparison, kind: str) -> dict[str, Artist]:
     """``dstate``'s signed error or ratio as one ``i x j`` tile per head (over the batch), in
     a near-square grid: a transpose is a pattern mirrored about each tile's diagonal."""
     maps = grad.signed_error_map if kind == "signed" else grad.ratio_map
@@ -421,7 +380,7 @@ def _state_tiles(
     if maps.size == 0:
         ax.text(0.5, 0.5, "empty", ha="center", va="center", transform=ax.transAxes)
         return {}
-    values, cmap, norm = _colours(maps, kind, log)  # one scale for every head
+    values, cmap, norm = _colours(maps, kind)  # one scale for every head
     for h in range(heads):
         y0, x0 = (step * (side + 1) for step in divmod(h, cols))
         extent = (x0 - 0.5, x0 + side - 0.5, y0 + side - 0.5, y0 - 0.5)
@@ -516,31 +475,15 @@ def _integer_ticks(ax: Axes, which: str, n: int, chunk: int | None) -> None:
 
 
 def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
-    """The border of the ``True`` cells of ``mask`` (rows down) as one line collection; or,
-    when that border is too long to draw quickly or to see, those cells shaded."""
+    """The border of the ``True`` cells of ``mask`` (rows down) as one line collection."""
     from matplotlib.collections import LineCollection
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
 
     padded = np.pad(mask, 1)
     # A horizontal edge lies between two rows that differ, a vertical one between two columns;
     # cell (r, c) spans r - 0.5 .. r + 0.5 down and c - 0.5 .. c + 0.5 across.
-    across = padded[1:, 1:-1] != padded[:-1, 1:-1]
-    down = padded[1:-1, 1:] != padded[1:-1, :-1]
-    if int(across.sum()) + int(down.sum()) > _MAX_EDGES:
-        label = "out of tolerance (shaded)"
-        ax.imshow(
-            np.ma.masked_where(~mask, np.ones(mask.shape)),
-            aspect="auto",
-            interpolation="nearest",
-            cmap=ListedColormap([_OUT]),
-            alpha=0.5,
-            label=label,
-        )
-        return {label: Patch(facecolor=_OUT, alpha=0.5, label=label)}
-    rows, cols = np.nonzero(across)
+    rows, cols = np.nonzero(padded[1:, 1:-1] != padded[:-1, 1:-1])
     horizontal = np.stack([cols - 0.5, rows - 0.5, cols + 0.5, rows - 0.5], axis=-1)
-    rows, cols = np.nonzero(down)
+    rows, cols = np.nonzero(padded[1:-1, 1:] != padded[1:-1, :-1])
     vertical = np.stack([cols - 0.5, rows - 0.5, cols - 0.5, rows + 0.5], axis=-1)
     segments = np.concatenate([horizontal, vertical]).reshape(-1, 2, 2)
     lines = LineCollection(list(segments), colors=_OUT, linewidths=1.2, label="out of tolerance")
@@ -550,31 +493,19 @@ def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
     return {"out of tolerance": lines}
 
 
-def _root(ax: Axes) -> Figure:
-    figure: Any = ax.figure
-    while getattr(figure, "figure", figure) is not figure:  # a SubFigure's root
-        figure = figure.figure
-    root: Figure = figure
-    return root
-
-
-_FigureT = TypeVar("_FigureT", bound="Figure")
-
-
-def _saved(figure: _FigureT, path: str | os.PathLike[str] | None) -> _FigureT:
-    """``figure`` after writing it to ``path``, if given: atomically (a reader never sees half
-    a picture) when the suffix names a format, else as ``savefig`` does (which appends the
-    default format's suffix to a name without one, and takes a file object too)."""
+def _saved(figure: Picture, path: str | os.PathLike[str] | None) -> Picture:
+    """``figure`` after writing it to ``path``: through a temporary file renamed into place
+    when the suffix names a format (no reader sees half a picture), else as ``savefig`` does."""
     if path is None:
         return figure
-    if isinstance(path, str | os.PathLike):
-        from pathlib import Path
-
-        from .files._atomic import atomic_write
-
-        suffix = Path(path).suffix.lower().lstrip(".")
-        if suffix in figure.canvas.get_supported_filetypes():
-            atomic_write(Path(path), lambda f: figure.savefig(f, format=suffix), overwrite=True)
-            return figure
-    figure.savefig(path)
+    suffix = Path(path).suffix.lower().lstrip(".") if isinstance(path, str | os.PathLike) else ""
+    if suffix not in figure.canvas.get_supported_filetypes():
+        figure.savefig(path)  # a file object; or a name savefig adds the default suffix to
+        return figure
+    temporary = Path(path).with_name(f".{Path(path).name}.tmp")
+    try:
+        figure.savefig(temporary, format=suffix)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
     return figure
