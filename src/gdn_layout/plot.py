@@ -494,10 +494,18 @@ def _outline(ax: Axes, mask: NDArray[np.bool_]) -> dict[str, Artist]:
 
 
 def _saved(figure: Picture, path: str | os.PathLike[str] | None) -> Picture:
-    """``figure`` after writing it to ``path``: through a temporary file renamed into place
-    when the suffix names a format (no reader sees half a picture), else as ``savefig`` does."""
+    """``figure`` after writing it to ``path``: whole or not at all when the suffix names a
+    format, else as ``savefig`` does (a file object; a name it adds the default suffix to)."""
     if path is None:
         return figure
+    suffix = Path(path).suffix.lower().lstrip(".") if isinstance(path, str | os.PathLike) else ""
+    if suffix not in figure.canvas.get_supported_filetypes():
+        figure.savefig(path)
+        return figure
+    from .files._atomic import atomic_write
+
+    atomic_write(Path(path), lambda f: figure.savefig(f, format=suffix), overwrite=True)
+    return figure
     suffix = Path(path).suffix.lower().lstrip(".") if isinstance(path, str | os.PathLike) else ""
     if suffix not in figure.canvas.get_supported_filetypes():
         figure.savefig(path)  # a file object; or a name savefig adds the default suffix to
