@@ -24,9 +24,8 @@ __all__ = [
     "memory_refusal",
 ]
 
-#: What a first run imports and sets up, and the Python objects of one chunk of the runs.
+#: What a first run imports and sets up.
 _FIRST_RUN: Final = 4 << 20
-_PER_CHUNK: Final = 16 << 10
 
 
 def fixture_memory(
@@ -69,11 +68,11 @@ def fixture_memory(
     length = chunk_length(n)
     ref_chunks = -(-s // length) + 3 * min(s, length) * layout.gate_per_channel
     pairs = 0 if layout.gate_per_channel else b * h * s * length
-    truth = (inputs + results + ref_chunks * state + pairs) * 8 + ref_chunks * _PER_CHUNK
+    truth = (inputs + results + ref_chunks * state + pairs) * 8
     chunks = -(-s // FUSED_CHUNK) + (-(-s // states) if states else 0)
     products = 5 * b * h * FUSED_CHUNK**2 * n * layout.gate_per_channel
-    run = (inputs + results + 2 * chunks * state + products) * 4 + chunks * _PER_CHUNK
-    # and the forward's chunks it keeps for the backward, up to KEEP_BYTES
+    run = (inputs + results + 2 * chunks * state + products) * 4
+    # and the forward's chunks kept for the backward, up to KEEP_BYTES
     per_step = 6 * FUSED_CHUNK + 6 * n + FUSED_CHUNK * n * layout.gate_per_channel
     run += min(KEEP_BYTES, b * h * s * per_step * 4)
     runs = run * len(forms) if threads > 1 else run + results * 4  # beside the last's results
