@@ -1,28 +1,10 @@
-"""Inputs of the gated delta-net in the regimes that real models reach, for the accuracy tests.
-
-A :class:`Case` names a shape, a gate regime, a norm regime for ``q`` and ``k``, a ``beta``
-regime, the gate mode and whether a state is carried; :meth:`Case.draw` makes the arrays from
-its seed. The regimes:
-
-gates (``GATES``)
-    ``uniform<lo>,<hi>`` uniform in ``[lo, hi]`` (``uniform-1,0``: gentle decay);
-    ``const<g>`` a constant log-gate ``g`` from -5 down to -80; ``qwen`` and ``mixed`` the
-    library's regimes of those names (:mod:`gdn_layout.regimes`: Qwen3-Next's gates; each
-    element no decay, mild or strong at random); ``spiky`` mostly mild (uniform in [-0.1, 0])
-    with 10% of the steps (per batch element and head, all channels at once) at -30.
-norms (``NORMS``)
-    ``unit`` L2-normalised ``q`` and ``k`` (what the op's callers pass); ``upto4`` normalised
-    vectors scaled by a norm drawn uniformly in (0, 4] per step and head; ``raw`` plain standard
-    normal vectors (norm about ``sqrt(N)``); ``key<r>`` (``key3``) unit queries and keys of norm
-    ``r`` exactly.
-beta (``BETAS``)
-    ``uniform`` in (0, 1); ``zero`` and ``one`` exactly, everywhere; ``mixed`` each element
-    exactly 0, exactly 1 or uniform, a third of the time each.
-
-``v``, ``dy`` and the carried state are standard normal. :meth:`Case.draw` with
-``dtype=np.float32`` rounds every array to float32, so that a float32 computation starts from
-exactly the values the long-double oracle sees.
-"""
+"""Inputs of the gated delta-net in the regimes real models reach, for the accuracy tests: a
+:class:`Case` names a shape, a gate regime (``GATES``: ``uniform<lo>,<hi>``, ``const<g>``, the
+library's ``qwen`` and ``mixed``, ``spiky``: mild with 10% of the steps at -30), a norm regime
+for ``q`` and ``k`` (``NORMS``: ``unit``, ``upto4`` scaled by up to 4, ``raw``, ``key<r>``), a
+``beta`` regime (``BETAS``: ``uniform``, ``zero``, ``one``, ``mixed``), the gate and state mode.
+:meth:`Case.draw` makes the arrays from its seed (rounded to ``dtype``, so that a float32
+computation starts from exactly the values the long-double oracle sees)."""
 
 from __future__ import annotations
 

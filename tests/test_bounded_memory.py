@@ -40,15 +40,8 @@ _MEASURE = textwrap.dedent(
 )
 
 
-def _peak_rss(*argv: str) -> tuple[int, int]:
-    """Run the CLI with ``argv`` in a fresh interpreter: (peak RSS in bytes, exit code)."""
-    peak, code, _ = _run_measured(*argv)
-    return peak, code
-
-
-def _run_measured(*argv: str) -> tuple[int, int, str]:
-    """Run the CLI with ``argv`` in a fresh interpreter: (peak RSS in bytes, exit code,
-    what it printed)."""
+def _peak_rss(*argv: str) -> tuple[int, int, str]:
+    """Run the CLI with ``argv`` in a fresh interpreter: peak RSS in bytes, exit code, stdout."""
     done = subprocess.run(
         [sys.executable, "-c", _MEASURE, json.dumps(list(argv))],
         capture_output=True,
@@ -86,31 +79,24 @@ def test_a_large_state_is_compared_in_bounded_memory(tmp_path: Path, wrong: bool
             file.seek(4 * (layout.segment("dstate").offset + 5 * n + 7))
             file.write(np.float32(1.0).tobytes())
     flags = ["--dtype", "float32", "-B", "1", "-S", "1", "-H", "1", "-N", str(n), "--carry-state"]
-    peak, code = _peak_rss("compare", str(actual), str(expected), *flags)
+    peak, code, _ = _peak_rss("compare", str(actual), str(expected), *flags)
     assert code == (1 if wrong else 0)
     assert peak <= 2 * nbytes + ALLOWANCE, f"peak RSS {peak / MiB:.0f} MiB"
-
-
-def _empty_fixture(layout: GdnBackwardLayout) -> Fixture:
-    names = ["q", "k", "v", "g", "beta", "dy", "y"] + ["state"] * layout.carry_state
-    arrays: dict[str, Any] = {
-        name: np.zeros(layout.input_shape(name), np.float32) for name in names
-    }
-    return Fixture(**arrays, packed=np.zeros(layout.total_elems, np.float32))
 
 
 @pytest.mark.slow
 def test_a_tiny_file_of_huge_dimensions_is_compared_in_bounded_memory(tmp_path: Path) -> None:
     # B=0: no element at all, yet an unbinned S x H error map would be 32 PiB of float64.
     layout = GdnBackwardLayout(0, 2**32, 2**20, 16, carry_state=True)
-    path = save_fixture(tmp_path / "empty.safetensors", _empty_fixture(layout))
+    names = ["q", "k", "v", "g", "beta", "dy", "y", "state"]
+    arrays: dict[str, Any] = {n: np.zeros(layout.input_shape(n), np.float32) for n in names}
+    empty = Fixture(**arrays, packed=np.zeros(0, np.float32))
+    path = save_fixture(tmp_path / "empty.safetensors", empty)
     assert path.stat().st_size < 4096
-    peak, code = _peak_rss("compare", str(path), str(path))
-    assert code == 0
-    assert peak <= ALLOWANCE, f"peak RSS {peak / MiB:.0f} MiB"
-    peak, code = _peak_rss("inspect", str(path))
-    assert code == 0
-    assert peak <= ALLOWANCE, f"peak RSS {peak / MiB:.0f} MiB"
+    for argv in (("compare", str(path), str(path)), ("inspect", str(path))):
+        peak, code, _ = _peak_rss(*argv)
+        assert code == 0
+        assert peak <= ALLOWANCE, f"peak RSS {peak / MiB:.0f} MiB"
 
 
 def test_a_huge_error_map_is_binned() -> None:
@@ -146,9 +132,8 @@ def test_a_binned_map_keeps_the_largest_error_of_each_block(
 
 @pytest.mark.slow
 def test_a_misreading_is_named_within_the_bound_of_a_passing_compare(tmp_path: Path) -> None:
-    """A failing compare against a fixture re-runs the op under each reading on a slice of
-    the case (``_misreadings.BUDGET`` state elements); its peak, in a fresh process, stays
-    within the files' size plus the allowance, as a passing compare's does."""
+    # A failing compare re-runs the op under each reading on a slice of the case: its peak
+    # stays within the files' size plus the allowance, as a passing compare's does.
     from gdn_layout.check._misreadings import BUDGET
     from gdn_layout.reference import backward
 
@@ -161,9 +146,9 @@ def test_a_misreading_is_named_within_the_bound_of_a_passing_compare(tmp_path: P
     misread = backward(q, k, v, g, beta, dy, state.swapaxes(-1, -2), dtype=np.float32)
     np.save(tmp_path / "kernel.npy", misread)
     files = path.stat().st_size + (tmp_path / "kernel.npy").stat().st_size
-    passing, code = _peak_rss("compare", str(path), str(path))
+    passing, code, _ = _peak_rss("compare", str(path), str(path))
     assert code == 0
-    failing, code, printed = _run_measured("compare", str(tmp_path / "kernel.npy"), str(path))
+    failing, code, printed = _peak_rss("compare", str(tmp_path / "kernel.npy"), str(path))
     assert code == 1
     assert "initial state read transposed" in printed, printed
     assert failing <= files + ALLOWANCE, (failing / MiB, files / MiB)

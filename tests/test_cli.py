@@ -1,7 +1,5 @@
-"""The command line (``gdn_layout.cli``), judged by output and exit status: in-process through
-``main(argv)``, and in a subprocess where the process itself matters (the entry point, a
-terminal, a closed stderr, a signal). A user's error is one line and exit status 2, a bug a
-traceback and exit status 1; a ``SIGTERM`` mid-run, 143 with nothing left behind."""
+"""The command line (docs/cli.md), judged by output and exit status: in-process through
+``main(argv)``, in a subprocess where the process itself matters."""
 
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ import pytest
 import gdn_layout.cli
 import gdn_layout.plot
 from gdn_layout import Comparison, GdnBackwardLayout, unpack
-from gdn_layout._progress import LINE_STEP, Progress, stderr_is_terminal
+from gdn_layout._progress import LINE_STEP
 from gdn_layout.cli import _NEXT_STEP, _parser
 from gdn_layout.files import load_fixture, save_fixture
 from gdn_layout.files._outputs import FILE_KINDS
@@ -208,9 +206,6 @@ def test_compare_exit_status_follows_the_verdict_and_names_the_cause(
     (finding,) = doc["findings"]
     assert (finding["kind"], finding["gradient"], finding["text"]) == ("scale", "dq", cause)
     assert finding["details"]["factor"] == -1.0
-
-
-def test_compare_rms_ratio(fixture_path: Path, tmp_path: Path) -> None:
     noisy = _saved(tmp_path, "noisy.npy", _packed(fixture_path) * np.float32(1.001))
     assert run("compare", noisy, fixture_path).returncode == 1
     result = run("compare", noisy, fixture_path, "--max-rms-ratio", "0.01")
@@ -305,7 +300,6 @@ USER_ERRORS = [
     ("describe --seq -3", "expected a non-negative integer, got '-3'"),
     ("describe --dtype int8", "a floating dtype (bfloat16/bf16"),
     ("fixture --gate-regime wild -o x", "invalid choice: 'wild'"),
-    ("frobnicate", "invalid choice"),
     (f"describe -N {2**64}", f"error: --state-size must fit in a 64-bit usize, got {2**64}"),
     (f"fixture -S 4 --states {10**20} -o {{tmp}}/x.safetensors",
      "error: --states must be an integer from 1"),
@@ -315,6 +309,9 @@ USER_ERRORS = [
     ("fixture --suite {tmp}/s -S 3 --gate-regime zero",
      "--suite writes its own layouts and regimes; drop --seq, --gate-regime"),
     ("fixture -B 100000 -S 100000 -H 64 -N 128 -o {tmp}/x.safetensors", "PiB of memory"),
+    ("fixture -S 10000000 -o {tmp}/x.safetensors",
+     "B=2 S=10000000 H=3 N=16, per-head gate, no state needs about … GiB of memory, but "),
+    ("demo -S 10000000", "needs about … is available"),
     ("inspect {tmp} -B 1 -S 1 -H 1 -N 1", "{tmp}: not a regular file: it is a folder"),
     ("inspect {tmp}/g.npy", "no fixture gives the layout"),
     ("inspect {tmp}/g.bin -B 1 -S 1 -H 1 -N 1", "needs --dtype"),
@@ -338,7 +335,6 @@ USER_ERRORS = [
     ("inspect {tmp}/pipe.safetensors", "pipe.safetensors: not a regular file: it is a FIFO"),
     ("verify {tmp}/suite", "manifest.json is not JSON … digits"),
     (f"{ZEROS} --rtol -1", "error: --rtol must be a finite float >= 0, got -1.0"),
-    (f"{ZEROS} --rtol inf", "error: --rtol must be a finite float >= 0, got inf"),
     (f"{ZEROS} --atol dq=nan", "error: --atol['dq'] must be a finite float >= 0, got nan"),
     (f"{ZEROS} --max-rms-ratio dz=1e-3",
      "error: --max-rms-ratio has unknown gradient names ['dz']; "
@@ -377,7 +373,7 @@ def test_bfloat16_without_its_extra_names_the_extra(
     assert cli("describe --dtype bfloat16").returncode == 0  # byte counts need no extra
 
 
-@pytest.mark.parametrize("shape", [(2**64,), (2**32, 2**32), (2**62,)])
+@pytest.mark.parametrize("shape", [(2**64,), (2**32, 2**32)])
 @pytest.mark.parametrize("command", ["inspect", "compare"])
 def test_npy_header_claiming_an_impossible_shape_is_a_user_error(
     tmp_path: Path, shape: tuple[int, ...], command: str
@@ -394,18 +390,6 @@ def test_npy_header_claiming_an_impossible_shape_is_a_user_error(
         done = run_process("inspect", path)
         assert done.returncode == 2
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
-
-
-def test_huge_dimensions_are_refused_up_front(tmp_path: Path) -> None:
-    start = time.perf_counter()
-    result = cli(f"fixture -S 10000000 -o {tmp_path / 'x.safetensors'}")
-    assert time.perf_counter() - start < 2.0, "refused before any work"
-    assert_user_error(result, "B=2 S=10000000 H=3 N=16, per-head gate, no state needs about ")
-    assert re.search(
-        r"needs about [\d.]+ GiB of memory, but [\d.]+ \w+ is available", result.stderr
-    )
-    assert_user_error(cli("demo -S 10000000"), "needs about", "is available")
-    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -480,24 +464,6 @@ def test_a_suite_s_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(
         assert (quiet.returncode, quiet.stderr) == (0, "")
 
 
-def test_progress_survives_a_stderr_that_fails(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "stderr", None)
-    assert stderr_is_terminal() is False
-    bar = Progress(enabled=True)
-    bar.update(0.5)
-    bar.done()
-
-    class Broken:
-        def write(self, text: str) -> int:
-            raise OSError(9, "Bad file descriptor")
-
-    monkeypatch.setattr(sys, "stderr", Broken())
-    bar = Progress(enabled=True)
-    bar.update(0.5)
-    assert not bar.enabled
-    bar.done()
-
-
 @pytest.mark.slow
 def test_the_entry_point_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
     out = tmp_path / "x.st"
@@ -532,12 +498,6 @@ def test_names_that_cannot_be_encoded_are_printed_escaped(
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert b"\\udcff" in done.stderr
     assert b"no such file" in done.stderr
-    accented = tmp_path / "caf\u00e9.safetensors"
-    shutil.copy(fixture_path, accented)
-    done = run_process("inspect", accented, env=env)
-    assert done.returncode == 0, done.stderr
-    expected = "caf\\xe9" if encoding.startswith("ascii") else "caf\u00e9"
-    assert f"{expected}.safetensors: fixture".encode() in done.stdout
 
 
 @pytest.mark.slow

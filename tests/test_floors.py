@@ -1,5 +1,4 @@
-"""``_floors``: the calibrated criterion's floors, measured at fixture time, stored,
-and judged against."""
+"""The precision floors: measured at fixture time, stored, and judged against."""
 
 from __future__ import annotations
 
@@ -14,13 +13,7 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, load_fixture, save_fixture, unpack
-from gdn_layout._floors import (
-    ROUNDINGS,
-    decode_floors,
-    encode_floors,
-    precisions_of,
-    sampled_pairs,
-)
+from gdn_layout._floors import decode_floors, encode_floors, precisions_of, sampled_pairs
 from gdn_layout.check._criterion import DEFAULT_FLOORS, K
 from gdn_layout.files import Fixture, FixtureError
 from gdn_layout.generate import _suite_cases, make_fixture
@@ -105,9 +98,7 @@ def test_floors_round_trip_through_the_file(tmp_path: Path, fixture: Fixture) ->
         "{",
         '{"float32": {"dx": [0, 0]}}',
         '{"float32": {"dq": [Infinity, 1e-5]}}',  # would let any error pass
-        '{"float32": {"dq": [NaN, 1e-5]}}',
         '{"float32": {"dq": [true, false]}}',
-        '{"float32": {"dq": [-1e-5, 1e-5]}}',
     ],
 )
 def test_malformed_floors_are_a_fixture_error(tmp_path: Path, text: str) -> None:
@@ -172,21 +163,10 @@ def test_injected_bugs_fail_the_gradients_they_touch(fixture: Fixture, dtype: st
     assert judged(swapped) == ("dv",)
 
 
-def test_out_of_size_counts_elements_over_the_max_error(fixture: Fixture) -> None:
-    out = _f32(fixture)
-    dq = unpack(out, LAYOUT).dq
-    dq[0, :3, 0, 0] += np.float32(1.0)
-    grad = compare(out, fixture.packed, LAYOUT, floors=fixture.floors)["dq"]
-    assert grad.mismatches == 3
-    assert grad.worst is not None
-    assert grad.worst[:2] == (0, 0) or grad.worst[1] < 3
-    assert "error/floor" in str(compare(out, fixture.packed, LAYOUT, floors=fixture.floors))
-
-
 def test_without_floors_the_defaults_apply(fixture: Fixture) -> None:
     result = compare(_f32(fixture), fixture.packed, LAYOUT)
     assert result.passed
-    for dtype in ROUNDINGS:
+    for dtype in ("float32", "float16", "bfloat16"):
         out = _f32(fixture).astype(dtype if dtype != "bfloat16" else ml_dtypes.bfloat16)
         grad = compare(out, fixture.packed, LAYOUT)["dk"]
         assert grad.criterion.floor == DEFAULT_FLOORS[dtype]
@@ -212,24 +192,11 @@ def test_an_all_zero_gradient_passes_only_when_exact() -> None:
 @pytest.mark.parametrize(
     ("floors", "error", "message"),
     [
-        (
-            "x",
-            TypeError,
-            r"compare: floors must be a mapping \{precision: \{gradient: \(rms, max\)\}\}, "
-            "got str",
-        ),
+        ("x", TypeError, r"compare: floors must be a mapping \{precision: \{gradient: \(rms, max"),
         ({"float8": {}}, ValueError, r"compare: floors: unknown precision class 'float8'"),
-        (
-            {"float32": [1.0]},
-            TypeError,
-            r"compare: floors\['float32'\] must be a mapping, got list",
-        ),
+        ({"float32": [1.0]}, TypeError, r"compare: floors\['float32'\] must be a mapping, got"),
         ({"float32": {"dq": (1.0,)}}, ValueError, r"compare: floors\['float32'\]\['dq'\] must be"),
-        (
-            {"float32": {"dq": (-1.0, "x")}},
-            ValueError,
-            r"finite numbers >= 0; got \(-1.0, 'x'\)",
-        ),
+        ({"float32": {"dq": (-1.0, "x")}}, ValueError, r"finite numbers >= 0; got \(-1.0, 'x'\)"),
         ({"float32": {"dq": (float("inf"), 1.0)}}, ValueError, r"got \(inf, 1.0\)"),
     ],
 )
@@ -261,13 +228,6 @@ def test_the_class_is_the_fixture_s_unless_precision_names_another(fixture: Fixt
     # A class is checked only where a gradient is calibrated.
     judged = compare(half, fixture, precision="float32", rtol=1e-1, atol=1e-1)
     assert {g.criterion.mode for g in judged.grads} == {"elementwise"}
-    # A case judges in its class unless told.
-    from gdn_layout.suites import Case
-
-    case = Case("tf32 case", fixture, precision="tf32")
-    assert case.compare(out)["dq"].criterion.precision_name == "tf32"
-    assert case.compare(out, precision=None)["dq"].criterion.precision_name == "tf32"
-    assert case.compare(out, precision="float32")["dq"].criterion.precision_name == "float32"
 
 
 def test_an_output_coarser_than_its_fixture_names_precision(fixture: Fixture) -> None:
@@ -319,12 +279,6 @@ def test_a_fixture_brings_its_layout_floors_and_scales(fixture: Fixture) -> None
     apart = compare(out, fixture.packed, LAYOUT, floors=fixture.floors, scales=fixture.scales)
     assert whole == apart
     assert compare(out, fixture, LAYOUT) == whole
-    with pytest.raises(TypeError, match="compare: floors and scales come with the fixture"):
-        compare(out, fixture, floors=fixture.floors)
-    with pytest.raises(ValueError, match=r"compare: layout GdnBackwardLayout\(.*\) is not the "):
-        compare(out, fixture, GdnBackwardLayout(1, 1, 1, 1))
-    with pytest.raises(TypeError, match="compare: layout is required when expected is an array"):
-        compare(out, fixture.packed)
 
 
 def test_the_report_says_the_class_and_how_far_correct_forms_reach() -> None:
@@ -404,31 +358,6 @@ def test_transformers_chunked_function_passes_every_case(suite: tuple[Path, list
         result = compare(panel.transformers_chunked(fx), fx)
         assert result.passed, (path.name, result.failed)
     assert judged == len(suite[1]) // 2
-
-
-def test_panel_floors_are_the_worst_form_with_the_least_on_few_elements() -> None:
-    from gdn_layout._floors import FEW_ELEMENTS, panel_floors
-
-    rng = np.random.default_rng(0)
-    few, many = rng.standard_normal(FEW_ELEMENTS), rng.standard_normal(FEW_ELEMENTS + 1)
-    truth = {"dbeta": few, "dq": many}
-    # the step-by-step form exact; the chunked form 1e-6 off; the terms' sums 1e3 each
-    runs = {
-        "step-by-step": {"dbeta": few, "dq": many},
-        "chunked": {"dbeta": few * (1 + 1e-6), "dq": many * (1 + 1e-6)},
-    }
-    sizes = {"dbeta": np.full(few.size, 1e3), "dq": np.full(many.size, 1e3)}
-    floors = panel_floors(runs, truth, sizes, ("float32",))["float32"]
-    u = 2.0**-24
-    chunked = {n: _figures_of_named(runs["chunked"][n], truth[n]) for n in truth}
-    # Many elements: the chunked form's figures, the rounding analysis left out.
-    assert floors["dq"][:2] == pytest.approx(chunked["dq"], rel=1e-2)
-    # Few: no lower than u * M over rms(truth), M the terms' absolute sums.
-    assert floors["dbeta"][0] == pytest.approx(u * 1e3 / _rms(few), rel=1e-2)
-    # The reach is over the step-by-step form's figure (here float32's rounding of the truth),
-    # no lower than half the roundoff.
-    step = max(*_figures_of_named(many, many), u / 2)
-    assert floors["dq"][2] == pytest.approx(max(floors["dq"][:2]) / step, rel=1e-2)
 
 
 def test_a_sampled_form_s_figures_scale_the_next_form_s_by_their_ratio_on_the_sample() -> None:

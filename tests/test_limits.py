@@ -129,16 +129,19 @@ def test_the_estimate_names_its_arguments() -> None:
 # -- work with no state element ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dims", [(0, 2**40, 3, 16), (2, 2**40, 0, 16)])
-def test_work_with_no_element_finishes_at_once(dims: tuple[int, int, int, int]) -> None:
-    # B = 0 looped over every step, about 80 us each.
-    layout = GdnBackwardLayout(*dims, gate_per_channel=True, carry_state=True)
-    with deadline(5):
-        fixture = make_fixture(layout, states=1, precisions="all")
-    assert fixture.packed.shape == (0,)
+@pytest.mark.parametrize(
+    ("dims", "states"), [((0, 2**40, 3, 16), 1), ((2, 2**40, 0, 16), 1), ((1, 10**6, 1, 0), 3)]
+)
+def test_work_with_no_element_finishes_at_once(
+    dims: tuple[int, int, int, int], states: int
+) -> None:
+    layout = GdnBackwardLayout(*dims, gate_per_channel=dims[3] > 0, carry_state=True)
+    with deadline(10):
+        fixture = make_fixture(layout, states=states, precisions="all")
+    assert fixture.packed.shape == (layout.total_elems,)
+    assert not fixture.packed.any()
     assert fixture.h is not None
-    assert fixture.h.shape == (dims[0], dims[1], dims[2], 16, 16)
-    assert fixture_memory(layout, states=1) == fixture_memory(GdnBackwardLayout(0, 0, 0, 0))
+    assert fixture.h.shape == (dims[0], -(-dims[1] // states), dims[2], dims[3], dims[3])
 
 
 def test_the_command_line_makes_an_empty_fixture_at_once(tmp_path: Path) -> None:
@@ -147,14 +150,6 @@ def test_the_command_line_makes_an_empty_fixture_at_once(tmp_path: Path) -> None
         result = run("fixture", "-B", "0", "-S", str(2**40), "--states", "1", "-o", path)
     assert result.returncode == 0, result.stderr
     assert path.stat().st_size < 4096
-
-
-def test_n_0_is_done_at_once_for_every_step() -> None:
-    layout = GdnBackwardLayout(1, 10**6, 1, 0, carry_state=True)
-    with deadline(10):
-        fixture = make_fixture(layout, states=3)
-    assert fixture.packed.shape == (layout.total_elems,)
-    assert not fixture.packed.any()
 
 
 @pytest.mark.parametrize(
@@ -217,30 +212,16 @@ def test_available_memory_is_within_this_process_s_cgroup_limit(
     found = limits.available_memory()
     assert found is not None
     assert source in found[1]
-    if source == "cgroup":
-        assert found[0] == int(limit) - (100 << 20)
+    assert found[0] == int(limit) - (100 << 20) if source == "cgroup" else found[0] > 0
 
 
-def test_available_memory_reads_meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    _cgroup(tmp_path, monkeypatch, "max", 0)  # no cgroup limit
-    found = limits.available_memory()
-    assert found is not None
-    assert found[0] > 0
-    assert found[1] == "MemAvailable in /proc/meminfo"
-
-
-def test_available_memory_falls_back_without_meminfo(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_meminfo_there_is_no_figure(monkeypatch: pytest.MonkeyPatch) -> None:
     def missing(*args: object, **kwargs: object) -> None:
         raise FileNotFoundError("/proc/meminfo")
 
     monkeypatch.setattr("builtins.open", missing)
-    found = limits.available_memory()
-    if hasattr(os, "sysconf") and "SC_AVPHYS_PAGES" in os.sysconf_names:
-        assert found is not None
-        assert found[1] == "free physical memory"
-        assert found[0] == os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    else:
-        assert found is None
+    assert limits.available_memory() is None
+    assert memory_refusal(GdnBackwardLayout(1, 1, 1, 1), 1 << 60) is None
 
 
 @given(

@@ -1,10 +1,5 @@
-"""Precision floors: what rounding alone makes of each tensor of a fixture, measured on its
-inputs by the correct forms a kernel of each precision class computes (docs/criterion.md).
-
-A floor is ``(rms, max, reach)``: ``rms(low - truth) / rms(truth)``, ``max|low - truth| /
-rms(truth)`` (bounded where the truth crosses zero), the worst over the class's forms
-(:data:`PANEL`), and how far they reach beyond the step-by-step form's.
-"""
+"""Precision floors: what rounding alone makes of each tensor of a fixture, measured by the
+correct forms a kernel of each precision class computes (docs/criterion.md)."""
 
 from __future__ import annotations
 
@@ -24,36 +19,29 @@ from .reference._fused import FUSED_CHUNK, fused_backward
 from .reference._states import step_by_step
 from .reference._threads import mapped
 
-#: A fixture's floors by precision class, then tensor name: ``(rms, max)`` or ``(rms, max,
-#: reach)``.
+#: A fixture's floors by precision class, then tensor: ``(rms, max)`` or ``(rms, max, reach)``.
 Floors = Mapping[str, Mapping[str, tuple[float, ...]]]
 #: The classes a fixture measures floors for: all but float64, whose are float32's, scaled.
 FLOOR_CLASSES: Final = tuple(name for name in PRECISIONS if name != "float64")
-#: The dtypes a result is rounded to before its figures are taken.
-ROUNDINGS: Final = ("float32", "float16", "bfloat16")
-#: Each class's correct forms and the dtype their results are rounded to: the step-by-step form
-#: in float32, the fused kernels' chunked form with products on float32, TF32 or bfloat16
-#: operands. float16 takes the TF32 run (float16's 10 mantissa bits, not its range: under
-#: extreme decay a float16 kernel's underflow is its own).
+#: Each class's correct forms and the dtype their results are rounded to. float16 takes the
+#: TF32 run (its 10 mantissa bits, not its range: a float16 kernel's underflow is its own).
 PANEL: Final = {
     "float32": (("step-by-step", "float32"), ("chunked", "float32")),
     "tf32": (("step-by-step", "float32"), ("chunked", "float32"), ("chunked-tf32", "float32")),
     "bfloat16": (("step-by-step", "bfloat16"), ("chunked-bfloat16", "bfloat16")),
     "float16": (("step-by-step", "float16"), ("chunked-tf32", "float16")),
 }
-#: The chunked runs of :data:`PANEL`: their product operands' mantissa bits (None: float32's).
+#: The chunked runs' product operands' mantissa bits (None: float32's).
 CHUNKED_RUNS: Final = {"chunked": None, "chunked-tf32": 10, "chunked-bfloat16": 7}
 _FORMS: Final = ("step-by-step", *CHUNKED_RUNS)
-#: Most elements of a tensor whose floors take the rounding analysis's least: so few are a
-#: few samples of one rounding order, which another order may exceed.
+#: Most elements of a tensor whose floors take the rounding analysis's least (so few are a few
+#: samples of one rounding order, which another order may exceed).
 FEW_ELEMENTS: Final = 32
-#: How many times over a sampled step-by-step form's estimated figures are taken: over every
-#: regime and gate mode at S = 512 and 4096 (H = 16, two of sixteen sampled) the estimate was
-#: as low as 0.48 of the whole run's (benchmarks/bench_reference.py --sampled).
+#: How many times over a sampled step-by-step form's estimated figures are taken (the estimate
+#: was as low as 0.48 of the whole run's: benchmarks/bench_reference.py --sampled).
 SAMPLE_MARGIN: Final = 2.5
-#: The step-by-step form, one step at a time, costs several times the truth's chunks: past
-#: this much work (``B H S N^2``, far above any case of the standard suite) it runs on
-#: ``_SAMPLED_PAIRS`` (batch row, head) pairs alone; the chunked forms always run whole.
+#: Past this much work (``B H S N^2``, far above any suite case) the step-by-step form, one
+#: step at a time, runs on ``_SAMPLED_PAIRS`` (batch row, head) pairs alone.
 _SAMPLED_WORK: Final = 1 << 24
 _SAMPLED_PAIRS: Final = 2
 _RECORDED: Final = {
@@ -67,8 +55,7 @@ _RECORDED: Final = {
 def checked_floors(
     value: object, where: str, names: tuple[str, ...] = GRADIENT_NAMES
 ) -> dict[str, dict[str, tuple[float, ...]]]:
-    """``value`` as floors of tensors among ``names``, each figure a finite number >= 0 (a
-    floor of inf, or not a number, would let any error pass)."""
+    """``value`` as floors of tensors among ``names``, each figure finite and >= 0."""
     if not isinstance(value, Mapping):
         raise TypeError(
             f"{where} must be a mapping {{precision: {{gradient: (rms, max)}}}}, "
@@ -125,9 +112,8 @@ def decode_floors(
 
 
 def precisions_of(dtype: np.dtype[Any], asked: object = None) -> tuple[str, ...]:
-    """The precision classes a fixture of ``dtype`` records floors for: ``asked`` (class names,
-    or ``"all"``: every class its buffers can be judged in), by default its buffers' class
-    (float64's is float32's, as float64's floors are derived from them)."""
+    """The precision classes a fixture of ``dtype`` records floors for: ``asked`` (names, or
+    ``"all"``), by default its buffers' class (float64's is float32's)."""
     recorded = _RECORDED.get(dtype.name, _RECORDED["float32"])
     if asked is None or asked == "all":
         return recorded[:1] if asked is None else recorded
@@ -148,7 +134,7 @@ def precisions_of(dtype: np.dtype[Any], asked: object = None) -> tuple[str, ...]
 
 
 def _rounded(values: NDArray[Any], name: str) -> NDArray[np.float32]:
-    """float32 ``values`` rounded to ``name``'s dtype (to nearest, ties to even), as float32."""
+    """float32 ``values`` rounded to ``name``'s dtype, as float32."""
     values = np.ascontiguousarray(values, np.float32).reshape(-1)
     if name == "bfloat16":
         return round_mantissa(values, 7)
@@ -159,7 +145,7 @@ def _rounded(values: NDArray[Any], name: str) -> NDArray[np.float32]:
 
 
 def _figures(low: NDArray[Any], truth: NDArray[Any], rms: float) -> tuple[float, float]:
-    """``(rms, max)`` of ``low`` against ``truth`` (1-D), relative to ``rms``, rms(truth)."""
+    """``(rms, max)`` of ``low`` against ``truth`` (1-D), relative to rms(truth) ``rms``."""
     if truth.size == 0:
         return (0.0, 0.0)
     err = np.abs(low - truth)
@@ -186,8 +172,7 @@ def _measure(
     truth: Mapping[str, NDArray[Any]],
     wanted: Mapping[str, set[str]],
 ) -> dict[str, dict[str, dict[str, tuple[float, float]]]]:
-    """The figures of every form of ``runs`` for each tensor of ``truth``, by form, rounding
-    (the form's ``wanted`` ones), tensor."""
+    """The figures of each form of ``runs``, by form, rounding (``wanted``), tensor."""
     flat = {name: np.asarray(t, np.float64).reshape(-1) for name, t in truth.items()}
     scale = {name: _rms(t) for name, t in flat.items()}
     return {
@@ -201,8 +186,8 @@ def _measure(
 
 
 class Sample(NamedTuple):
-    """A form that ran on a sample of (batch row, head) pairs alone (``form``), with the truth
-    (by tensor) and every form's results (by form, then tensor) there."""
+    """A ``form`` that ran on a sample of (batch row, head) pairs, with the truth and every
+    form's results there."""
 
     form: str
     truth: Mapping[str, NDArray[Any]]
@@ -217,16 +202,12 @@ def panel_floors(
     sample: Sample | None = None,
 ) -> dict[str, dict[str, tuple[float, float, float]]]:
     """The floors of each class of ``precisions`` for every tensor of ``truth``: the worst
-    figures of its forms' ``runs``, with the reach, the larger figure over the step-by-step
-    form's.
+    figures of its forms' ``runs``, and the reach over the step-by-step form's.
 
-    ``sample.form`` ran on the sample alone: its figures are the class's next form's (which ran
-    whole) times the two forms' ratio on the sample, :data:`SAMPLE_MARGIN` times over.
-
-    A tensor of at most :data:`FEW_ELEMENTS` elements is no lower than ``u * M``, ``u`` the
-    class's product roundoff and ``M`` (``sizes``) the sum of absolute terms of its last sums:
-    a sum taken in another order may move that far. On more elements that bound, far above
-    what rounding reaches where terms cancel, would hide real errors."""
+    ``sample.form`` ran on the sample alone: its figures are the next form's times the two
+    forms' ratio on the sample, :data:`SAMPLE_MARGIN` times over. A tensor of at most
+    :data:`FEW_ELEMENTS` elements is no lower than ``u * M`` (``u`` the product roundoff,
+    ``M`` the sums of absolute terms, ``sizes``): another summation order may move that far."""
     wanted: dict[str, set[str]] = {}
     for precision in precisions:
         for form, rounding in PANEL[precision]:
@@ -272,8 +253,7 @@ def panel_floors(
 
 
 def sampled_pairs(layout: GdnBackwardLayout) -> list[tuple[int, int]] | None:
-    """The (batch row, head) pairs the step-by-step form runs on, spread evenly from the first
-    to the last; None for all of them."""
+    """The (batch row, head) pairs the step-by-step form runs on; None for all of them."""
     count = layout.batch * layout.heads
     if count <= _SAMPLED_PAIRS or count * layout.seq * layout.state_size**2 < _SAMPLED_WORK:
         return None
@@ -311,9 +291,8 @@ def correct_forms_floors(
     precisions: tuple[str, ...],
     workers: int = 1,
 ) -> dict[str, dict[str, tuple[float, float, float]]]:
-    """The floors of each tensor of ``truth`` (float64, by name) for each class of
-    ``precisions``: its correct forms run on the stored inputs ``x`` (``q, k, v, g, beta, dy,
-    state``), side by side on ``workers`` threads."""
+    """The floors of each tensor of ``truth`` for each class of ``precisions``: its correct
+    forms run on the stored inputs ``x``, side by side on ``workers`` threads."""
     layout = GdnBackwardLayout.from_inputs(x[0], x[3], x[6])
     forms = sorted({form for c in precisions for form, _ in PANEL[c]}, key=_FORMS.index)
     # The least floor of few elements needs a run's sums of absolute terms.
@@ -373,10 +352,8 @@ def _pick(array: NDArray[Any], pairs: list[tuple[int, int]], axis: int) -> NDArr
 def term_scales(
     q: NDArray[Any], k: NDArray[Any], dq: NDArray[Any], dk: NDArray[Any], *, per_channel: bool
 ) -> dict[str, float]:
-    """The scale of the terms that form each gradient where it can be far below them:
-    ``{"dg": s}``, ``s`` the RMS over ``dg``'s elements of ``sum_n |q dq| + |k dk|`` (per
-    channel, ``|q dq| + |k dk|``), the terms of the ``q . dq - k . dk`` chunked kernels form
-    ``dg`` from. ``q, k, dq, dk`` are ``[B, S, H, N]``; in float64, a block of steps at a time.
+    """``{"dg": s}``: ``s`` the RMS of ``sum_n |q dq| + |k dk|`` (per channel, without the
+    sum), the terms chunked kernels form ``dg`` from, which it can be far below.
 
     >>> import numpy as np
     >>> ones = np.ones((1, 2, 1, 4))

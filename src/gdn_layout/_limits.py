@@ -1,5 +1,5 @@
 """What a layout asks of the machine: whether its arrays can exist, the memory its fixture
-needs (:func:`fixture_memory`), and whether that is available (docs/memory.md)."""
+needs and whether that is available (docs/memory.md)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,8 @@ __all__ = [
     "memory_refusal",
 ]
 
-#: What a first run imports and sets up, and the Python objects of one chunk of the runs.
+#: What a first run imports and sets up.
 _FIRST_RUN: Final = 4 << 20
-_PER_CHUNK: Final = 16 << 10
 
 
 def fixture_memory(
@@ -38,9 +37,8 @@ def fixture_memory(
     workers: int | None = 1,
 ) -> int:
     """The peak memory, in bytes, of :func:`~gdn_layout.make_fixture` of ``layout`` with these
-    arguments and :func:`~gdn_layout.save_fixture` of the result, within 2x: the arrays the
-    largest phase holds, from the shapes (the inputs and results in float64 and as stored,
-    a state at every chunk boundary, the floors' float32 runs; see docs/memory.md).
+    arguments and saving the result, within 2x: the arrays the largest phase holds
+    (docs/memory.md).
 
     >>> layout = GdnBackwardLayout(1, 4096, 4, 64)
     >>> fixture_memory(layout, states=1) > fixture_memory(layout) > layout.nbytes(np.float64)
@@ -64,18 +62,17 @@ def fixture_memory(
     results = layout.total_elems + qkv + kept + final  # the gradients, y and the states
     if b * h * n == 0:  # nothing runs: the inputs are drawn, copied and stored, results zero
         return _FIRST_RUN + inputs * stored + (inputs + results) * 10
-    # The reference keeps a state at every boundary of its chunks (with a per-channel gate,
-    # at every step of a stack) and a per-head gate's decays of each pair of steps of a chunk;
-    # the fused runs a state at every boundary of their chunks of 64 steps and of ``states``,
-    # and a per-channel gate's [B, H, C, C, N] products.
+    # The reference keeps a state at each chunk boundary (per channel, each step of a stack)
+    # and a per-head gate's pairwise decays in a chunk; the fused runs a state at each
+    # boundary of their 64-step chunks and of ``states``, and per channel [B, H, C, C, N].
     length = chunk_length(n)
     ref_chunks = -(-s // length) + 3 * min(s, length) * layout.gate_per_channel
     pairs = 0 if layout.gate_per_channel else b * h * s * length
-    truth = (inputs + results + ref_chunks * state + pairs) * 8 + ref_chunks * _PER_CHUNK
+    truth = (inputs + results + ref_chunks * state + pairs) * 8
     chunks = -(-s // FUSED_CHUNK) + (-(-s // states) if states else 0)
     products = 5 * b * h * FUSED_CHUNK**2 * n * layout.gate_per_channel
-    run = (inputs + results + 2 * chunks * state + products) * 4 + chunks * _PER_CHUNK
-    # and the forward's chunks it keeps for the backward, up to KEEP_BYTES
+    run = (inputs + results + 2 * chunks * state + products) * 4
+    # and the forward's chunks kept for the backward, up to KEEP_BYTES
     per_step = 6 * FUSED_CHUNK + 6 * n + FUSED_CHUNK * n * layout.gate_per_channel
     run += min(KEEP_BYTES, b * h * s * per_step * 4)
     runs = run * len(forms) if threads > 1 else run + results * 4  # beside the last's results
@@ -83,11 +80,9 @@ def fixture_memory(
 
 
 def available_memory() -> tuple[int, str] | None:
-    """The memory available to a new allocation, in bytes, and where the figure comes from:
-    what this process's own cgroup (v2) leaves under its ``memory.max`` (a container's
-    limit), when it has one below the machine's; else Linux's ``MemAvailable`` (free memory
-    plus what the page cache would give back) when ``/proc/meminfo`` has it, else the free
-    physical pages ``os.sysconf`` reports; None when this system says none of these."""
+    """The memory available, in bytes, and where the figure comes from: what this process's
+    cgroup (v2) leaves under its ``memory.max`` when below the machine's ``MemAvailable``
+    (``/proc/meminfo``); None when the system says neither."""
     machine = _machine_memory()
     limit = _cgroup_room()
     if limit is not None and (machine is None or limit < machine[0]):
@@ -116,27 +111,17 @@ def _machine_memory() -> tuple[int, str] | None:
         with open("/proc/meminfo", "rb") as meminfo:
             for line in meminfo:
                 if line.startswith(b"MemAvailable:"):
-                    fields = line.split()
-                    unit = 1024 if fields[2:3] == [b"kB"] else 1
-                    return int(fields[1]) * unit, "MemAvailable in /proc/meminfo"
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        pages = os.sysconf("SC_AVPHYS_PAGES")
-        size = os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-    if pages < 0 or size <= 0:
-        return None
-    return pages * size, "free physical memory"
+    return None
 
 
 def memory_refusal(
     layout: GdnBackwardLayout, needed: int, *, states: int | None = None
 ) -> str | None:
-    """Why a run of ``layout`` that needs ``needed`` bytes (its estimate,
-    :func:`gdn_layout.generate.fixture_memory`, with ``states``) cannot fit in the memory
-    available, naming both figures; None when it can, or when the system does not say."""
+    """Why a run of ``layout`` that needs ``needed`` bytes cannot fit in the memory available,
+    naming both figures; None when it can, or when the system does not say."""
     available = available_memory()
     if available is None or needed <= available[0]:
         return None
@@ -152,8 +137,7 @@ def memory_refusal(
 
 def impossible_arrays(layout: GdnBackwardLayout) -> str | None:
     """Why no array can have the shape of one of the gradients of ``layout`` (float64), or
-    None: NumPy refuses a shape whose non-zero dimensions span more bytes than it can
-    address, even when another dimension is 0."""
+    None (NumPy refuses one whose non-zero dimensions span more bytes than it can address)."""
     for segment in layout.segments():
         if not array_can_exist(segment.shape, 8):
             return (

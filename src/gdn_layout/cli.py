@@ -57,9 +57,8 @@ _FLAGS: Final = {"directory": "--suite", "overwrite": "--force"} | {
 
 
 def _usage_error(error: Exception, where: str = "") -> UsageError:
-    """The library's ``error`` as the user's, after ``where``: each argument it names, as the
-    subject ("compare: rtol must ...", "rtol['dq'] ...") or in advice ("pass overwrite=True"),
-    named by its flag."""
+    """The library's ``error`` as the user's, after ``where``: the argument it names as subject
+    ("compare: rtol must ...") or in advice ("pass overwrite=True") named by its flag."""
     text = str(error)
     for subject in (text, text.partition(": ")[2]):  # after the function's name, if any
         name = subject.split(" ", 1)[0].split("[", 1)[0]
@@ -95,13 +94,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code.
-
-    See Also
-    --------
-    make_fixture : What ``gdn-layout fixture`` runs.
-    compare : What ``gdn-layout compare`` runs.
-    """
+    """Run the command line with ``argv`` (default: ``sys.argv[1:]``); return the exit code."""
     with contextlib.ExitStack() as restore:
         for stream in (sys.stdout, sys.stderr):  # escape what the encoding cannot write
             if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
@@ -221,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _layout_flags(parser: Any, defaults: Sequence[int | None], on: bool = False) -> Any:
     """The layout's flags and ``defaults`` (None: from a file); with ``on``, per-channel and
-    carried unless ``--no-...``. A flag not given stays None."""
+    carried unless ``--no-...``."""
     group = parser.add_argument_group("layout")
     parser.set_defaults(layout_defaults=(*defaults, on))
     for (flag, what), default in zip(_DIMS.items(), defaults, strict=True):
@@ -247,8 +240,8 @@ def _file_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _layout(args: argparse.Namespace, sources: Iterable[PackedFile] = ()) -> GdnBackwardLayout:
-    """The layout the flags give (or the command's defaults), which each file that states one
-    must have; with no flags, the files'."""
+    """The layout the flags (or the command's defaults) give, else the files'; files that
+    state one must agree with it."""
     *defaults, on = args.layout_defaults
     given = (args.batch, args.seq, args.heads, args.state_size)
     dims = tuple(d if g is None else g for g, d in zip(given, defaults, strict=True))
@@ -399,8 +392,7 @@ def _compare(args: argparse.Namespace) -> int:
 def _verdict(
     args: argparse.Namespace, result: Any, text: str, drawn: Comparison, chunk: Any
 ) -> int:
-    """Print the report ``text`` (or ``result`` as JSON), draw ``drawn`` if asked: the exit
-    status of ``result``."""
+    """Print ``text`` (or ``result`` as JSON), draw ``drawn`` if asked; ``result``'s status."""
     print(json.dumps(result.to_dict(), indent=2) if args.json else text)
     if args.plot is not None:
         from .plot import plot_errors
@@ -424,8 +416,7 @@ def _outputs(folder: Path) -> dict[str, list[Path]]:
 
 
 def _compare_folder(args: argparse.Namespace) -> int:
-    """``compare OUTPUTS/ SUITE/``: each case's output against the case, then what failed
-    across the cases, and the cases without an output."""
+    """``compare OUTPUTS/ SUITE/``: each case's output against the case, then the summary."""
     from .suites import load_suite
     from .summary import summarize
 

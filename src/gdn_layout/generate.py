@@ -1,12 +1,5 @@
-"""Random inputs, the fixtures the reference computes for them, and the standard suite of
-fixtures (docs/files.md). A fixture's floors are :mod:`gdn_layout._floors`', the memory it
-needs :mod:`gdn_layout._limits`'.
-
->>> import gdn_layout as gl
->>> x = draw_inputs(gl.GdnBackwardLayout(1, 4, 2, 8), regime="mild", seed=1)
->>> x.g.shape, bool((x.g < 0).all())
-((1, 4, 2), True)
-"""
+"""Random inputs, the fixtures the reference computes for them, and the standard suite
+(docs/files.md)."""
 
 from __future__ import annotations
 
@@ -16,9 +9,8 @@ import multiprocessing
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import IO, Any, Final, NamedTuple, SupportsIndex
@@ -49,8 +41,8 @@ from .regimes import REGIME_SINCE, REGIMES, draw_gate
 
 __all__ = ["REGIMES", "draw_inputs", "make_fixture", "write_suite"]
 
-#: The child of ``SeedSequence(seed).spawn(7)`` each tensor is drawn from, by name: a
-#: tensor's stream never depends on the order of any tuple of names.
+#: The child of ``SeedSequence(seed).spawn(7)`` each tensor is drawn from: a tensor's stream
+#: never depends on the order of any tuple of names.
 _STREAMS: Final = {"q": 0, "k": 1, "v": 2, "g": 3, "beta": 4, "state": 5, "dy": 6}
 #: The longest chunk a fixture records (``states_chunk`` is read back as at most 18 digits).
 _MAX_CHUNK: Final = 10**18 - 1
@@ -63,29 +55,12 @@ def draw_inputs(
     seed: int = 0,
     dtype: DTypeLike = np.float32,
 ) -> GdnInputs:
-    """Random inputs for ``layout`` as the op expects them, in ``dtype``.
+    """Random inputs for ``layout`` in ``dtype`` (float64, float32, float16 or bfloat16).
 
-    ``q`` and ``k`` are L2-normalised over ``N``; ``v``, ``dy`` and ``state`` are standard
-    normal; ``beta`` is uniform in ``[0.05, 0.95]``; ``g`` is drawn as ``regime`` says. Each
-    tensor has its own random stream, so ``q`` is the same for every regime and gate mode of a
-    seed, and a layout with ``carry_state`` shares all other inputs with the one without it.
-    Values are drawn in float64 and normalised before the cast to ``dtype``.
-
-    Parameters
-    ----------
-    layout : GdnBackwardLayout
-        Gives every shape, the gate mode and whether a state is drawn.
-    regime : str
-        The gate regime, one of :data:`REGIMES`.
-    seed : int
-        A non-negative integer; NumPy integers work.
-    dtype : dtype_like
-        float64, float32, float16 or bfloat16.
-
-    Returns
-    -------
-    GdnInputs
-        ``q, k, v, g, beta, dy`` and ``state`` (None unless carried).
+    ``q`` and ``k`` are L2-normalised over ``N``; ``v``, ``dy`` and ``state`` standard normal;
+    ``beta`` uniform in ``[0.05, 0.95]``; ``g`` drawn as ``regime`` (one of :data:`REGIMES`)
+    says. Each tensor has its own stream of ``seed``, so ``q`` is the same for every regime
+    and gate mode of a seed. Values are drawn in float64 and cast to ``dtype``.
 
     Raises
     ------
@@ -94,19 +69,12 @@ def draw_inputs(
     ValueError
         ``regime`` is unknown or ``seed`` negative.
 
-    See Also
-    --------
-    make_fixture : Inputs with their outputs and gradients.
-    regimes.draw_gate : The gates alone.
-
     Examples
     --------
     >>> import gdn_layout as gl
     >>> x = draw_inputs(gl.GdnBackwardLayout(2, 5, 3, 8), regime="strong", seed=3)
     >>> x.q.shape, x.g.shape, x.state is None, x.q.dtype
     ((2, 5, 3, 8), (2, 5, 3), True, dtype('float32'))
-    >>> bool(np.allclose(np.linalg.norm(x.k, axis=-1), 1.0)), float(x.g.max()) <= -3.0
-    (True, True)
     """
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "draw_inputs")
@@ -149,54 +117,30 @@ def make_fixture(
 ) -> Fixture:
     """Draw inputs with :func:`draw_inputs` and compute ``y`` and ``packed`` for them.
 
-    The reference runs in float64 on the inputs as stored (already cast to ``dtype``), and its
-    results are cast to ``dtype``: the fixture is exactly the reference's answer for its own
-    inputs, up to that final rounding. Calibrated, the correct forms a kernel of each precision
-    class computes run on the stored inputs, and the worst rounding of each gradient is kept
-    in :attr:`Fixture.floors`, which :func:`~gdn_layout.compare` judges against
-    (docs/criterion.md).
+    The reference runs in float64 on the inputs as stored and its results are cast to
+    ``dtype``. With ``calibrate``, the precision floors are measured (docs/criterion.md).
 
     Parameters
     ----------
-    layout : GdnBackwardLayout
-        The case.
-    dtype : dtype_like
-        The dtype of every stored tensor.
-    regime, seed
+    layout, dtype, regime, seed
         As for :func:`draw_inputs`.
     progress : callable, optional
         Called with the fraction of the backward done.
     calibrate : bool
         Whether to measure the precision floors.
     states : int, optional
-        A chunk length: keep the state entering each chunk of that many steps and its
-        cotangent (:attr:`Fixture.h`, :attr:`Fixture.dh`), and the final state (kept too
-        whenever the state is carried); calibrated, their floors and ``y``'s are kept in
-        :attr:`Fixture.state_floors`.
+        A chunk length: keep the state entering each chunk and its cotangent (``h``, ``dh``)
+        and the final state, with their floors.
     workers : int or None
-        Threads for the reference and the floors' forms: 1 computes in the calling thread,
-        None on every core this process may use. The fixture is the same, bit for bit.
+        Threads (None: every core this process may use); the fixture is the same bit for bit.
     precisions : tuple of str, optional
-        The precision classes whose floors are measured: by default the class of ``dtype``'s
-        buffers alone; ``"all"`` every class they can be judged in (for float32 and float64
-        ``float32``, ``tf32`` and ``float16``, as the standard suite records).
-
-    Returns
-    -------
-    Fixture
-        With ``regime``, ``seed``, ``compute_dtype="float64"`` and the floors.
+        The precision classes whose floors are measured: by default ``dtype``'s class;
+        ``"all"`` every class its buffers can be judged in.
 
     Raises
     ------
     TypeError, ValueError
         As :func:`draw_inputs`.
-
-    See Also
-    --------
-    draw_inputs : The inputs alone.
-    save_fixture : Write it.
-    write_suite : The standard set of them.
-    reference.backward : The gradients alone.
 
     Examples
     --------
@@ -204,9 +148,6 @@ def make_fixture(
     >>> fx = make_fixture(gl.GdnBackwardLayout(1, 4, 2, 8, carry_state=True), regime="zero")
     >>> fx.packed.shape, fx.grads.dstate.shape, fx.compute_dtype
     ((336,), (1, 2, 8, 8), 'float64')
-    >>> fast = make_fixture(fx.layout, regime="zero", workers=2)
-    >>> bool(np.array_equal(fast.packed, fx.packed)), fast.floors == fx.floors
-    (True, True)
     """
     threads = reference.resolve_workers(workers, "make_fixture")
     x = draw_inputs(layout, regime=regime, seed=seed, dtype=dtype)
@@ -227,7 +168,6 @@ def _fixture_of(
     workers: int = 1,
     precisions: tuple[str, ...] = ("float32",),
 ) -> Fixture:
-    """:func:`make_fixture` after the draw."""
     truth = reference_outputs(x, states, workers)
     packed = reference.backward(*x, dtype=np.float64, progress=progress, workers=workers)
     floors = state_floors = None
@@ -235,12 +175,10 @@ def _fixture_of(
         measured = correct_forms_floors(
             x, _named(packed, truth, layout), states, precisions, workers
         )
-        floors = {
-            c: {n: f for n, f in per.items() if n in layout.names} for c, per in measured.items()
-        }
+        floors = {c: {n: f for n, f in p.items() if n in layout.names} for c, p in measured.items()}
         if len(truth) > 1:  # the states are kept, and so are their floors and y's
             state_floors = {
-                c: {n: f for n, f in per.items() if n in truth} for c, per in measured.items()
+                c: {n: f for n, f in p.items() if n in truth} for c, p in measured.items()
             }
 
     def kept(name: str) -> NDArray[Any] | None:
@@ -265,8 +203,8 @@ def _fixture_of(
 def reference_outputs(
     x: GdnInputs, states: int | None, workers: int = 1
 ) -> dict[str, NDArray[Any]]:
-    """The float64 truth of inputs ``x``: ``y``, and the states a fixture keeps (``final_state``
-    when the state is carried or ``states`` given, ``h`` and ``dh`` with ``states``)."""
+    """The float64 ``y`` of inputs ``x`` and the states a fixture keeps (``final_state``,
+    ``h`` and ``dh`` with ``states``)."""
     result = reference.forward(*x[:5], state=x.state, dtype=np.float64, workers=workers)
     y, final = result if isinstance(result, tuple) else (result, None)
     outputs = {"y": y}
@@ -278,14 +216,13 @@ def reference_outputs(
     return outputs
 
 
-class _Case(NamedTuple):
+class _Shape(NamedTuple):
     tag: str
     batch: int
     seq: int
     heads: int
     state_size: int
-    #: The revision of the suite it joined, counted with the regimes' (REGIME_SINCE): a new
-    #: shape takes the next, so that its files follow every file of the suite so far.
+    #: The suite's revision it joined, counted with REGIME_SINCE: a new shape takes the next.
     since: int = 0
     #: Every batch row gets the same inputs, so that a row that differs is the kernel's doing.
     identical_rows: bool = False
@@ -295,21 +232,20 @@ class _Case(NamedTuple):
 #: each, and ends a sequence one step past a boundary and one step before one.
 CHUNK_SIZES: Final = (16, 32, 64, 128, 256)
 
-#: Edge shapes of :func:`write_suite`: S=1, N=1, RLX's test shape (B, H > 1), S a multiple
-#: of 64, not one, just past one, RLX's largest N; then one step short of a boundary of every
-#: chunk size (255), past two (513), N = 128 over 300 steps, identical rows over 130.
+#: S=1, N=1, RLX's test shape, S around 64, RLX's largest N; then one step short of every
+#: chunk size's boundary (255), past two (513), N = 128 over 300 steps, identical rows.
 _SUITE_SHAPES: Final = (
-    _Case("s1", 1, 1, 1, 8),
-    _Case("n1", 1, 7, 2, 1),
-    _Case("rlx", 2, 5, 3, 8),
-    _Case("s64", 1, 64, 2, 16),
-    _Case("s65", 2, 65, 2, 16),
-    _Case("s100", 1, 100, 3, 16),
-    _Case("n128", 1, 3, 1, 128),
-    _Case("s255", 1, 255, 2, 16, since=2),
-    _Case("s300", 1, 300, 1, 128, since=2),
-    _Case("s513", 1, 513, 2, 16, since=2),
-    _Case("twin", 2, 130, 2, 8, since=2, identical_rows=True),
+    _Shape("s1", 1, 1, 1, 8),
+    _Shape("n1", 1, 7, 2, 1),
+    _Shape("rlx", 2, 5, 3, 8),
+    _Shape("s64", 1, 64, 2, 16),
+    _Shape("s65", 2, 65, 2, 16),
+    _Shape("s100", 1, 100, 3, 16),
+    _Shape("n128", 1, 3, 1, 128),
+    _Shape("s255", 1, 255, 2, 16, since=2),
+    _Shape("s300", 1, 300, 1, 128, since=2),
+    _Shape("s513", 1, 513, 2, 16, since=2),
+    _Shape("twin", 2, 130, 2, 8, since=2, identical_rows=True),
 )
 
 
@@ -318,15 +254,12 @@ class _SuiteCase(NamedTuple):
     layout: GdnBackwardLayout
     regime: str
     identical_rows: bool
-    #: The suite's revision that added it: the later of its shape's and its regime's.
-    since: int
+    since: int  # the later of its shape's and its regime's
 
 
 def _suite_cases(regimes: Mapping[str, int] | None = None) -> Iterator[_SuiteCase]:
-    """Every file of the suite, in file (and seed) order, for ``regimes`` (each one's revision;
-    by default REGIME_SINCE): by revision, then shape, gate mode, state mode and regime."""
-    if regimes is None:
-        regimes = REGIME_SINCE
+    """Every file of the suite in file (and seed) order, for ``regimes`` and their revisions
+    (REGIME_SINCE): by revision, then shape, gate mode, state mode and regime."""
     cases = []
     for shape in _SUITE_SHAPES:
         b, s, h, n = shape[1:5]
@@ -338,7 +271,7 @@ def _suite_cases(regimes: Mapping[str, int] | None = None) -> Iterator[_SuiteCas
                 modes = (
                     f"{'channel' if per_channel else 'scalar'}-{'state' if carry else 'nostate'}"
                 )
-                for regime, since in regimes.items():
+                for regime, since in (REGIME_SINCE if regimes is None else regimes).items():
                     name = f"{shape.tag}-b{b}s{s}h{h}n{n}-{modes}-{regime}.safetensors"
                     added = max(shape.since, since)
                     cases.append(_SuiteCase(name, layout, regime, shape.identical_rows, added))
@@ -346,18 +279,15 @@ def _suite_cases(regimes: Mapping[str, int] | None = None) -> Iterator[_SuiteCas
 
 
 def suite_size() -> int:
-    """How many fixtures :func:`write_suite` writes: the standard suite's cases."""
+    """How many fixtures :func:`write_suite` writes."""
     return sum(1 for _ in _suite_cases())
 
 
 def suite_digest(dtype: np.dtype[Any], seed: int = 0) -> str:
-    """The SHA-256, in hex, of the definition of the suite :func:`write_suite` writes in
-    ``dtype`` from ``seed``: every file's name, layout, regime, revision and seed, the classes
-    recorded, the chunk sizes, the format, and each regime's inputs on a small probe. A suite
-    of one digest holds what the code of that digest writes.
+    """The SHA-256 (hex) of the definition of the suite :func:`write_suite` writes in ``dtype``
+    from ``seed``: every file's name, layout, regime, revision and seed, the classes, chunk
+    sizes, format, and each regime's inputs on a small probe.
 
-    >>> suite_digest(np.dtype(np.float32)) == suite_digest(np.dtype(np.float32))
-    True
     >>> suite_digest(np.dtype(np.float32)) == suite_digest(np.dtype(np.float64))
     False
     """
@@ -392,8 +322,8 @@ def _identical_rows_fixture(
 
 
 def boundaries_crossed(seq: int) -> dict[int, int]:
-    """How many boundaries of each chunk size of :data:`CHUNK_SIZES` a sequence of ``seq``
-    steps crosses (a boundary at ``c * C`` for ``0 < c * C < seq``).
+    """How many boundaries (``c * C`` for ``0 < c * C < seq``) of each of :data:`CHUNK_SIZES`
+    ``seq`` steps cross.
 
     >>> boundaries_crossed(65)
     {16: 4, 32: 2, 64: 1, 128: 0, 256: 0}
@@ -412,33 +342,24 @@ def write_suite(
 ) -> list[Path]:
     """Write the standard fixture set for a kernel test-suite into ``directory``.
 
-    One file for every combination of gate mode, state mode, gate regime (:data:`REGIMES`)
-    and edge shape (S = 1, N = 1, B and H above 1, S = 64, 65, 100, N = 128, and those that
-    reach every chunk boundary of :data:`CHUNK_SIZES`), and ``manifest.json`` listing each
-    with its layout, regime, seed, dtype, size, SHA-256, the boundaries it crosses and whether
-    its batch rows are identical. File ``i`` uses seed ``seed + i``, in the order the shapes
-    and regimes joined the suite, so that one added later never changes an existing file.
-    The suite is all or nothing (docs/files.md): built aside and moved into place; an
-    existing, non-empty ``directory`` is replaced only with ``overwrite=True`` and only when
-    it holds a suite written here and nothing its manifest does not list.
+    One file for every gate mode, state mode, gate regime (:data:`REGIMES`) and edge shape
+    (those that reach every chunk boundary of :data:`CHUNK_SIZES` among them), and
+    ``manifest.json`` listing each. File ``i`` uses seed ``seed + i``, in the order the
+    shapes and regimes joined the suite. The suite is all or nothing (docs/files.md).
 
     Parameters
     ----------
     directory : str or os.PathLike
         The suite's folder; created, with its parents, when missing.
-    dtype : dtype_like
-        The dtype of every fixture.
-    seed : int
-        The first file's seed.
+    dtype, seed
+        Every fixture's dtype; the first file's seed.
     overwrite : bool
         Replace an existing, non-empty folder that holds only a suite and its listed files.
     progress : callable, optional
         Called with the fraction of the files written.
     workers : int or None
-        Processes that make the fixtures: 1 makes them in the calling thread, None one per
-        core this process may use; the files are the same, byte for byte. Above 1 they are
-        spawned: a script calling ``write_suite`` at its top level guards the call with
-        ``if __name__ == "__main__":``.
+        Processes (None: one per core); the files are the same byte for byte. Above 1 they
+        are spawned: a script guards its call with ``if __name__ == "__main__":``.
 
     Returns
     -------
@@ -453,16 +374,8 @@ def write_suite(
     TypeError, ValueError
         ``dtype`` or ``seed`` is not usable; ValueError too when ``directory`` is the current
         folder or holds it.
-    OSError
-        A file cannot be written; nothing is left in ``directory`` then.
-    RuntimeError
-        A worker process ended abruptly; nothing is left in ``directory`` then.
-
-    See Also
-    --------
-    load_suite : Read it back.
-    verify_suite : Check it against its manifest.
-    make_fixture : One fixture.
+    OSError, RuntimeError
+        A file cannot be written, or a worker process ended abruptly: nothing is left then.
     """
     given = Path(directory)
     target = resolve_dtype(dtype, "write_suite")
@@ -500,39 +413,28 @@ def write_suite(
 def _in_order(
     cases: list[_SuiteCase], target: np.dtype[Any], seed: int, workers: int
 ) -> Iterator[Fixture]:
-    """The fixture of each case, in order, made in ``workers`` processes at most ``2 * workers``
-    ahead of the one handed out. Processes: threads would queue on the GIL between NumPy's
-    short calls; spawned, the one start method every system has, copying no lock held."""
-    workers = min(workers, len(cases), _MOST_PROCESSES if os.name == "nt" else workers)
+    """The fixture of each case, in order, made in ``workers`` spawned processes (threads
+    would queue on the GIL between NumPy's short calls; spawn is the start method every
+    system has). Windows' pools take at most 61 processes."""
+    workers = min(workers, len(cases), 61 if os.name == "nt" else workers)
+    seeds = range(seed, seed + len(cases))
     if workers <= 1:
-        yield from (_suite_fixture(case, target, seed + i) for i, case in enumerate(cases))
+        yield from map(_suite_fixture, cases, [target] * len(cases), seeds)
         return
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        max_workers=workers, mp_context=context, initializer=_die_with, initargs=(os.getpid(),)
-    ) as pool:
-        pending: deque[Future[Fixture]] = deque()
+    with ProcessPoolExecutor(workers, context, _die_with, (os.getpid(),)) as pool:
         try:
-            for index, case in enumerate(cases):
-                pending.append(pool.submit(_suite_fixture, case, target, seed + index))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
-                yield pending.popleft().result()
+            yield from pool.map(_suite_fixture, cases, [target] * len(cases), seeds)
         except BrokenProcessPool as err:
             raise RuntimeError(
                 "write_suite: a worker process ended abruptly (killed, out of memory, or "
                 "started from a script that calls write_suite at its top level: guard the call "
                 'with if __name__ == "__main__":); its own error, if any, is on stderr'
             ) from err
-        finally:
-            for future in pending:
-                future.cancel()
 
 
 def _die_with(parent: int) -> None:
-    """In a worker: end when ``parent`` does. A parent killed (SIGKILL, SIGTERM) cannot stop
-    its pool, whose workers would otherwise go on making fixtures nobody reads."""
+    """In a worker: end when ``parent`` does (a killed parent cannot stop its pool)."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -542,12 +444,7 @@ def _die_with(parent: int) -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-#: The most processes a pool may have on Windows (``ProcessPoolExecutor`` refuses more).
-_MOST_PROCESSES: Final = 61
-
-
 def _suite_fixture(case: _SuiteCase, target: np.dtype[Any], seed: int) -> Fixture:
-    """The fixture of one file of the standard suite."""
     if case.identical_rows:
         return _identical_rows_fixture(case.layout, target, case.regime, seed)
     return make_fixture(case.layout, dtype=target, regime=case.regime, seed=seed, precisions="all")
@@ -565,33 +462,27 @@ def _non_empty_folder(path: Path) -> bool:
 def _not_a_suite(folder: Path) -> str | None:
     """Why ``folder`` may not be replaced by a suite; None when it holds only a suite written
     here and the regular files its manifest lists."""
+    advice = "move it away yourself or choose another folder"
     try:
         listed = {entry["file"] for entry in read_manifest(folder)}
     except NotASuite as err:
-        return f"{err.why}; {_ADVICE}"
+        return f"{err.why}; {advice}"
     with os.scandir(folder) as entries:
         found = [(entry.name, entry.is_file(follow_symlinks=False)) for entry in entries]
-    odd = sorted(name for name, regular in found if name in listed and not regular)
-    if odd:
-        return (
-            f"the files {', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''} it lists are "
-            f"not regular files (a symbolic link, a folder, ...); {_ADVICE}"
-        )
-    foreign = sorted(name for name, _ in found if name != MANIFEST and name not in listed)
-    if foreign:
-        return (
-            f"it holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which its "
-            f"manifest does not list; {_ADVICE}"
-        )
+
+    def some(names: list[str]) -> str:
+        return ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+
+    if odd := [name for name, regular in found if name in listed and not regular]:
+        why = "are not regular files (a symbolic link, a folder, ...)"
+        return f"the files {some(odd)} it lists {why}; {advice}"
+    if foreign := [name for name, _ in found if name != MANIFEST and name not in listed]:
+        return f"it holds {some(foreign)}, which its manifest does not list; {advice}"
     return None
 
 
-_ADVICE: Final = "move it away yourself or choose another folder"
-
-
 def _of_a_suite(folder: Path) -> list[str] | None:
-    """The suite's own files in ``folder``, to remove when it is replaced; None without a
-    manifest (unfinished work)."""
+    """The suite's own files in ``folder``; None without a manifest (unfinished work)."""
     try:
         return [*(entry["file"] for entry in read_manifest(folder)), MANIFEST]
     except NotASuite:
@@ -608,29 +499,26 @@ def _write_suite_files(
     """Write every fixture and the manifest into the empty folder ``root``; their names."""
     entries: list[dict[str, Any]] = []
     cases = list(_suite_cases())
+    code = dtype_code(target, "write_suite")
     for index, fixture in enumerate(_in_order(cases, target, seed, workers)):
-        name, layout, regime, identical_rows, _since = cases[index]
+        name, layout = cases[index].name, cases[index].layout
         path = save_fixture(root / name, fixture)
         if progress is not None:
             progress((index + 1) / len(cases))
+        crosses = {str(c): n for c, n in boundaries_crossed(layout.seq).items()}
         entries.append(
             manifest_entry(
                 name,
                 path.read_bytes(),
                 layout=layout.to_dict(),
-                regime=regime,
+                regime=cases[index].regime,
                 seed=seed + index,
-                crosses={str(c): n for c, n in boundaries_crossed(layout.seq).items()},
-                identical_rows=identical_rows,
-                dtype=dtype_code(target, "write_suite"),
+                crosses=crosses,
+                identical_rows=cases[index].identical_rows,
+                dtype=code,
             )
         )
-    text = manifest_text(
-        entries,
-        gdn_layout_version=__version__,
-        dtype=dtype_code(target, "write_suite"),
-        seed=seed,
-    )
+    text = manifest_text(entries, gdn_layout_version=__version__, dtype=code, seed=seed)
 
     def write(out: IO[bytes]) -> None:
         out.write(text)

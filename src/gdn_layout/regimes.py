@@ -1,16 +1,6 @@
-"""The gate regimes: one definition that fixture generation, suites, the command line, the
-pytest plugin and the tests draw from.
-
-How each draws the log-gate ``g`` (a step's decay is ``exp(g)``): ``zero`` ``g = 0`` (no
-decay, where state-path bugs show most); ``mild`` uniform in ``[-0.1, -0.001]``; ``strong``
-uniform in ``[-8, -3]``; ``mixed`` each element from one of those three; ``qwen`` as
-Qwen3-Next, ``-exp(A_log) * softplus(a + dt_bias)``, ``exp(A_log)`` in ``[1, 16]`` and
-``dt_bias`` in ``[-1, 1]`` per head, ``a`` standard normal (``g`` in about ``[-80, -0.01]``);
-``extreme`` uniform in ``[-30, -10]``, where dividing by cumulative decays overflows.
-
-A new regime is one entry at the end of the table below, with the next revision of the
-standard suite as its ``since``: the suite then gains every shape in it, numbered and seeded
-after every file it had.
+"""The gate regimes, which fixtures, suites, the command line and the plugin draw from
+(README.md). A new regime is one entry at the end of ``_TABLE`` with the suite's next revision
+as its ``since``: the suite then gains a file of it for every shape, after every file it had.
 
 >>> import numpy as np
 >>> g = draw_gate(np.random.default_rng(0), (1, 4, 2), "strong")
@@ -37,9 +27,8 @@ def _uniform(low: float, high: float) -> _Draw:
 
 
 def _mild_strong(rng: np.random.Generator, shape: tuple[int, ...]) -> tuple[NDArray[Any], ...]:
-    """A mild and a strong draw, which each of the first four regimes makes (and so keeps
-    ``rng``'s stream after it). The bounds keep the regimes apart after a cast to bfloat16 too:
-    mild never rounds to 0."""
+    """A mild and a strong draw, which each of the first four regimes makes (keeping ``rng``'s
+    stream after it); mild never rounds to 0, even in bfloat16."""
     return rng.uniform(-0.1, -0.001, shape), rng.uniform(-8.0, -3.0, shape)
 
 
@@ -61,9 +50,7 @@ def _qwen(rng: np.random.Generator, shape: tuple[int, ...]) -> NDArray[np.float6
 class _Regime(NamedTuple):
     #: The regime in a phrase, for help texts.
     summary: str
-    #: The revision of the standard suite it joined: 0 the first suite's, 1 the two added
-    #: next, ... (the suite's shapes count in the same revisions). A new regime takes the
-    #: next revision, above every shape's and regime's, so that its files follow all others.
+    #: The revision of the standard suite it joined (its shapes count in the same revisions).
     since: int
     draw: _Draw
 
@@ -91,17 +78,7 @@ REGIMES: Final = tuple(_TABLE)
 
 def draw_gate(rng: np.random.Generator, shape: tuple[int, ...], regime: str) -> NDArray[np.float64]:
     """Log-gates of ``shape`` (``[B, S, H]``, or ``[B, S, H, N]`` per channel) in ``regime``,
-    one of :data:`REGIMES`, drawn from ``rng``.
-
-    Raises
-    ------
-    ValueError
-        ``regime`` is not one of :data:`REGIMES`.
-
-    See Also
-    --------
-    draw_inputs : Every input, the gates drawn by this.
-    """
+    one of :data:`REGIMES` (else ValueError), drawn from ``rng``."""
     if regime not in REGIMES:
         raise ValueError(f"draw_gate: regime must be one of {REGIMES}, got {regime!r}")
     return _TABLE[regime].draw(rng, shape)
