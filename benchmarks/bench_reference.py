@@ -84,10 +84,10 @@ def sampled_margin(shapes: list[tuple[int, int, int, int]], seed: int = 3) -> tu
         PANEL,
         SAMPLE_MARGIN,
         Sample,
-        _named,
         _picked,
         panel_floors,
         sampled_pairs,
+        tensors_by_name,
     )
     from gdn_layout.files import GdnInputs
     from gdn_layout.generate import draw_inputs, reference_outputs
@@ -107,10 +107,12 @@ def sampled_margin(shapes: list[tuple[int, int, int, int]], seed: int = 3) -> tu
             for regime in REGIMES:
                 x = draw_inputs(layout, regime=regime, seed=seed)
                 wide = GdnInputs._make(None if a is None else a.astype(np.float64) for a in x)
-                truth = _named(reference.backward(*wide), reference_outputs(wide, None), layout)
-                runs = {"step-by-step": _named(*step_by_step(*x), layout)}
+                truth = tensors_by_name(
+                    reference.backward(*wide), reference_outputs(wide, None), layout
+                )
+                runs = {"step-by-step": tensors_by_name(*step_by_step(*x), layout)}
                 for form, bits in CHUNKED_RUNS.items():
-                    runs[form] = _named(*fused_backward(*x, bits=bits)[:2], layout)
+                    runs[form] = tensors_by_name(*fused_backward(*x, bits=bits)[:2], layout)
                 whole = panel_floors(runs, truth, None, classes)
                 # a run on the sample alone gives the whole run's values there, bit for bit
                 step = {n: np.asarray(a) for n, a in runs.pop("step-by-step").items()}

@@ -276,7 +276,7 @@ def _picked(
     return _pick(np.asarray(array).reshape(shape), pairs, axis).reshape(-1)
 
 
-def _named(
+def tensors_by_name(
     packed: NDArray[Any], outputs: Mapping[str, NDArray[Any]], layout: GdnBackwardLayout
 ) -> dict[str, NDArray[Any]]:
     """Each gradient of ``packed`` and each tensor of ``outputs``, by name."""
@@ -310,18 +310,18 @@ def correct_forms_floors(
             return dict(truth), None
         if form == "step-by-step":
             if pairs is None:
-                return _named(*step_by_step(*x, chunk=states), layout), None
+                return tensors_by_name(*step_by_step(*x, chunk=states), layout), None
             few: list[Any] = [
                 None if a is None else _pick(a, pairs, 2 - (i == 6)) for i, a in enumerate(x)
             ]
             part = GdnBackwardLayout.from_inputs(few[0], few[3], few[6])
-            return _named(*step_by_step(*few, chunk=states), part), None
+            return tensors_by_name(*step_by_step(*few, chunk=states), part), None
         bits = CHUNKED_RUNS[form]
         low, outputs, magnitudes = fused_backward(
             *x, chunk=None if cut else states, bits=bits, sizes=form == sized
         )
-        named = _named(low, outputs, layout)
-        sums = None if magnitudes is None else _named(*magnitudes, layout)
+        named = tensors_by_name(low, outputs, layout)
+        sums = None if magnitudes is None else tensors_by_name(*magnitudes, layout)
         if cut:
             at_states = fused_backward(*x, chunk=states, bits=bits)[1]
             for name in ("h", "dh", "final_state"):

@@ -20,9 +20,9 @@ from numpy.typing import DTypeLike, NDArray
 
 from . import reference
 from ._checks import integer, not_a_layout
-from ._floors import _named
 from ._floors import correct_forms_floors as correct_forms_floors
 from ._floors import precisions_of as precisions_of
+from ._floors import tensors_by_name
 from ._limits import fixture_memory as fixture_memory
 from ._version import __version__
 from .files._atomic import atomic_write, write_folder
@@ -173,7 +173,7 @@ def _fixture_of(
     floors = state_floors = None
     if calibrate:
         measured = correct_forms_floors(
-            x, _named(packed, truth, layout), states, precisions, workers
+            x, tensors_by_name(packed, truth, layout), states, precisions, workers
         )
         floors = {c: {n: f for n, f in p.items() if n in layout.names} for c, p in measured.items()}
         if len(truth) > 1:  # the states are kept, and so are their floors and y's
