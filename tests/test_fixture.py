@@ -363,8 +363,8 @@ EDITS: list[tuple[Callable[[dict[str, Any]], object], str]] = [
     (_meta(seed="-3"), "metadata seed must be a non-negative integer, got '-3'"),
     (_meta(regime="wild"), "regime must be one of"),
     (_meta(seed=3), "__metadata__ must map strings to strings"),
-    (lambda h: h["q"].update(dtype="F31"), "tensor 'q' has unknown dtype 'F31'"),
-    (lambda h: h["q"].update(dtype="I32"), "'q' has dtype I32; a fixture holds F64, F32, F16"),
+    (lambda h: h["q"].update(dtype="F31"), "tensor 'q' has dtype 'F31'; a fixture holds F64"),
+    (lambda h: h["q"].update(dtype="I32"), "'q' has dtype 'I32'; a fixture holds F64, F32, F16"),
     (lambda h: h["q"].update(dtype=32), "tensor 'q'.*dtype must be a string, got 32"),
     (
         lambda h: h["v"].update(shape=[B, S, H * N]),
