@@ -172,15 +172,13 @@ class Fixture:
         return self.stamp is not None
 
     def check_unchanged(self) -> None:
-        """Raise :class:`FixtureError` if the mapped file changed since it was loaded (size,
-        modification time or inode); see docs/files.md, *Memory mapping*."""
+        """Raise :class:`FixtureError` if the mapped file changed since it was loaded."""
         if self.stamp is not None and self.path is not None:
             self.stamp.check(self.path)
 
     def unchanged(self) -> contextlib.AbstractContextManager[None]:
-        """A context in which a mapped fixture is judged: its file is checked against the
-        stamp taken at loading on entry and again on exit (nothing holds writers off in
-        between: a change is found at the exit); see docs/files.md.
+        """A context in which a mapped fixture is judged: its file is checked against its
+        stamp on entry and on exit (writers are not held off); see docs/files.md.
 
         Raises
         ------
