@@ -47,12 +47,6 @@ class GdnInputs(NamedTuple):
     """The inputs of the op and the cotangent ``dy``, in the reference's argument order.
 
     ``backward(*inputs)`` and ``forward(*inputs[:5], state=inputs.state)`` both work.
-
-    See Also
-    --------
-    Fixture : Inputs with ``y`` and the packed gradient.
-    draw_inputs : Random inputs.
-    reference.backward : Takes them in this order.
     """
 
     q: NDArray[Any]
@@ -70,12 +64,6 @@ class Fixture:
 
     The layout is inferred from ``q``, ``g`` and ``state``, every other tensor checked against
     it; all share one dtype. ``grads`` are the views of ``packed``. See docs/files.md.
-
-    See Also
-    --------
-    load_fixture : Read one.
-    save_fixture : Write one.
-    make_fixture : Compute one.
 
     Examples
     --------
@@ -184,15 +172,13 @@ class Fixture:
         return self.stamp is not None
 
     def check_unchanged(self) -> None:
-        """Raise :class:`FixtureError` if the mapped file changed since it was loaded (size,
-        modification time or inode); see docs/files.md, *Memory mapping*."""
+        """Raise :class:`FixtureError` if the mapped file changed since it was loaded."""
         if self.stamp is not None and self.path is not None:
             self.stamp.check(self.path)
 
     def unchanged(self) -> contextlib.AbstractContextManager[None]:
-        """A context in which a mapped fixture is judged: its file is checked against the
-        stamp taken at loading on entry and again on exit (nothing holds writers off in
-        between: a change is found at the exit); see docs/files.md.
+        """A context in which a mapped fixture is judged: its file is checked against its
+        stamp on entry and on exit (writers are not held off); see docs/files.md.
 
         Raises
         ------
@@ -291,12 +277,6 @@ def save_fixture(
         ``fixture`` is not a :class:`Fixture`.
     OSError
         The file cannot be written (a full disk, a read-only folder); the error names it.
-
-    See Also
-    --------
-    load_fixture : The reader.
-    make_fixture : A fixture to save.
-    write_suite : A whole suite of them.
     """
     if not isinstance(fixture, Fixture):
         raise TypeError(f"save_fixture: fixture must be a Fixture, got {type(fixture).__name__}")
@@ -325,12 +305,6 @@ def load_fixture(path: str | os.PathLike[str], *, mmap: bool = True) -> Fixture:
         The file does not exist.
     ImportError
         The file holds bfloat16 and ml_dtypes is not installed.
-
-    See Also
-    --------
-    save_fixture : The writer.
-    load_suite : Every fixture of a suite.
-    files.open_packed : Only the packed buffer, of any file kind.
     """
     return _load(Path(path), mmap, None, None, "expected")
 

@@ -37,28 +37,24 @@ class FileStamp(NamedTuple):
     def check(
         self, path: Path, now: FileStamp | None = None, when: str = "since it was loaded"
     ) -> None:
-        """FixtureError naming ``path`` if the file is no longer the one stamped (``now``, or
-        as :func:`os.stat` finds it)."""
-        if now is None:
-            try:
-                now = FileStamp.of(path, os.stat(self.where))
-            except OSError as err:
-                raise FixtureError(
-                    f"{path}: changed {when}: it cannot be reached now ({reason(err)}); "
-                    "load it again"
-                ) from None
-        if (now.inode, now.device) != (self.inode, self.device):
-            what = f"replaced by another file: inode {self.inode} then, {now.inode} now"
-        elif now.size != self.size:
-            what = f"{self.size} bytes then, {now.size} now"
-        elif now.mtime_ns != self.mtime_ns:
-            what = f"rewritten: modified at {self.mtime_ns} ns then, {now.mtime_ns} now"
+        """FixtureError naming ``path`` if the file is not the one stamped (``now``, or as
+        :func:`os.stat` finds it)."""
+        try:
+            now = now or FileStamp.of(path, os.stat(self.where))
+        except OSError as err:
+            now = None
+            what = f"it cannot be reached now ({reason(err)})"
         else:
-            return
-        raise FixtureError(
-            f"{path}: changed {when} ({what}): its memory-mapped tensors are not what was "
-            "loaded; load it again"
-        )
+            what = (
+                f"{self.size} bytes then, {now.size} now"
+                if now.size != self.size
+                else "rewritten or replaced: a new modification time or inode"
+            )
+        if now is None or now[1:] != self[1:]:
+            raise FixtureError(
+                f"{path}: changed {when} ({what}): its memory-mapped tensors are not what "
+                "was loaded; load it again"
+            )
 
 
 @contextlib.contextmanager
@@ -91,16 +87,13 @@ def map_file(
 def read_all(file: BinaryIO, size: int, path: Path) -> NDArray[np.uint8]:
     """All ``size`` bytes of the open ``file`` as a read-only array; FixtureError if it
     turns out shorter or longer."""
-    buffer = np.empty(size, np.uint8)
     file.seek(0)
-    done = 0
-    while done < size and (count := file.readinto(buffer.data[done:])):  # type: ignore[attr-defined]
-        done += count
-    if done < size or file.read(1):
-        now = f"{done} bytes" if done < size else "more"
-        raise FixtureError(f"{path}: changed size while being read ({size} bytes, then {now})")
-    buffer.flags.writeable = False
-    return buffer
+    data = file.read(size + 1)
+    if len(data) != size:
+        raise FixtureError(
+            f"{path}: changed size while being read ({size} bytes, then {len(data)})"
+        )
+    return np.frombuffer(data, np.uint8)
 
 
 def check_digest(digest: str, expected: str, path: Path, said: str) -> None:

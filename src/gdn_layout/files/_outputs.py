@@ -38,10 +38,6 @@ class PackedFile(NamedTuple):
     """A packed buffer read from a file: ``kind`` is ``"fixture"``, ``"safetensors"``,
     ``".npy"``, ``".npz"``, ``".pt"`` or ``"raw"``; ``layout`` is a fixture's or that of
     gradients given by name; ``floors`` and ``fixture`` a fixture's, else None.
-
-    See Also
-    --------
-    files.open_packed : What returns one.
     """
 
     path: str
@@ -86,11 +82,6 @@ def open_packed(path: str, dtype: DTypeLike | None = None) -> PackedFile:
     ValueError
         The file cannot be read as a packed buffer (:class:`FixtureError` for a fixture, and
         for a path that is not a regular file or cannot be read).
-
-    See Also
-    --------
-    load_fixture : A whole fixture.
-    compare : Judge what was read.
     """
     file = Path(path)
     try:
@@ -143,26 +134,9 @@ def _npy(path: str, head: bytes, status: os.stat_result) -> PackedFile:
             packed = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OverflowError, MemoryError) as error:
         # Python objects, a damaged header, or a shape no array can have
-        claimed = _claimed(Path(path))
-        raise ValueError(f"{path}: cannot be read as a packed buffer: {claimed}{error}") from None
+        raise ValueError(f"{path}: cannot be read as a packed buffer: {error}") from None
     stamp = FileStamp.of(Path(path), status) if isinstance(packed, np.memmap) else None
     return PackedFile(path, ".npy", packed, None, stamp=stamp)
-
-
-def _claimed(path: Path) -> str:
-    """What a .npy header claims ("its header claims shape (...) of float32; "), or ""."""
-    try:
-        with open(path, "rb") as file:
-            read = {
-                (1, 0): np.lib.format.read_array_header_1_0,
-                (2, 0): np.lib.format.read_array_header_2_0,
-            }.get(np.lib.format.read_magic(file))
-            if read is None:
-                return ""
-            shape, _, dtype = read(file)
-    except (OSError, ValueError, SyntaxError, TypeError):
-        return ""
-    return f"its header claims shape {tuple(shape)} of {dtype}; "
 
 
 def _plain(path: Path, header: safetensors.Header, buffer: NDArray[np.uint8]) -> NDArray[Any]:
