@@ -145,18 +145,3 @@ def test_the_command_line_takes_workers(tmp_path: Path, capsys: pytest.CaptureFi
         assert f"argument --workers: expected a positive integer, got '{bad}'" in (
             capsys.readouterr().err
         )
-
-
-@pytest.mark.parametrize("workers", [1, 3])
-def test_inputs_converted_on_threads_name_the_first_bad_one(workers: int) -> None:
-    """Converted side by side, the inputs are still checked in the plain order (g, q, k, v,
-    beta, state, dy): the first bad one is named, whichever thread finds it first."""
-    x = _inputs(GdnBackwardLayout(1, 6, 2, 4, carry_state=True), "mixed", seed=0)
-    q, k, v, g, beta, dy, state = (np.array(a) for a in x)
-    v[0, 3, 1, 2] = np.nan
-    dy[0, 0, 0, 0] = np.inf
-    for call in (backward, chunk_states):
-        with pytest.raises(ValueError, match=r"^v must be finite in float64, got nan at index"):
-            call(q, k, v, g, beta, dy, state, workers=workers)
-    with pytest.raises(ValueError, match=r"^dy must be finite in float64, got inf at index"):
-        backward(q, k, np.array(x[2]), g, beta, dy, state, workers=workers)

@@ -1,13 +1,6 @@
-"""The recurrence one step at a time, vectorised over batch and heads: the spec's own form.
-
-Each step is the spec's NumPy operations in its order, bit for bit, into buffers allocated
-once. An outer product is the matrix product ``[a, 0] @ [b; 0]`` (each element one rounded
-product plus ``0 * 0``, several times faster than broadcasting); it differs only in the sign of
-a zero product, so it is taken only where no factor is below ``2**-62``.
-
-:func:`step_gradients` and :func:`step_ends` run the same steps on the op read otherwise
-(:class:`Variant`): what a misread kernel computes.
-"""
+"""The recurrence one step at a time, vectorised over batch and heads: the spec's NumPy operations
+in its order, bit for bit, into buffers allocated once; :func:`step_gradients` and
+:func:`step_ends` run it on the op read otherwise (:class:`Variant`)."""
 
 from __future__ import annotations
 
@@ -83,7 +76,9 @@ def _padded(a: _Array, axis: int) -> _Array:
 
 
 class _Outer:
-    """``out = outer(col, row)`` for ``[B, H, N]`` factors kept padded (module docstring)."""
+    """``out = outer(col, row)`` for ``[B, H, N]`` factors kept padded: the matrix product
+    ``[a, 0] @ [b; 0]`` is several times faster than broadcasting and differs only in the sign
+    of a zero product, so it is taken only where no factor is below ``_TINY``."""
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         self.fast = shape[-1] > 1
@@ -139,9 +134,7 @@ class _Stepper:
         r: _Array | None = None,
         u_rows: _Array | None = None,
     ) -> None:
-        """``state = S_t`` from ``prev = S_{t-1}`` (may be the same array); ``m``, ``r = v - m``
-        and ``u`` (row 0 of ``u_rows``) go to the buffers given.
-        """
+        """``state = S_t`` from ``prev = S_{t-1}`` (may be the same array)."""
         x, i = self.x, t - span.t0
         m = self.m if m is None else m
         r = self.r if r is None else r
