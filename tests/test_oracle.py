@@ -1,9 +1,9 @@
 """The long-double oracle of ``oracle.py`` checked on its own, without the library's backward.
 
-Two independent checks: "exact differences" of the oracle's own forward (``sum(y * dy)`` is
-affine in each element of ``q``, ``v``, ``beta``, the state and ``exp(g)``, quadratic in each of
-``k``: a central difference with a step of order one has no truncation error, in any gate
-regime); and the forward written out by hand with scalar loops.
+Its gradients against "exact differences" of its own forward (``sum(y * dy)`` is affine in each
+element of ``q``, ``v``, ``beta``, the state and ``exp(g)``, quadratic in each of ``k``: a central
+difference with a step of order one has no truncation error, in any gate regime); its forward is
+the library's (test_reference_exact.py), which docs/reference.md writes out step by step.
 """
 
 from __future__ import annotations
@@ -85,35 +85,6 @@ def test_oracle_matches_exact_differences(case: Case, per_channel: bool, carry: 
     case = case.with_(per_channel=per_channel, carry=carry)
     inputs = long_double_inputs(case)
     check_differences(inputs, run(inputs))
-
-
-def _spec_forward_by_hand(inputs: Inputs) -> tuple[Array, Array]:
-    """The spec's forward for one batch element and head, with scalar loops."""
-    q, k, v, g, beta = (inputs[name][0, :, 0] for name in ("q", "k", "v", "g", "beta"))
-    seq, n = q.shape
-    c = 1 / np.sqrt(extended(n))
-    state = [[inputs["state"][0, 0, i, j] for j in range(n)] for i in range(n)]
-    y = np.zeros((seq, n), dtype=EXTENDED)
-    for t in range(seq):
-        a = [np.exp(g[t, i] if g.ndim == 2 else g[t]) for i in range(n)]
-        p = [[a[i] * state[i][j] for j in range(n)] for i in range(n)]
-        m = [sum(k[t, i] * p[i][j] for i in range(n)) for j in range(n)]
-        u = [(v[t, j] - m[j]) * beta[t] for j in range(n)]
-        state = [[p[i][j] + k[t, i] * u[j] for j in range(n)] for i in range(n)]
-        for j in range(n):
-            y[t, j] = c * sum(q[t, i] * state[i][j] for i in range(n))
-    return y, np.array(state, dtype=EXTENDED)
-
-
-@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
-@pytest.mark.parametrize("seq", [1, 2, 5])
-def test_oracle_forward_matches_the_spec_written_out(seq: int, per_channel: bool) -> None:
-    case = Case(1, seq, 1, 3, gates="uniform-12,0", per_channel=per_channel, carry=True)
-    inputs = long_double_inputs(case.with_(norms="upto4", seed=seq))
-    y, final = oracle_forward(*(inputs[x] for x in ("q", "k", "v", "g", "beta", "state")))
-    y_hand, final_hand = _spec_forward_by_hand(inputs)
-    assert relative_error(y[0, :, 0], y_hand) <= 50 * EPS
-    assert relative_error(final[0, 0], final_hand) <= 50 * EPS
 
 
 def test_oracle_is_extended_precision() -> None:
