@@ -149,7 +149,12 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
     yp[:, :, :size] = y
     xb = xp.reshape(batch, heads, 2, count, _BLOCK, n)
     yb = yp.reshape(batch, heads, count, _BLOCK, n)
-    masks = _block_masks(count, w.dtype)
+    p_, t_, s_ = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
+    inside = ((s_ < t_) & (t_ <= p_)).astype(w.dtype)  # [t', t, s]: s < t <= t' in a block
+    of = np.arange(full) // _BLOCK
+    earlier = (of[None, :] < of[:, None]).astype(w.dtype)  # [t', s]: s in an earlier block
+    k_, j_, l_ = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
+    leap = ((k_ < j_) & (j_ < l_)).astype(w.dtype)  # [K, J, L]: K < J < L
     blocks = np.arange(count)
 
     # t', s and t in one block: for each row t' of the [q; k] blocks, its couplings with
@@ -159,10 +164,10 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
         square = wp[:, :, c].reshape(batch, heads, count, _BLOCK, count, _BLOCK)
         diagonal = np.moveaxis(square[..., blocks, :, blocks, :], 0, 2)  # [B, H, K, t', s]
         for row in range(_BLOCK):
-            couplings = diagonal[:, :, :, row, None, :] * masks.inside[row]  # [B, H, K, t, s]
+            couplings = diagonal[:, :, :, row, None, :] * inside[row]  # [B, H, K, t, s]
             out += np.matmul(couplings, yb) * xb[:, :, c, :, row, None, :]
     # t' in t's block (t' >= t), s in an earlier block
-    wm = wp * masks.earlier
+    wm = wp * earlier
     xv = np.sum(xp * np.matmul(wm, yp[:, :, None]), axis=2).reshape(out.shape)
     out += np.flip(np.cumsum(np.flip(xv, axis=3), axis=3), axis=3)
     # s in t's block (s < t), t' in a later block
@@ -176,28 +181,9 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
             partial = np.matmul(wp[:, :, c, :, cols], yb[:, :, block])  # [B, H, full, N]
             partial = partial.reshape(xb[:, :, c].shape)
             totals[:, :, block] += np.einsum("bhlpi,bhlpi->bhli", partial, xb[:, :, c])
-    out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
+    out += np.einsum("kjl,bhkli->bhji", leap, totals)[:, :, :, None]
     result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
     return result
-
-
-class _BlockMasks(NamedTuple):
-    inside: _Array  # [t', t, s]: s < t <= t' within a block
-    earlier: _Array  # [t', s]: s in a block before t''s
-    leap: _Array  # [K, J, L]: K < J < L
-
-
-def _block_masks(count: int, dtype: np.dtype[Any]) -> _BlockMasks:
-    """The masks of :func:`straddling_split` for ``count`` blocks."""
-    p, t, s = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
-    block = np.arange(count * _BLOCK) // _BLOCK
-    k, j, m = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
-    masks = _BlockMasks(
-        ((s < t) & (t <= p)).astype(dtype),
-        (block[None, :] < block[:, None]).astype(dtype),
-        ((k < j) & (j < m)).astype(dtype),
-    )
-    return masks
 
 
 def gate_gradient(*, entry: _Array, straddling: _Array, exit_: _Array, through: _Array) -> _Array:
