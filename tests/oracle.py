@@ -1,16 +1,8 @@
-"""An extended-precision, step-by-step forward and backward of the gated delta-net.
-
-Written from the op's specification (``shared/spec/gated-delta-net.md``), independently of
-:mod:`gdn_layout.reference`: the tests take it as the truth that the reference is measured
-against. Everything runs in ``np.longdouble`` (the x87 80-bit format on x86-64 Linux, with a
-64-bit mantissa: about 2000 times finer than float64), one step at a time, vectorised over
-batch and heads with ``einsum`` (``np.matmul`` has no long-double loop on every build).
-Every state is kept, so memory is ``O(B*S*H*N*N)``: meant for test-sized inputs.
-
-The inputs are taken at face value: a float64 or float32 array converts to long double
-exactly, so the result is the exact function of the very values the reference is given, up
-to the long-double rounding of the recurrence itself.
-"""
+"""The truth the tests measure the reference against: the spec's step-by-step forward and backward
+(``shared/spec/gated-delta-net.md``) in ``np.longdouble`` (a 64-bit mantissa on x86-64 Linux),
+written apart from :mod:`gdn_layout.reference`, every state kept (test-sized inputs only). A
+float64 or float32 input converts exactly: the result is the exact function of its values, up to
+the long-double rounding of the recurrence."""
 
 from __future__ import annotations
 
@@ -25,15 +17,10 @@ EXTENDED = np.dtype(np.longdouble)
 
 
 class OracleResult(NamedTuple):
-    """The forward's results and every gradient of ``sum(y * dy)``, in the op's shapes, in
-    long double. ``dstate`` is None when no initial state was given. ``peak`` is the largest
-    magnitude any state or state gradient reaches on the way: how far the recurrence strays
-    from the op's regime (it overflows a dtype when ``peak`` nears that dtype's maximum).
-    ``states`` ``[B, S, H, N, N]`` holds the state entering each step, and ``dstates`` its
-    cotangent: the gradient of ``sum(y * dy)`` from that step onward (``dstates[:, 0]`` is
-    ``dstate``, defined also for a zero initial state). ``dbeta_terms`` is, for each element of
-    ``dbeta``, the sum of the magnitudes of the terms it adds up: a ``dbeta`` far below them
-    (their cancellation) is exact only to their rounding."""
+    """The forward's results and every gradient of ``sum(y * dy)`` in long double (``dstate``
+    None without an initial state); ``peak`` the largest magnitude of any state or cotangent;
+    ``states``/``dstates`` ``[B, S, H, N, N]`` the state entering each step and its cotangent;
+    ``dbeta_terms`` the sum of the magnitudes of each ``dbeta``'s terms."""
 
     y: Array
     final: Array
@@ -201,14 +188,9 @@ def oracle_chunk_states(*inputs: ArrayLike | None, chunk: int) -> tuple[Array, A
 def relative_error(
     actual: ArrayLike, truth: ArrayLike, dtype: DTypeLike = np.float64, least: float = 0.0
 ) -> float:
-    """``max|actual - truth| / max|truth|``, computed in long double: the issue's measure of
-    a result's accuracy (rounding scales with the largest terms). ``dtype`` is the dtype the
-    result was computed in: a truth whose largest magnitude is below that dtype's smallest
-    normal number cannot be represented there, so the scale is never taken below it (a state
-    that decays to ``1e-500`` is rightly returned as zero). Where the truth is exactly zero
-    everywhere, the error is absolute (the inputs are of order one). A result that is not
-    finite has an infinite error. ``least`` is the least scale: that of the terms a result
-    adds up, when they can cancel far below it."""
+    """``max|actual - truth| / max|truth|`` in long double; the scale never below ``dtype``'s
+    smallest normal number nor ``least``; absolute where the truth is all zero; infinite for a
+    result that is not finite."""
     a = extended(actual)
     b = extended(truth)
     if a.shape != b.shape:

@@ -1,11 +1,9 @@
 """The long-double oracle of ``oracle.py`` checked on its own, without the library's backward.
 
-Two independent checks: "exact differences" of the oracle's own forward in long double, which
-use the shape of the loss (``sum(y * dy)`` is affine in every single
-element of ``q``, ``v``, ``beta``, the initial state and ``exp(g)``, and quadratic in every
-single element of ``k``, so a central difference with a step of order one has no truncation
-error at all, and works in every gate regime); and the forward and the one-step gradients
-written out by hand with scalar loops.
+Its gradients against "exact differences" of its own forward (``sum(y * dy)`` is affine in each
+element of ``q``, ``v``, ``beta``, the state and ``exp(g)``, quadratic in each of ``k``: a central
+difference with a step of order one has no truncation error, in any gate regime); its forward is
+the library's (test_reference_exact.py), which docs/reference.md writes out step by step.
 """
 
 from __future__ import annotations
@@ -87,77 +85,6 @@ def test_oracle_matches_exact_differences(case: Case, per_channel: bool, carry: 
     case = case.with_(per_channel=per_channel, carry=carry)
     inputs = long_double_inputs(case)
     check_differences(inputs, run(inputs))
-
-
-def _spec_forward_by_hand(inputs: Inputs) -> tuple[Array, Array]:
-    """The spec's forward for one batch element and head, with scalar loops."""
-    q, k, v, g, beta = (inputs[name][0, :, 0] for name in ("q", "k", "v", "g", "beta"))
-    seq, n = q.shape
-    c = 1 / np.sqrt(extended(n))
-    state = [[inputs["state"][0, 0, i, j] for j in range(n)] for i in range(n)]
-    y = np.zeros((seq, n), dtype=EXTENDED)
-    for t in range(seq):
-        a = [np.exp(g[t, i] if g.ndim == 2 else g[t]) for i in range(n)]
-        p = [[a[i] * state[i][j] for j in range(n)] for i in range(n)]
-        m = [sum(k[t, i] * p[i][j] for i in range(n)) for j in range(n)]
-        u = [(v[t, j] - m[j]) * beta[t] for j in range(n)]
-        state = [[p[i][j] + k[t, i] * u[j] for j in range(n)] for i in range(n)]
-        for j in range(n):
-            y[t, j] = c * sum(q[t, i] * state[i][j] for i in range(n))
-    return y, np.array(state, dtype=EXTENDED)
-
-
-@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
-@pytest.mark.parametrize("seq", [1, 2, 5])
-def test_oracle_forward_matches_the_spec_written_out(seq: int, per_channel: bool) -> None:
-    case = Case(1, seq, 1, 3, gates="uniform-12,0", per_channel=per_channel, carry=True)
-    inputs = long_double_inputs(case.with_(norms="upto4", seed=seq))
-    y, final = oracle_forward(*(inputs[x] for x in ("q", "k", "v", "g", "beta", "state")))
-    y_hand, final_hand = _spec_forward_by_hand(inputs)
-    assert relative_error(y[0, :, 0], y_hand) <= 50 * EPS
-    assert relative_error(final[0, 0], final_hand) <= 50 * EPS
-
-
-@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
-@pytest.mark.parametrize("gates", ["uniform-1,0", "const-20", "const-80"])
-def test_oracle_one_step_gradients_match_the_closed_form(gates: str, per_channel: bool) -> None:
-    """With one step, ``L = c q^T (P + k u^T) dy`` with ``P = A S0`` (rows scaled by ``A``),
-    ``u = beta (v - k^T P)``; differentiating by hand, with ``qk = q . k``:
-
-    ``dq = c (P + k u^T) dy``, ``du = c qk dy``, ``dv = beta du``,
-    ``dbeta = (v - k^T P) . du``, ``dk = c q (u . dy) - beta c qk P dy``,
-    ``dP = c (q - beta qk k) dy^T``, ``dS0 = A dP`` (row-wise), ``dA = sum_j S0 dP``
-    (summed over rows too for a per-head gate) and ``dg = A dA``."""
-    case = Case(1, 1, 1, 4, gates=gates, per_channel=per_channel, carry=True, norms="upto4")
-    inputs = long_double_inputs(case.with_(beta="uniform", seed=3))
-    q, k, v, dy = (inputs[name][0, 0, 0] for name in ("q", "k", "v", "dy"))
-    g, beta, s0 = inputs["g"][0, 0, 0], inputs["beta"][0, 0, 0], inputs["state"][0, 0]
-    n = q.shape[0]
-    c = 1 / np.sqrt(extended(n))
-    a = [np.exp(g[i] if per_channel else g) for i in range(n)]
-    p = [[a[i] * s0[i, j] for j in range(n)] for i in range(n)]
-    m = [sum(k[i] * p[i][j] for i in range(n)) for j in range(n)]
-    u = [beta * (v[j] - m[j]) for j in range(n)]
-    qk = sum(q[i] * k[i] for i in range(n))
-    u_dy = sum(u[j] * dy[j] for j in range(n))
-    du = [c * qk * dy[j] for j in range(n)]
-    dp = [[c * (q[i] - beta * qk * k[i]) * dy[j] for j in range(n)] for i in range(n)]
-    da = [sum(s0[i, j] * dp[i][j] for j in range(n)) for i in range(n)]
-    expected = {
-        "q": [c * sum((p[i][j] + k[i] * u[j]) * dy[j] for j in range(n)) for i in range(n)],
-        "k": [
-            c * q[i] * u_dy - beta * c * qk * sum(p[i][j] * dy[j] for j in range(n))
-            for i in range(n)
-        ],
-        "v": [beta * du[j] for j in range(n)],
-        "beta": [sum((v[j] - m[j]) * du[j] for j in range(n))],
-        "g": [a[i] * da[i] for i in range(n)] if per_channel else [a[0] * sum(da)],
-        "state": [[a[i] * dp[i][j] for j in range(n)] for i in range(n)],
-    }
-    result = run(inputs)
-    for name, value in expected.items():
-        hand = np.array(value, dtype=EXTENDED)
-        assert relative_error(gradient(result, name).reshape(hand.shape), hand) <= 50 * EPS, name
 
 
 def test_oracle_is_extended_precision() -> None:

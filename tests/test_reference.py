@@ -1,6 +1,5 @@
-"""The reference forward and backward: gradients, forms, dtypes, the packed buffer, bad inputs,
-and the step-by-step form read otherwise (what a misread kernel computes). Exactness against
-the oracle in every regime is test_reference_exact.py's."""
+"""The reference's public calls (forms, dtypes, the packed buffer, bad inputs) and the
+step-by-step form read otherwise; exactness against the oracle: test_reference_exact.py."""
 
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ import pytest
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, unpack
-from gdn_layout.reference import Method, backward, default_checkpoint_every, forward
+from gdn_layout.reference import Method, backward, forward
 from gdn_layout.reference._recurrent import Boundaries, Part, step_ends, step_gradients
-from oracle import oracle, reading_the_final_state
-from regimes import MODES
 
 Array = NDArray[Any]
 Inputs = dict[str, Array]
@@ -61,39 +58,6 @@ def assert_close_to(actual: Array, expected: Array, rel: float, what: str) -> No
     scale = max(float(np.max(np.abs(expected), initial=0.0)), 1e-300)
     error = float(np.max(np.abs(actual - expected), initial=0.0))
     assert error <= rel * scale, f"{what}: max error {error:.3g} vs scale {scale:.3g}"
-
-
-@pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize(("per_channel", "carry"), MODES)
-@pytest.mark.parametrize("shape", [(1, 1, 1, 1), (2, 9, 2, 3), (1, 17, 3, 4)], ids=str)
-def test_directional_derivative(
-    shape: tuple[int, int, int, int], per_channel: bool, carry: bool, method: str
-) -> None:
-    x = make_inputs(shape, per_channel=per_channel, carry=carry, seed=7)
-    layout = GdnBackwardLayout.from_inputs(x["q"], x["g"], x.get("state"))
-    grads = unpack(run_backward(x, checkpoint_every=4, method=method), layout)._asdict()
-    grads = {name[1:]: grad for name, grad in grads.items() if grad is not None}
-    rng, step = np.random.default_rng(11), 1e-5
-    for _ in range(3):
-        direction = {name: rng.standard_normal(grads[name].shape) for name in grads}
-        predicted = sum(float(np.sum(grads[name] * direction[name])) for name in grads)
-        plus = {**x, **{name: x[name] + step * direction[name] for name in grads}}
-        minus = {**x, **{name: x[name] - step * direction[name] for name in grads}}
-        estimate = (loss(plus) - loss(minus)) / (2 * step)
-        assert predicted == pytest.approx(estimate, rel=1e-6, abs=1e-9)
-
-
-@pytest.mark.parametrize(("per_channel", "carry"), MODES)
-def test_checkpointing_does_not_change_the_result(per_channel: bool, carry: bool) -> None:
-    seq = 11
-    x = make_inputs((2, seq, 2, 3), per_channel=per_channel, carry=carry, seed=3)
-    full = run_backward(x, method="recurrent", checkpoint_every=seq)  # every state kept
-    for every in (1, 2, 3, 5, default_checkpoint_every(seq), seq + 4):
-        for method in METHODS:
-            result = run_backward(x, method=method, checkpoint_every=every)
-            if method == "recurrent":  # the same operations in the same order
-                np.testing.assert_array_equal(result, full)
-            assert_close_to(result, full, 1e-12, f"{method}, checkpoint_every={every}")
 
 
 @pytest.mark.parametrize(
@@ -159,12 +123,6 @@ def test_work_without_a_state_element_is_zeros_at_once(batch: int, heads: int, s
     assert reported == [1.0, 1.0]
     assert packed.shape == (GdnBackwardLayout(batch, seq, heads, size).total_elems,)
     assert not y.any()
-    short = np.ones((batch, 7, heads, size))  # the oracle's steps give the same zeros
-    stepped = oracle(short, short, short, g[:, :7], beta[:, :7], short)
-    layout = GdnBackwardLayout(batch, 7, heads, size)
-    grads = unpack(backward(short, short, short, g[:, :7], beta[:, :7], short), layout)
-    for name in ("dq", "dk", "dv", "dg", "dbeta"):
-        assert np.array_equal(getattr(grads, name), getattr(stepped, name)), name
 
 
 def _call(x: Inputs, **changes: Any) -> Array:
@@ -343,62 +301,26 @@ def read_otherwise(x: Inputs, dtype: Any, **options: Any) -> dict[str, Array]:
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 @pytest.mark.parametrize(
-    ("per_channel", "carry", "given", "columns"),
-    [(False, False, True, False), (True, True, True, False), (True, False, False, True),
-     (True, True, True, True)],
+    ("per_channel", "carry", "given", "columns", "cot"),
+    [(False, False, True, False, False), (True, True, True, False, False),
+     (True, False, False, True, False), (True, True, True, True, False),
+     (False, True, False, False, True), (True, False, False, False, True)],
 )  # fmt: skip
-def test_a_decay_as_is_or_on_value_columns_has_its_own_gradient(
-    per_channel: bool, carry: bool, given: bool, columns: bool, dtype: Any
+def test_the_op_read_otherwise_has_its_own_gradient(
+    per_channel: bool, carry: bool, given: bool, columns: bool, cot: bool, dtype: Any
 ) -> None:
+    """A decay as is (any sign, zeros among them), on value columns, or a cotangent on the
+    final state: each reading's gradients are its own function's, to a complex step."""
     x = make_inputs((2, 5, 2, 3), per_channel=per_channel, carry=carry, seed=21)
-    if given:  # factors of any sign, zeros among them
+    if given:
         x["a"] = np.random.default_rng(22).uniform(-1.0, 1.2, x.pop("g").shape)
         x["a"].flat[::7] = 0.0
-    got = read_otherwise(x, dtype, columns=columns)
+    options: dict[str, Any] = {"columns": columns}
+    if cot:
+        x["cot"] = options["cotangent"] = np.random.default_rng(26).standard_normal((2, 2, 3, 3))
+    got = read_otherwise(x, dtype, **options)
     for name in (n for n in got if n in x):
         assert_close_to(got[name], complex_step(x, name, columns), TOLERANCE[dtype], name)
-
-
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("per_channel", "carry"), MODES)
-def test_a_cotangent_on_the_final_state_is_that_of_steps_that_read_it(
-    per_channel: bool, carry: bool, dtype: Any
-) -> None:
-    x = make_inputs((2, 6, 2, 3), per_channel=per_channel, carry=carry, seed=25)
-    b, s, h, n = x["q"].shape
-    cot = np.random.default_rng(26).standard_normal((b, h, n, n))
-    exact = oracle(*reading_the_final_state([x.get(name) for name in NAMES], cot))
-    got = read_otherwise(x, dtype, cotangent=cot)
-    for name in ("q", "k", "v", "g", "beta"):
-        truth = np.asarray(getattr(exact, "d" + name)[:, :s], np.float64)
-        assert_close_to(got[name], truth, TOLERANCE[dtype], name)
-    dstate = np.asarray(exact.dstates[:, 0], np.float64)  # that of a zero state without one
-    assert_close_to(got["state"], dstate, TOLERANCE[dtype], "state")
-    empty = {name: t[:, :0] for name, t in x.items() if name != "state"}  # no step at all
-    none = read_otherwise({**empty, "state": np.zeros((b, h, n, n))}, dtype, cotangent=cot)
-    assert np.array_equal(none["state"], cot.astype(dtype))
-
-
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize(("per_channel", "carry"), MODES)
-def test_read_as_the_op_the_step_form_is_the_recurrent_backward_bit_for_bit(
-    per_channel: bool, carry: bool, dtype: Any
-) -> None:
-    x = make_inputs((2, 7, 2, 3), per_channel=per_channel, carry=carry, seed=27)
-    layout = GdnBackwardLayout.from_inputs(x["q"], x["g"], x.get("state"))
-    flat = run_backward(x, dtype=dtype, method="recurrent", checkpoint_every=2)
-    got = read_otherwise(x, dtype, checkpoint_every=3)
-    for name, want in zip(layout.names, unpack(flat, layout), strict=False):
-        assert want is not None
-        assert got[name[1:]].tobytes() == want.astype(np.float64).tobytes(), name
-    assert got["state"].shape == (2, 2, 3, 3)  # given without a state too
-    args: Any = [x[name] for name in NAMES[:6]]
-    with pytest.raises(ValueError, match="not both"):
-        step_gradients(*args, decay=np.exp(x["g"]))
-    with pytest.raises(ValueError, match="not both"):
-        step_gradients(*[*args[:3], None, *args[4:]])
-    with pytest.raises(ValueError, match="cotangent must have shape"):
-        step_gradients(*args, cotangent=np.zeros((1, 1, 2, 3)))
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])

@@ -1,14 +1,5 @@
-"""The recurrence chunk by chunk, a chunk's delta rule one unit lower-triangular system (WY/UT).
-
-In a chunk entered with ``S0``, ``G`` the cumulative log-gate since its entry, the writes solve
-``(I + beta * lk) u = beta * (v - ke @ S0)``, ``ke[t] = exp(G_t) k[t]``, ``lk[t, s] = exp(G_t -
-G_s) k[t] . k[s]`` for ``s < t``; ``y = c * (qe @ S0 + lq @ u)`` and ``S_end = exp(G_end) S0 +
-sum_s exp(G_end - G_s) outer(k[s], u[s])``. The chunks of a batch of steps ("stack") are padded
-with steps that change nothing and stacked on the head axis, so only the state's recurrence
-steps from chunk to chunk. How it keeps its rounding near the step-by-step form's (float64
-exponents, inversion by halves, gate sums of straddling couplings, a float64 backward sweep):
-docs/reference.md, "The chunked form's rounding".
-"""
+"""The recurrence chunk by chunk, a chunk's delta rule one unit lower-triangular system (WY/UT):
+docs/reference.md, "The chunked form's rounding"."""
 
 from __future__ import annotations
 
@@ -60,14 +51,7 @@ def lower_mask(size: int, dtype: np.dtype[Any], with_q: bool) -> _Array:
 
 def unit_lower_inverse(unit_lower: _Array) -> _Array:
     """``inv`` of unit lower-triangular ``[..., C, C]``, by halves: every level multiplies computed
-    inverses, so it rounds like substitution (a power series would cancel).
-
-    >>> a = np.array([[1.0, 0, 0], [2, 1, 0], [3, 4, 1]])
-    >>> unit_lower_inverse(a) @ a
-    array([[1., 0., 0.],
-           [0., 1., 0.],
-           [0., 0., 1.]])
-    """
+    inverses, so it rounds like substitution (a power series would cancel)."""
     size = unit_lower.shape[-1]
     full = 1 << max(size - 1, 0).bit_length()  # the next power of two
     padded = np.zeros((*unit_lower.shape[:-2], full, full), unit_lower.dtype)
@@ -116,8 +100,7 @@ def transposed(x: _Array) -> _Array:
 
 def decays(gates: _Array, dtype: np.dtype[Any]) -> tuple[_Array, _Array]:
     """``exp(G)`` and ``exp(G_end - G)`` of chunks' gates ``[B, V, C, Ng]``, each exponent a sum of
-    the gates it spans (a difference of cumulative sums would carry the whole chunk's rounding).
-    """
+    the gates it spans (a difference of cumulative sums would carry the whole chunk's rounding)."""
     to_end = np.zeros(gates.shape, np.float64)
     np.cumsum(gates[:, :, :0:-1], axis=2, dtype=np.float64, out=to_end[:, :, -2::-1])
     return exp_to(np.cumsum(gates, axis=2, dtype=np.float64), dtype), exp_to(to_end, dtype)
@@ -134,9 +117,8 @@ def pair_decay(gates: _Array, dtype: np.dtype[Any]) -> _Array:
 
 
 def straddling(couplings: _Array) -> _Array:
-    """Per step ``t``, the sum of couplings ``[B, H, 2C, C]`` of a row ``t'`` with ``s`` where
-    ``s < t <= t'``: ``[B, H, C, 1]``.
-    """
+    """Per step ``t``, the sum of couplings ``[B, H, 2C, C]`` of a row ``t'`` with ``s`` where ``s
+    < t <= t'``: ``[B, H, C, 1]``."""
     b, h, _, size = couplings.shape
     by_step = couplings.reshape(b, h, 2, size, size).sum(axis=2)  # q and k rows of step t'
     before = np.matmul(by_step, _before(size, couplings.dtype))  # [t', t]: s < t
@@ -167,7 +149,12 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
     yp[:, :, :size] = y
     xb = xp.reshape(batch, heads, 2, count, _BLOCK, n)
     yb = yp.reshape(batch, heads, count, _BLOCK, n)
-    masks = _block_masks(count, w.dtype)
+    p_, t_, s_ = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
+    inside = ((s_ < t_) & (t_ <= p_)).astype(w.dtype)  # [t', t, s]: s < t <= t' in a block
+    of = np.arange(full) // _BLOCK
+    earlier = (of[None, :] < of[:, None]).astype(w.dtype)  # [t', s]: s in an earlier block
+    k_, j_, l_ = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
+    leap = ((k_ < j_) & (j_ < l_)).astype(w.dtype)  # [K, J, L]: K < J < L
     blocks = np.arange(count)
 
     # t', s and t in one block: for each row t' of the [q; k] blocks, its couplings with
@@ -177,10 +164,10 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
         square = wp[:, :, c].reshape(batch, heads, count, _BLOCK, count, _BLOCK)
         diagonal = np.moveaxis(square[..., blocks, :, blocks, :], 0, 2)  # [B, H, K, t', s]
         for row in range(_BLOCK):
-            couplings = diagonal[:, :, :, row, None, :] * masks.inside[row]  # [B, H, K, t, s]
+            couplings = diagonal[:, :, :, row, None, :] * inside[row]  # [B, H, K, t, s]
             out += np.matmul(couplings, yb) * xb[:, :, c, :, row, None, :]
     # t' in t's block (t' >= t), s in an earlier block
-    wm = wp * masks.earlier
+    wm = wp * earlier
     xv = np.sum(xp * np.matmul(wm, yp[:, :, None]), axis=2).reshape(out.shape)
     out += np.flip(np.cumsum(np.flip(xv, axis=3), axis=3), axis=3)
     # s in t's block (s < t), t' in a later block
@@ -194,28 +181,9 @@ def straddling_split(w: _Array, x: _Array, y: _Array) -> _Array:
             partial = np.matmul(wp[:, :, c, :, cols], yb[:, :, block])  # [B, H, full, N]
             partial = partial.reshape(xb[:, :, c].shape)
             totals[:, :, block] += np.einsum("bhlpi,bhlpi->bhli", partial, xb[:, :, c])
-    out += np.einsum("kjl,bhkli->bhji", masks.leap, totals)[:, :, :, None]
+    out += np.einsum("kjl,bhkli->bhji", leap, totals)[:, :, :, None]
     result: _Array = out.reshape(batch, heads, full, n)[:, :, :size]
     return result
-
-
-class _BlockMasks(NamedTuple):
-    inside: _Array  # [t', t, s]: s < t <= t' within a block
-    earlier: _Array  # [t', s]: s in a block before t''s
-    leap: _Array  # [K, J, L]: K < J < L
-
-
-def _block_masks(count: int, dtype: np.dtype[Any]) -> _BlockMasks:
-    """The masks of :func:`straddling_split` for ``count`` blocks."""
-    p, t, s = np.meshgrid(*(np.arange(_BLOCK),) * 3, indexing="ij")
-    block = np.arange(count * _BLOCK) // _BLOCK
-    k, j, m = np.meshgrid(*(np.arange(count),) * 3, indexing="ij")
-    masks = _BlockMasks(
-        ((s < t) & (t <= p)).astype(dtype),
-        (block[None, :] < block[:, None]).astype(dtype),
-        ((k < j) & (j < m)).astype(dtype),
-    )
-    return masks
 
 
 def gate_gradient(*, entry: _Array, straddling: _Array, exit_: _Array, through: _Array) -> _Array:
@@ -235,9 +203,8 @@ def gate_gradient(*, entry: _Array, straddling: _Array, exit_: _Array, through: 
 
 
 def suits(x: Inputs) -> bool:
-    """Whether to take the chunked form: more than one key channel, and no step with
-    ``beta |k|^2 > 2`` (an expanding update, which the triangular system would amplify).
-    """
+    """Whether to take the chunked form: more than one key channel, and no step with ``beta |k|^2 >
+    2`` (an expanding update, which the triangular system would amplify)."""
     if x.q.shape[3] <= 1:
         return False
     with np.errstate(over="ignore", invalid="ignore"):  # a huge key counts as over 2
@@ -257,8 +224,7 @@ def default_interval(seq: int, state_size: int) -> int:
 
 def _cut_chunks(g: _Array, t0: int, t1: int, length: int) -> list[tuple[int, int]]:
     """``[t0, t1)`` cut into chunks of at most ``length`` steps within which no decay factor grows
-    by more than ``exp(_MAX_LOG_DRIFT)`` (nor, per channel, ``|H|`` passes it); a step always fits.
-    """
+    by more than ``exp(_MAX_LOG_DRIFT)`` (nor, per channel, ``|H|`` passes it)."""
     per_channel = g.shape[-1] > 1
     bounds = []
     start = t0
@@ -358,19 +324,11 @@ class _Prepared(NamedTuple):
         return self.rows[:, :, -self.lx.shape[-1] :]
 
 
-class _Kept(NamedTuple):
-    """What the forward sweep keeps of a stack for the backward sweep."""
-
-    bounds: list[tuple[int, int]]
-    pairs: _Array | None  # per-head gate: the pair decays, float64, [B, V, L, L]
-    entry: _Array  # the state entering the stack, [B, H, N, N]
-
-
 def _wide(a: _Array) -> _Array:
     return a.astype(_WIDE, copy=False)
 
 
-def _prepare(st: _Stack, kept: _Kept, rows: _Array | None = None) -> _Prepared:
+def _prepare(st: _Stack, pairs: _Array | None, rows: _Array | None = None) -> _Prepared:
     """The stack's state-independent matrices; ``rows`` (``[q; k]``, if formed) sets the dtype."""
     size = st.length
     if rows is None:
@@ -379,9 +337,8 @@ def _prepare(st: _Stack, kept: _Kept, rows: _Array | None = None) -> _Prepared:
     k = rows[:, :, -size:]
     mask = lower_mask(size, dtype, st.q is not None)
     e, to_end = decays(st.g, dtype)
-    pairs = f = fi = None
+    f = fi = None
     if st.g.shape[-1] == 1:
-        pairs = kept.pairs
         assert pairs is not None
         lx = np.matmul(rows, transposed(k))
         _by_pair(lx, pairs)
@@ -443,11 +400,13 @@ class Stack(NamedTuple):
     pairs: _Array | None
 
 
-def plan(x: Inputs, every: int, length: int, threads: int = 1) -> list[Stack]:
-    """The stacks of ``every`` steps in chunks of at most ``length``, for all batch elements and
-    heads at once, so that a part (:func:`part_of`) computes as the whole would.
-    """
-    seq = x.q.shape[2]
+def plan(x: Inputs, every: int | None = None, threads: int = 1) -> list[Stack]:
+    """The stacks of ``every`` steps (default :func:`default_interval`) in chunks of at most
+    :func:`chunk_length`, for all batch elements and heads at once, so that a part
+    (:func:`part_of`) computes as the whole would."""
+    seq, n = x.q.shape[2:]
+    every = default_interval(seq, n) if every is None else every
+    length = min(every, chunk_length(n))
 
     def stack(t0: int) -> Stack:
         bounds = _cut_chunks(x.g, t0, min(t0 + every, seq), length)
@@ -460,36 +419,24 @@ def plan(x: Inputs, every: int, length: int, threads: int = 1) -> list[Stack]:
     return mapped(stack, range(0, seq, every), threads)
 
 
-def forward_plan(x: Inputs, threads: int = 1) -> list[Stack]:
-    """The plan of :func:`forward`."""
-    n = x.q.shape[3]
-    return plan(x, default_interval(x.q.shape[2], n), chunk_length(n), threads)
-
-
-def backward_plan(x: Inputs, every: int, threads: int = 1) -> list[Stack]:
-    """The plan of :func:`backward` for stacks of ``every`` steps."""
-    return plan(x, every, min(every, chunk_length(x.q.shape[3])), threads)
-
-
 def part_of(stacks: list[Stack], batch: slice, heads: slice) -> list[Stack]:
     """The plan of the batch elements ``batch`` and heads ``heads`` (steps ``1``)."""
-    part = []
-    for stack in stacks:
-        pairs = stack.pairs
-        if pairs is not None:
-            count = len(stack.bounds)
-            assert heads.start is not None
-            assert heads.stop is not None
-            pairs = pairs[batch, heads.start * count : heads.stop * count]
-        part.append(Stack(stack.bounds, pairs))
-    return part
+    return [
+        Stack(
+            bounds,
+            None
+            if pairs is None
+            else pairs[batch, heads.start * len(bounds) : heads.stop * len(bounds)],
+        )
+        for bounds, pairs in stacks
+    ]
 
 
 def forward(x: Inputs, state: _Array, y: _Array, stacks: list[Stack]) -> None:
     """The forward over the whole sequence: writes ``y`` and advances ``state`` to the end."""
     for stack in stacks:
         st = _stack(x, stack.bounds, backward=True)
-        pre = _prepare(st, _Kept(stack.bounds, stack.pairs, state))
+        pre = _prepare(st, stack.pairs)
         solved = _advance(st, pre, state)
         size = st.length
         out = np.matmul(pre.xe[:, :, :size], solved.entries)  # y = c * (qe @ S0 + lq @ u)
@@ -521,9 +468,8 @@ def backward(
         else:  # h is the store of the entry states
             held = record.h[:, index]
             held[...] = state
-        entry = _Kept(stack.bounds, stack.pairs, held)
-        pre = _prepare(st := _stack(x, stack.bounds, backward=False), entry)
-        kept.append(entry)
+        pre = _prepare(st := _stack(x, stack.bounds, backward=False), stack.pairs)
+        kept.append((stack, held))
         _advance(st, pre, state)
         tick()
     if record is not None:
@@ -532,18 +478,18 @@ def backward(
 
     d_state = np.zeros((b, h, n, n), _WIDE)
     while kept:
-        entry = kept.pop()
-        st = _stack(x, entry.bounds, backward=True)
+        stack, held = kept.pop()
+        st = _stack(x, stack.bounds, backward=True)
         assert st.q is not None
         assert st.dy is not None
         rows = np.concatenate((st.q, st.k), axis=2).astype(_WIDE, copy=False)
         st = st._replace(v=_wide(st.v), g=_wide(st.g), beta=_wide(st.beta), dy=_wide(st.dy))
-        pre = _prepare(st, entry, rows)
+        pre = _prepare(st, stack.pairs, rows)
         if grads is None:
             _step_back(st, pre, d_state, np.empty_like(pre.xe), x.scale)
         else:
-            start = _wide(entry.entry)
-            if record is not None and start is entry.entry:
+            start = _wide(held)
+            if record is not None and start is held:
                 start = start.copy()  # stepped in place below: h keeps its own
             solved = _advance(st, pre, start)
             _backward_stack(x, grads, st, pre, solved, d_state)
@@ -557,9 +503,7 @@ def backward(
 def _step_back(
     st: _Stack, pre: _Prepared, d_state: _Array, cot: _Array, c: float
 ) -> tuple[_Array, _Array]:
-    """Step ``d_state`` back through the stack's chunks in place; writes ``c * dy`` to the first
-    half of ``cot``; returns the cotangent at each chunk's end and ``d_w``.
-    """
+    """Step ``d_state`` back through the stack's chunks in place."""
     assert st.dy is not None
     size = st.length
     lq = pre.lx[:, :, :size]

@@ -1,11 +1,6 @@
-"""The chunked form as fused kernels compute it (flash-linear-attention's ``chunk_gated_delta_rule``
-and ``chunk_kda``, transformers' ``torch_chunk_gated_delta_rule``): per chunk of 64 steps the
-cumulative log-gate, decays ``exp(G_t - G_s)``, the WY/UT system solved by substitution, and the
-backward by the chain rule, the gate's gradient a reverse cumulative sum of differences. Its
-matrix products take operands rounded to the precision class's product precision (a
-per-channel gate's decayed key products and the triangular solve stay in float32). Under fast
-decay it rounds 10 to 100 times more than the step-by-step form: it only sets floors.
-"""
+"""The chunked form as fused kernels compute it (fla's ``chunk_gated_delta_rule``, transformers'
+``torch_chunk_gated_delta_rule``): chunks of 64 steps, substitution, the gate's gradient a reverse
+cumulative sum, products on operands rounded to a class's precision. It only sets floors."""
 
 from __future__ import annotations
 
@@ -29,25 +24,13 @@ KEEP_BYTES = 64 << 20
 
 
 class _Products:
-    """Matrix products on operands rounded to ``bits`` mantissa bits (None: not rounded); an
-    operand used in several products is rounded once, as the kernels load it once."""
+    """Matrix products on operands rounded to ``bits`` mantissa bits (None: not rounded)."""
 
     def __init__(self, bits: int | None) -> None:
         self.bits = bits
-        self._rounded: dict[int, tuple[_Array, _Array]] = {}
 
     def operand(self, a: _Array) -> _Array:
-        if self.bits is None:
-            return a
-        kept = self._rounded.get(id(a))
-        if kept is not None and kept[0] is a:
-            return kept[1]
-        rounded = round_mantissa(a, self.bits)
-        self._rounded[id(a)] = (a, rounded)
-        return rounded
-
-    def forget(self) -> None:
-        self._rounded.clear()
+        return a if self.bits is None else round_mantissa(a, self.bits)
 
     def __call__(self, a: _Array, b: _Array, ta: bool = False, tb: bool = False) -> _Array:
         """``a @ b``, ``a`` transposed first with ``ta``, ``b`` with ``tb``."""
@@ -99,9 +82,8 @@ def _unit_lower_inverse(lower: _Array) -> _Array:
 class _Chunk:
     """One chunk's state-independent quantities for every batch row and head."""
 
-    def __init__(
-        self, q: _Array, k: _Array, v: _Array, g: _Array, beta: _Array, prod: _Products
-    ) -> None:
+    def __init__(self, parts: tuple[_Array, ...], prod: _Products) -> None:
+        q, k, v, g, beta = parts
         self.q, self.k, self.v, self.beta, self.prod = q, k, v, beta, prod
         size = q.shape[2]
         self.per_channel = g.ndim == 4
@@ -257,15 +239,6 @@ class _Chunk:
         out["h"] = self.exit_decay * a(h) + _t(a(self.kd)) @ a(writes)
 
 
-def _chunk_starts(seq: int, every: int | None, length: int = FUSED_CHUNK) -> list[int]:
-    """The chunks' first steps, and ``seq``: every ``length`` steps, and every ``every`` (the
-    boundaries whose states are recorded) too."""
-    starts = set(range(0, seq, length))
-    if every is not None:
-        starts |= set(range(0, seq, every))
-    return [*sorted(starts), seq]
-
-
 def fused_backward(
     q: ArrayLike,
     k: ArrayLike,
@@ -290,112 +263,90 @@ def fused_backward(
     ``cotangent`` ``[B, H, N, N]``: one on the final state (a misreading's re-run). The forward's
     chunks are kept for the backward within ``keep`` bytes, formed again past it. With ``sizes``,
     the third item is the same of the sums of absolute terms of each result's last sums, in
-    float64 (what another order of those sums can change by ``u`` each); else None.
+    float64 (what another order of those sums can change by ````u`` each); else None.
     """
     x = validate(q, k, v, g, beta, state, dy, dtype)
     assert x.dy is not None
-    layout = x.layout
-    batch, heads, seq, n = x.q.shape
-    compute = x.q.dtype
+    layout, seq = x.layout, x.q.shape[2]
     gate = x.g if layout.gate_per_channel else x.g[..., 0]
     prod = _Products(bits)
-    bounds = _chunk_starts(seq, chunk, length)
-    h = np.zeros((len(bounds), batch, heads, n, n), compute)
+    starts = set(range(0, seq, length)) | set(range(0, seq, chunk or seq or 1))
+    bounds = [*sorted(starts), seq]
+    # The cotangent at every boundary where the states are recorded, else two in turn.
+    turns = chunk is None
+    run = _Run(layout, bounds, x.q.dtype, turns)
+    sized = _Run(layout, bounds, np.dtype(np.float64), False) if sizes else None
     if x.state is not None:
-        h[0] = x.state
-    flat, grads = empty(layout, compute)
-    y = np.empty((batch, heads, seq, n), compute)
-
+        run.h[0] = x.state
     kept: dict[int, _Chunk] = {}  # the forward's chunks, for the backward, within a budget
-    budget = keep
 
     def part(i: int) -> _Chunk:
         if i in kept:
             return kept.pop(i)
         span = slice(bounds[i], bounds[i + 1])
-        return _Chunk(
-            x.q[:, :, span],
-            x.k[:, :, span],
-            x.v[:, :, span],
-            gate[:, :, span],
-            x.beta[:, :, span],
-            prod,
-        )
+        parts = (x.q, x.k, x.v, gate, x.beta)
+        return _Chunk(tuple(a[:, :, span] for a in parts), prod)
 
-    sized = _Sized(layout, seq, len(bounds)) if sizes else None
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         for i in range(len(bounds) - 1):
             chunk_i = part(i)
-            y[:, :, bounds[i] : bounds[i + 1]], h[i + 1] = chunk_i.forward(h[i], x.scale)
-            prod.forget()
-            size = chunk_i.nbytes()
-            if size <= budget:
-                kept[i], budget = chunk_i, budget - size
-        # The cotangent at every boundary where the states are recorded, else two in turn.
-        turns = chunk is None
-        dh = np.zeros((2, *h.shape[1:]) if turns else h.shape, compute)
+            run.y[:, :, bounds[i] : bounds[i + 1]], run.h[i + 1] = chunk_i.forward(
+                run.h[i], x.scale
+            )
+            if (size := chunk_i.nbytes()) <= keep:
+                kept[i], keep = chunk_i, keep - size
         if cotangent is not None:
-            dh[(len(bounds) - 1) % 2 if turns else -1] = cotangent
-        out = [np.moveaxis(a, 1, 2) for a in grads[:5]]  # [B, H, S, ...] views
+            run.dh[(len(bounds) - 1) % 2 if turns else -1] = cotangent
         for i in reversed(range(len(bounds) - 1)):
             span = slice(bounds[i], bounds[i + 1])
             found: dict[str, _Array] | None = None if sized is None else {}
             at, exit_at = (i % 2, (i + 1) % 2) if turns else (i, i + 1)
-            *values, dh[at] = part(i).backward(h[i], dh[exit_at], x.dy[:, :, span], x.scale, found)
-            prod.forget()
-            for target, value in zip(out, values, strict=True):
-                target[:, :, span] = value
+            *values, run.dh[at] = part(i).backward(
+                run.h[i], run.dh[exit_at], x.dy[:, :, span], x.scale, found
+            )
+            run.put(span, values)
             if sized is not None and found is not None:
-                sized.add(i, span, found)
-    if grads.dstate is not None:
-        grads.dstate[...] = dh[0]
-    outputs = _outputs(np.moveaxis(y, 1, 2), h, dh, bounds, chunk, x.state is not None)
-    for name, array in (*zip(layout.names, grads, strict=False), *outputs.items()):
+                sized.put(span, [found[name] for name in _GRADS])
+                sized.y[:, :, span] = found["y"]
+                sized.h[i + 1], sized.dh[i] = found["h"], found["dh"]
+    carried = x.state is not None
+    flat, outputs = run.result(bounds, chunk, carried)
+    for name, array in (*zip(layout.names, run.grads, strict=False), *outputs.items()):
         if array is not None:
             check_result("the fused chunked form", name, array)
-    if sized is None:
-        return flat, outputs, None
-    return flat, outputs, sized.result(bounds, chunk, x.state is not None)
+    return flat, outputs, None if sized is None else sized.result(bounds, chunk, carried)
 
 
-def _outputs(
-    y: _Array, h: _Array, dh: _Array, bounds: list[int], chunk: int | None, carried: bool
-) -> dict[str, _Array]:
-    """``y`` and the states as :func:`._states.step_by_step` gives them, from the states at every
-    boundary ``[K + 1, B, H, N, N]``.
-    """
-    outputs = {"y": y}
-    if chunk is not None:
-        keep = [i for i, t in enumerate(bounds[:-1]) if t % chunk == 0]
-        outputs.update(h=np.moveaxis(h[keep], 0, 1), dh=np.moveaxis(dh[keep], 0, 1))
-    if chunk is not None or carried:
-        outputs["final_state"] = h[-1]
-    return outputs
+_GRADS = ("dq", "dk", "dv", "dg", "dbeta")
 
 
-class _Sized:
-    """The sums of absolute terms of every result, chunk by chunk, in float64."""
+class _Run:
+    """A run's gradients, ``y`` and states at every boundary, as they fill in."""
 
-    def __init__(self, layout: Any, seq: int, count: int) -> None:
-        self.flat, grads = empty(layout, np.float64)
-        self.grads = grads
-        self.out = [np.moveaxis(a, 1, 2) for a in grads[:5]]
+    def __init__(self, layout: Any, bounds: list[int], dtype: Any, turns: bool) -> None:
+        self.flat, self.grads = empty(layout, dtype)
+        self.out = [np.moveaxis(a, 1, 2) for a in self.grads[:5]]  # [B, H, S, ...] views
         batch, heads, n = layout.batch, layout.heads, layout.state_size
-        self.y = np.zeros((batch, heads, seq, n))
-        self.h = np.zeros((count, batch, heads, n, n))
-        self.dh = np.zeros((count, batch, heads, n, n))
+        states = (len(bounds), batch, heads, n, n)
+        self.y = np.zeros((batch, heads, bounds[-1], n), dtype)
+        self.h = np.zeros(states, dtype)
+        self.dh = np.zeros((2, *states[1:]) if turns else states, dtype)
 
-    def add(self, i: int, span: slice, found: dict[str, _Array]) -> None:
-        for name, target in zip(("dq", "dk", "dv", "dg", "dbeta"), self.out, strict=True):
-            target[:, :, span] = found[name]
-        self.y[:, :, span] = found["y"]
-        self.h[i + 1], self.dh[i] = found["h"], found["dh"]
+    def put(self, span: slice, values: list[_Array]) -> None:
+        for target, value in zip(self.out, values, strict=True):
+            target[:, :, span] = value
 
     def result(
         self, bounds: list[int], chunk: int | None, carried: bool
     ) -> tuple[_Array, dict[str, _Array]]:
+        """The packed gradients and ``y`` and the states as :func:`._states.step_by_step` gives
+        them."""
         if self.grads.dstate is not None:
             self.grads.dstate[...] = self.dh[0]
-        return self.flat, _outputs(
-            np.moveaxis(self.y, 1, 2), self.h, self.dh, bounds, chunk, carried
-        )
+        outputs = {"y": np.moveaxis(self.y, 1, 2)}
+        if chunk is not None:
+            at = [i for i, t in enumerate(bounds[:-1]) if t % chunk == 0]
+            outputs.update(h=np.moveaxis(self.h[at], 0, 1), dh=np.moveaxis(self.dh[at], 0, 1))
+        if chunk is not None or carried:
+            outputs["final_state"] = self.h[-1]
+        return self.flat, outputs

@@ -14,7 +14,6 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from .._dtypes import is_floating
 from ..layout import GdnBackwardLayout
 from ..packing import GdnGrads
-from ._threads import mapped
 
 _Array = NDArray[Any]
 
@@ -41,8 +40,8 @@ _SHAPES["beta"] = "[B, S, H]"
 def _converted(
     name: str, value: ArrayLike, dtype: np.dtype[Any], axes: tuple[int, ...], checked: bool
 ) -> _Array:
-    """A C-ordered copy of ``value`` in ``dtype`` with its axes permuted, checked finite unless
-    not ``checked``."""
+    """A C-ordered copy of ``value`` in ``dtype`` with its axes permuted, checked finite unless not
+    ``checked``."""
     array = np.asarray(value)
     with np.errstate(over="ignore"):  # an overflow is reported below as a non-finite value
         converted = np.array(array.transpose(axes), dtype=dtype, order="C", copy=True)
@@ -61,11 +60,9 @@ def validate(
     state: ArrayLike | None,
     dy: ArrayLike | None,
     dtype: DTypeLike,
-    threads: int = 1,
     finite: bool = True,
 ) -> Inputs:
-    """The inputs checked and converted, on up to ``threads`` threads; their values checked
-    finite unless not ``finite`` (an op read otherwise may step through infinities)."""
+    """The inputs checked (finite unless not ``finite``) and converted, in the order named."""
     try:
         compute = np.dtype(dtype)
     except TypeError:
@@ -87,12 +84,7 @@ def validate(
     seq_axes, per_channel = (0, 2, 1, 3), arrays["g"].ndim == 4
     axes = {"g": seq_axes if per_channel else (0, 2, 1), "q": seq_axes, "k": seq_axes}
     axes |= {"v": seq_axes, "beta": (0, 2, 1), "state": (0, 1, 2, 3), "dy": seq_axes}
-    # In this order the plain loop converts them, and so names the first bad one.
-    order = [name for name in axes if name in arrays]
-    converted = mapped(
-        lambda name: _converted(name, arrays[name], compute, axes[name], finite), order, threads
-    )
-    done = dict(zip(order, converted, strict=True))
+    done = {n: _converted(n, arrays[n], compute, axes[n], finite) for n in axes if n in arrays}
     n = layout.state_size
     return Inputs(
         q=done["q"],

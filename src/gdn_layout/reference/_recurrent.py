@@ -1,13 +1,6 @@
-"""The recurrence one step at a time, vectorised over batch and heads: the spec's own form.
-
-Each step is the spec's NumPy operations in its order, bit for bit, into buffers allocated
-once. An outer product is the matrix product ``[a, 0] @ [b; 0]`` (each element one rounded
-product plus ``0 * 0``, several times faster than broadcasting); it differs only in the sign of
-a zero product, so it is taken only where no factor is below ``2**-62``.
-
-:func:`step_gradients` and :func:`step_ends` run the same steps on the op read otherwise
-(:class:`Variant`): what a misread kernel computes.
-"""
+"""The recurrence one step at a time, vectorised over batch and heads: the spec's NumPy operations
+in its order, bit for bit, into buffers allocated once; :func:`step_gradients` and
+:func:`step_ends` run it on the op read otherwise (:class:`Variant`)."""
 
 from __future__ import annotations
 
@@ -83,7 +76,9 @@ def _padded(a: _Array, axis: int) -> _Array:
 
 
 class _Outer:
-    """``out = outer(col, row)`` for ``[B, H, N]`` factors kept padded (module docstring)."""
+    """``out = outer(col, row)`` for ``[B, H, N]`` factors kept padded: the matrix product
+    ``[a, 0] @ [b; 0]`` is several times faster than broadcasting and differs only in the sign
+    of a zero product, so it is taken only where no factor is below ``_TINY``."""
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
         self.fast = shape[-1] > 1
@@ -139,9 +134,7 @@ class _Stepper:
         r: _Array | None = None,
         u_rows: _Array | None = None,
     ) -> None:
-        """``state = S_t`` from ``prev = S_{t-1}`` (may be the same array); ``m``, ``r = v - m``
-        and ``u`` (row 0 of ``u_rows``) go to the buffers given.
-        """
+        """``state = S_t`` from ``prev = S_{t-1}`` (may be the same array)."""
         x, i = self.x, t - span.t0
         m = self.m if m is None else m
         r = self.r if r is None else r
@@ -261,15 +254,6 @@ def step_gradients(
     With the defaults it is ``backward(..., method="recurrent")`` unpacked, bit for bit. ``decay``,
     given instead of ``g``: the decay factors themselves, any sign. ``dstate`` is always given
     (for a zero initial state when ``state`` is None); nothing is checked finite.
-
-    >>> import numpy as np
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v, dy = (rng.standard_normal((1, 6, 2, 4)) for _ in range(4))
-    >>> g, beta = -rng.random((1, 6, 2)), rng.random((1, 6, 2))
-    >>> as_log = step_gradients(q, k, v, g, beta, dy)
-    >>> as_decay = step_gradients(q, k, v, None, beta, dy, decay=np.exp(g))
-    >>> bool(np.allclose(as_decay.dg * np.exp(g), as_log.dg, rtol=1e-12, atol=0))
-    True
     """
     x, variant = _read(
         "step_gradients", q, k, v, g, beta, dy, state, decay, columns, cotangent, dtype
@@ -345,17 +329,6 @@ def step_ends(
     elsewhere, from twice ``steps`` steps' work; its values (but the sign of a zero). ``parts``
     (:class:`Part`) run more steps apart: ``dq`` from an entering state, ``dv`` from a leaving
     cotangent, every gradient but ``dstate`` from both.
-
-    >>> import numpy as np
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v, dy = (rng.standard_normal((1, 9, 2, 4)) for _ in range(4))
-    >>> g, beta = -rng.random((1, 9, 2)), rng.random((1, 9, 2))
-    >>> full = step_gradients(q, k, v, g, beta, dy, checkpoint_every=3)
-    >>> ends = step_ends(q, k, v, g, beta, dy, steps=4)
-    >>> bool((ends.dq[:, :4] == full.dq[:, :4]).all() and (ends.dv[:, 5:] == full.dv[:, 5:]).all())
-    True
-    >>> bool(np.isnan(ends.dq[:, 4:]).all() and np.isnan(ends.dk).all())
-    True
     """
     x, variant = _read("step_ends", q, k, v, g, beta, dy, state, decay, columns, cotangent, dtype)
     flat, grads = empty(x.layout, x.q.dtype)

@@ -1,6 +1,4 @@
-"""The states at chunk boundaries and their cotangents (:func:`chunk_states`), and everything
-one step-by-step run gives for a fixture's floors (:func:`step_by_step`).
-"""
+"""The states at chunk boundaries (:func:`chunk_states`) and one step-by-step run's results."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from numpy.typing import ArrayLike, DTypeLike, NDArray
 from .._checks import integer
 from ..packing import empty
 from . import _chunked, _recurrent
-from ._inputs import check_result, part_grads, part_inputs, validate
+from ._inputs import check_result, part_inputs, validate
 from ._threads import resolve_workers, spread
 
 _Array = NDArray[Any]
@@ -32,7 +30,7 @@ def chunk_states(
     method: Literal["chunked", "recurrent"] = "chunked",
     workers: int | None = 1,
 ) -> tuple[_Array, _Array, _Array]:
-    """The state entering every chunk, its cotangent, and the final state.
+    """The state entering every chunk, its cotangent, and the final state (docs/reference.md).
 
     Parameters
     ----------
@@ -40,63 +38,39 @@ def chunk_states(
         As :func:`backward`.
     chunk : int
         The chunk length: chunk ``c`` holds steps ``c*chunk`` to ``(c+1)*chunk - 1``.
-    dtype : {float64, float32}
-        The computation dtype, and that of the results (``dh`` of the chunked form is its
-        float64 cotangent rounded once).
-    method : {"chunked", "recurrent"}
-        As in :func:`backward`.
-    workers : int or None
-        As in :func:`backward`: the results are the same bit for bit.
+    dtype, method, workers
+        As :func:`backward`.
 
     Returns
     -------
-    h : ndarray
-        ``[B, K, H, N, N]``, ``K = ceil(S / chunk)``: the state entering each chunk (row a key
-        channel, column a value channel); ``h[:, 0]`` is the initial state (or zeros).
-    dh : ndarray
-        ``[B, K, H, N, N]``: the gradient of ``sum(y * dy)`` with respect to ``h``;
-        ``dh[:, 0]`` is :func:`backward`'s ``dstate`` (also when no state is given).
+    h, dh : ndarray
+        ``[B, K, H, N, N]``, ``K = ceil(S / chunk)``: the state entering each chunk (``h[:, 0]``
+        the initial state or zeros) and its cotangent (``dh[:, 0]`` is ``dstate``).
     final_state : ndarray
-        ``[B, H, N, N]``, the state after the last step.
+        ``[B, H, N, N]``.
 
     Raises
     ------
     TypeError, ValueError, FloatingPointError
-        As :func:`backward`; also for a ``chunk`` that is not a positive integer.
+        As :func:`backward`, and for a ``chunk`` that is not a positive integer.
 
     See Also
     --------
-    reference.backward : The gradients.
     suites.compare_states : Judge a kernel's states against a fixture's.
-
-    Notes
-    -----
-    The results are :func:`backward`'s run with ``checkpoint_every=chunk``, its backward sweep
-    skipping the inputs' gradients where the chunked form is taken.
 
     Examples
     --------
     >>> import numpy as np
-    >>> from gdn_layout.reference import backward, chunk_states, forward
     >>> rng = np.random.default_rng(0)
     >>> q, k, v, dy = (rng.standard_normal((1, 10, 2, 4)) for _ in range(4))
-    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)  # keys of unit norm
+    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)
     >>> g, beta = -rng.random((1, 10, 2)), rng.random((1, 10, 2))
-    >>> state = rng.standard_normal((1, 2, 4, 4))
-    >>> h, dh, final = chunk_states(q, k, v, g, beta, dy, state, chunk=4)
+    >>> h, dh, final = chunk_states(q, k, v, g, beta, dy, chunk=4)
     >>> h.shape, dh.shape, final.shape  # chunks of steps 0-3, 4-7 and 8-9
     ((1, 3, 2, 4, 4), (1, 3, 2, 4, 4), (1, 2, 4, 4))
-    >>> bool(np.array_equal(h[:, 0], state))
-    True
-    >>> _, after = forward(q[:, :4], k[:, :4], v[:, :4], g[:, :4], beta[:, :4], state)
-    >>> bool(np.allclose(after, h[:, 1], rtol=1e-12, atol=1e-12))
-    True
-    >>> dstate = backward(q, k, v, g, beta, dy, state)[-32:].reshape(1, 2, 4, 4)
-    >>> bool(np.allclose(dh[:, 0], dstate, rtol=1e-12, atol=1e-12))
-    True
     """
     threads = resolve_workers(workers, "chunk_states")
-    inputs = validate(q, k, v, g, beta, state, dy, dtype, threads)
+    inputs = validate(q, k, v, g, beta, state, dy, dtype)
     size = _chunk_length(chunk)
     b, heads, seq, n = inputs.q.shape
     count = -(-seq // size)
@@ -109,7 +83,7 @@ def chunk_states(
     if b * heads * n == 0:  # no state element: nothing to record, whatever S
         return h, dh, record.final
     chunked = method == "chunked" and _chunked.suits(inputs)
-    stacks = _chunked.backward_plan(inputs, every, threads) if chunked else []
+    stacks = _chunked.plan(inputs, every, threads) if chunked else []
 
     def run(batch: slice, heads: slice) -> None:
         part = part_inputs(inputs, batch, heads)
@@ -139,31 +113,11 @@ def step_by_step(
     *,
     chunk: int | None = None,
     dtype: DTypeLike = np.float32,
-    workers: int | None = 1,
 ) -> tuple[_Array, dict[str, _Array]]:
-    """The packed gradients and ``{"y", "final_state", "h", "dh"}`` of one step-by-step run.
-
-    ``final_state`` with ``state`` or ``chunk``, ``h`` and ``dh`` with ``chunk``: each bit for bit
-    what ``backward``, ``forward`` and :func:`chunk_states` give with ``method="recurrent"``.
-
-    >>> import numpy as np
-    >>> from gdn_layout.reference import backward, forward
-    >>> rng = np.random.default_rng(0)
-    >>> q, k, v, dy = (rng.standard_normal((1, 10, 2, 4)) for _ in range(4))
-    >>> k /= np.linalg.norm(k, axis=-1, keepdims=True)
-    >>> g, beta = -rng.random((1, 10, 2)), rng.random((1, 10, 2))
-    >>> packed, outputs = step_by_step(q, k, v, g, beta, dy, chunk=4)
-    >>> sorted(outputs)
-    ['dh', 'final_state', 'h', 'y']
-    >>> y = forward(q, k, v, g, beta, dtype=np.float32, method="recurrent")
-    >>> bool(np.array_equal(outputs["y"], y))
-    True
-    >>> same = backward(q, k, v, g, beta, dy, dtype=np.float32, method="recurrent")
-    >>> bool(np.array_equal(packed, same))
-    True
-    """
-    threads = resolve_workers(workers, "step_by_step")
-    inputs = validate(q, k, v, g, beta, state, dy, dtype, threads)
+    """The packed gradients and ``{"y", "final_state", "h", "dh"}`` of one step-by-step run,
+    each bit for bit what ``method="recurrent"`` gives; ``final_state`` with ``state`` or
+    ``chunk``, ``h`` and ``dh`` with ``chunk``."""
+    inputs = validate(q, k, v, g, beta, state, dy, dtype)
     layout = inputs.layout
     b, heads, seq, n = inputs.q.shape
     compute = inputs.q.dtype
@@ -179,15 +133,8 @@ def step_by_step(
     )
     flat, grads = empty(layout, compute)
     y = np.empty((b, seq, heads, n), compute)
-
-    def run(batch: slice, heads: slice) -> None:
-        part, out = part_inputs(inputs, batch, heads), part_grads(grads, batch, heads)
-        with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
-            _recurrent.backward(
-                part, out, every, _nothing, record.part(batch, heads), y[batch, :, heads]
-            )
-
-    spread(run, b, heads, threads)
+    with np.errstate(over="ignore", invalid="ignore"):  # reported below, with a location
+        _recurrent.backward(inputs, grads, every, _nothing, record, y)
     outputs = {"y": y}
     if record.dh is not None:
         outputs.update(h=record.h, dh=record.dh)

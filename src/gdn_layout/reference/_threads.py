@@ -17,8 +17,7 @@ _R = TypeVar("_R")
 
 def mapped(func: Callable[[_T], _R], items: Iterable[_T], threads: int) -> list[_R]:
     """``[func(item) for item in items]`` on up to ``threads`` threads, raising what the plain loop
-    would raise first.
-    """
+    would raise first."""
     items = list(items)
     if threads <= 1 or len(items) <= 1:
         return [func(item) for item in items]
@@ -51,8 +50,7 @@ def resolve_workers(value: object, func: str) -> int:
 
 def groups(batch: int, heads: int, count: int) -> list[tuple[slice, slice]]:
     """At most ``count`` ``(batch, heads)`` slices covering every pair once: whole batch elements
-    while there are enough, else each one's heads in ranges.
-    """
+    while there are enough, else each one's heads in ranges."""
     count = max(1, min(count, batch * heads))
     if count == 1 or batch == 0 or heads == 0:
         return [(slice(0, batch), slice(0, heads))]
