@@ -28,7 +28,7 @@ from gdn_layout._dtypes import UNIT_ROUNDOFF
 from gdn_layout.check import Criterion, K
 from gdn_layout.check._criterion import row_scores
 from gdn_layout.files import Fixture, load_fixture
-from gdn_layout.generate import draw_inputs, make_fixture, write_suite
+from gdn_layout.generate import make_fixture, write_suite
 from gdn_layout.reference import backward
 from support import shared_folder
 
@@ -262,23 +262,3 @@ def test_row_scores_are_each_rows_score(
     for row in range(e.shape[0]):
         want = plain_score(c, a[row], e[row])
         assert got[row] == c.score(a[row], e[row]) == pytest.approx(want, rel=1e-12, abs=0)
-
-
-_TRUTHS: dict[tuple[GdnBackwardLayout, str], Array] = {}
-
-
-def truth(layout: GdnBackwardLayout, regime: str) -> Array:
-    key = (layout, regime)
-    if key not in _TRUTHS:
-        _TRUTHS[key] = backward(*draw_inputs(layout, regime=regime, seed=1, dtype=np.float64))
-    return _TRUTHS[key]
-
-
-def test_compare_names_a_boundary_from_its_per_step_scores() -> None:
-    layout = GdnBackwardLayout(1, 40, 2, 8)
-    e = truth(layout, "mild")
-    a = e.astype(np.float32)
-    dq = unpack(a, layout).dq
-    dq[:, 20:] *= np.float32(1.5)  # right before step 20, wrong from it on
-    (found,) = compare(a, e, layout)["dq"].findings
-    assert (found.kind, found.details["step"], found.details["side"]) == ("boundary", 20, "from")
