@@ -389,8 +389,6 @@ class _ErrorMap:
         """The cell of each run of a chunk, and the run's length (a line, or the chunk)."""
         line = self.line if start % self.line == 0 and size % self.line == 0 else size
         index = np.arange(start // self.line, start // self.line + size // line, dtype=np.int64)
-        if self.bins == (1, 1, 1):  # the cells in C order are the lines
-            return index, line
         rest, col = np.divmod(index, self.width)
         batch, row = np.divmod(rest, self.period)
         block = batch // self.bins[0] * self.cells.shape[1] + row // self.bins[1]
