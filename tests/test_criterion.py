@@ -1,4 +1,4 @@
-"""``check._criterion``: verdicts at the edges, and scores of many rows or steps at once.
+"""``check._criterion``: verdicts at the edges, and scores of many rows at once.
 
 float64 is judged against floors like the other classes: the bugs a float64 suite judged
 ``rtol = atol = 1e-7`` let through while the float32 suite caught them (a flipped ``dg``, a
@@ -24,13 +24,11 @@ from hypothesis.extra import numpy as hnp
 from numpy.typing import NDArray
 
 from gdn_layout import GdnBackwardLayout, compare, save_fixture, unpack
-from gdn_layout._dtypes import PRECISIONS, UNIT_ROUNDOFF
-from gdn_layout._floors import term_scales
+from gdn_layout._dtypes import UNIT_ROUNDOFF
 from gdn_layout.check import Criterion, K
-from gdn_layout.check._criterion import Scores, row_scores, step_scores
-from gdn_layout.check._findings import grad_findings
+from gdn_layout.check._criterion import row_scores
 from gdn_layout.files import Fixture, load_fixture
-from gdn_layout.generate import draw_inputs, make_fixture, write_suite
+from gdn_layout.generate import make_fixture, write_suite
 from gdn_layout.reference import backward
 from support import shared_folder
 
@@ -87,16 +85,6 @@ def test_float64_suite_passes_correct_float64_kernels(wide_suite: list[Fixture])
         if not _judged(fx, backward(*fx.inputs, dtype=np.float64, method="recurrent"))
     ]
     assert failed == []
-
-
-@pytest.mark.slow
-def test_a_flipped_dg_fails_every_float64_case_whose_dg_is_not_zero(
-    wide_suite: list[Fixture],
-) -> None:
-    nonzero = [fx for fx in wide_suite if np.any(fx.grads.dg != 0)]
-    assert any(float(np.abs(fx.grads.dg).max()) < 1e-10 for fx in nonzero)  # tiny ones too
-    passed = [fx.path.name if fx.path else "?" for fx in nonzero if _judged(fx, flipped_dg(fx))]
-    assert passed == []
 
 
 @pytest.mark.slow
@@ -172,39 +160,6 @@ def test_the_least_floor_is_half_the_unit_roundoff_times_the_terms() -> None:
     kept = compare(actual, expected, layout, scales={"dg": 1.0})["dg"]
     assert kept.criterion.term_scale is None
     assert kept == compare(actual, expected, layout)["dg"]
-
-
-@pytest.mark.parametrize("judged", ["float32", "float64"])
-def test_a_criterion_made_against_a_re_run_keeps_tolerances_and_its_floors_at_least_its_rounding(
-    judged: str,
-) -> None:
-    # What a misreading is judged by: the criteria judged by, made against a re-run's values.
-    values = np.random.default_rng(5).standard_normal(64)
-    floors = {"float32": {"dq": (1e-7, 4e-7), "dk": (2e-7, 8e-7)}}
-    explicit = Criterion.tolerances(1e-3, 1e-5)
-    calibrated = Criterion.calibrated(floors, judged, "dq", values)
-    scores = Scores({"dq": calibrated, "dk": explicit}, floors, PRECISIONS[judged])
-    assert scores.against("dk", values, None, (1.0, 1.0)) is explicit
-    assert scores.against("dq", values, None, None) == calibrated
-    assert scores.against("dq", values, 3.0, None) == Criterion.calibrated(
-        floors, judged, "dq", values, 3.0
-    )
-    raised = {"float32": {"dq": (1e-5, 4e-7)}}  # the rms floor raised, the max floor kept
-    assert scores.against("dq", values, None, (1e-5, 1e-9)) == Criterion.calibrated(
-        raised, judged, "dq", values
-    )
-
-
-def test_term_scales_are_the_rms_of_the_identitys_terms() -> None:
-    rng = np.random.default_rng(3)
-    q, k, dq, dk = (rng.standard_normal((2, 3, 2, 4)) for _ in range(4))
-    scalar = (np.abs(q * dq) + np.abs(k * dk)).sum(axis=-1)
-    channel = np.abs(q * dq) + np.abs(k * dk)
-    got = term_scales(q, k, dq, dk, per_channel=False)["dg"]
-    assert got == pytest.approx(float(np.sqrt(np.mean(scalar**2))), rel=1e-14)
-    got = term_scales(q, k, dq, dk, per_channel=True)["dg"]
-    assert got == pytest.approx(float(np.sqrt(np.mean(channel**2))), rel=1e-14)
-    assert term_scales(q[:, :0], k[:, :0], dq[:, :0], dk[:, :0], per_channel=False) == {"dg": 0.0}
 
 
 def test_scales_are_checked_like_tolerances() -> None:
@@ -305,74 +260,5 @@ def test_row_scores_are_each_rows_score(
     got = row_scores(c, a, e)
     assert got.shape == (e.shape[0],)
     for row in range(e.shape[0]):
-        assert got[row] == c.score(a[row], e[row])
         want = plain_score(c, a[row], e[row])
-        assert got[row] == pytest.approx(want, rel=1e-12, abs=0), (row, a[row], e[row])
-
-
-def test_row_scores_of_huge_and_tiny_errors_do_not_overflow_or_underflow() -> None:
-    c = Criterion.tolerances(0.0, 0.0, 1.0, elementwise=False)
-    e = np.array([[1e300, -1e300], [1e-300, 2e-300]])
-    a = -e
-    # rms(a - e) / rms(e) is exactly 2 on both rows; squaring would overflow or underflow.
-    np.testing.assert_allclose(row_scores(c, a, e), [2.0, 2.0], rtol=1e-15)
-
-
-class _PerStep:
-    """A score with per-step scores: a criterion for each gradient."""
-
-    def __init__(self, criteria: dict[str, Criterion]) -> None:
-        self.criteria = criteria
-
-    def __call__(self, name: str, a: Array, e: Array) -> float:
-        return self.criteria[name].score(a, e)
-
-    def steps(self, name: str, a: Array, e: Array) -> Array:
-        return step_scores(self.criteria[name], a, e)
-
-
-@pytest.mark.slow
-@settings(max_examples=40, deadline=None)
-@given(
-    t0=st.integers(1, 47),
-    width=st.integers(1, 48),
-    size=st.floats(1e-6, 1.0),
-    name=st.sampled_from(["dq", "dv", "dg", "dbeta"]),
-    regime=st.sampled_from(["mild", "strong", "extreme"]),
-)
-def test_per_step_scores_find_what_one_call_per_step_finds(
-    t0: int, width: int, size: float, name: str, regime: str
-) -> None:
-    layout = GdnBackwardLayout(2, 48, 3, 8)
-    e = getattr(unpack(truth(layout, regime), layout), name)
-    a = e.copy()
-    a[:, t0 : t0 + width] += size * np.sqrt(np.mean(e**2))  # wrong on a run of steps
-    criteria = {n: Criterion.calibrated(None, "float32", n, e) for n in layout.names}
-    vectorised = _PerStep(criteria)
-
-    def one_call_per_step(n: str, a: Array, e: Array) -> float:
-        return criteria[n].score(a, e)
-
-    assert grad_findings(name, a, e, layout, vectorised) == grad_findings(
-        name, a, e, layout, one_call_per_step
-    )
-
-
-_TRUTHS: dict[tuple[GdnBackwardLayout, str], Array] = {}
-
-
-def truth(layout: GdnBackwardLayout, regime: str) -> Array:
-    key = (layout, regime)
-    if key not in _TRUTHS:
-        _TRUTHS[key] = backward(*draw_inputs(layout, regime=regime, seed=1, dtype=np.float64))
-    return _TRUTHS[key]
-
-
-def test_compare_names_a_boundary_from_its_per_step_scores() -> None:
-    layout = GdnBackwardLayout(1, 40, 2, 8)
-    e = truth(layout, "mild")
-    a = e.astype(np.float32)
-    dq = unpack(a, layout).dq
-    dq[:, 20:] *= np.float32(1.5)  # right before step 20, wrong from it on
-    (found,) = compare(a, e, layout)["dq"].findings
-    assert (found.kind, found.details["step"], found.details["side"]) == ("boundary", 20, "from")
+        assert got[row] == c.score(a[row], e[row]) == pytest.approx(want, rel=1e-12, abs=0)

@@ -64,34 +64,24 @@ def compare(
 ) -> Comparison:
     """Compare the packed buffer ``actual`` with ``expected`` under ``layout``.
 
-    ``expected`` is a fixture (it brings its layout, floors and term scales) or a buffer
-    with its ``layout``. Buffers are 1-D float arrays (float16, bfloat16, float32, float64)
-    of ``layout.total_elems`` elements, or what :func:`as_packed` reads as one; their
-    dtypes may differ. ``rtol``, ``atol``, ``max_rms_ratio`` (a float, or a mapping by
-    gradient name) judge elementwise or by the RMS ratio; a gradient given none is judged
-    by the calibrated criterion of ``precision`` (the class the kernel computes in; by
-    default the fixture's dtype's, with bare buffers the less precise one's). With an array
-    ``expected``, ``floors`` and ``scales`` are the calibrated criterion's
-    (:attr:`~gdn_layout.Fixture.floors`, :attr:`~gdn_layout.Fixture.scales`).
-    ``equal_nan`` makes NaN against NaN match. docs/criterion.md defines each criterion.
+    ``expected`` is a fixture (bringing its layout, floors and term scales) or a 1-D float
+    buffer of ``layout.total_elems`` elements, as ``actual`` is. ``rtol``, ``atol`` and
+    ``max_rms_ratio`` (a float, or a mapping by gradient name) judge elementwise or by the
+    RMS ratio; a gradient given none is judged by the calibrated criterion of ``precision``
+    (default: the fixture's class, else the less precise buffer's), with ``floors`` and
+    ``scales`` for an array ``expected``. ``equal_nan`` makes NaN against NaN match.
+    docs/criterion.md defines each criterion.
 
     Raises
     ------
     TypeError
-        A buffer or ``layout`` has the wrong type or dtype, a buffer is a masked array or an
-        ndarray subclass whose values may not be its data, a tolerance is not a number, a
-        keyword is unknown, or ``floors`` or ``scales`` is given with a fixture.
+        A buffer, ``layout`` or tolerance has the wrong type or dtype, a buffer is a masked
+        array or an ndarray subclass that changes its values, a keyword is unknown, or
+        ``floors`` or ``scales`` is given with a fixture.
     ValueError
-        A buffer has the wrong shape, a tolerance is negative or infinite, a mapping names
-        an unknown gradient, ``layout`` is not the fixture's, ``precision`` is unknown or
-        finer than the buffers, or a kernel's output is coarser than its fixture's.
-
-    See Also
-    --------
-    assert_close : The same, raising for pytest.
-    error_map : One gradient's errors over the sequence and heads.
-    check.compare_tensor : A state or ``y`` judged the same way.
-    load_suite : Fixtures to compare against.
+        A buffer has the wrong shape, a tolerance is negative, infinite or names an unknown
+        gradient, ``layout`` is not the fixture's, or ``precision`` is unknown, finer than the
+        buffers, or the kernel's output is coarser than its fixture's.
 
     Examples
     --------
@@ -110,89 +100,78 @@ def compare(
     unknown = sorted(set(judging) - set(Judging.__annotations__))
     if unknown:
         raise TypeError(f"compare() got an unexpected keyword argument {unknown[0]!r}")
-    if not isinstance(expected, Expected):
-        if layout is None:
-            raise TypeError("compare: layout is required when expected is an array")
-        floors = None if floors is None else checked_floors(floors, "compare: floors")
-        return _compare(actual, expected, layout, judging, floors, scales)
-    if floors is not None or scales is not None:
-        raise TypeError(
-            "compare: floors and scales come with the fixture; pass fixture.packed and "
-            "its layout to give others"
-        )
-    if layout is not None and not isinstance(layout, GdnBackwardLayout):
-        raise not_a_layout(layout, "compare")
-    if layout is not None and layout != expected.layout:
-        raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
-    with expected.unchanged():
-        packed = expected.packed
-        fixture_class = precision_of(packed.dtype, "compare: the fixture's dtype")
-        return _compare(
-            actual, packed, expected.layout, judging, expected.floors, expected.scales,
-            expected.inputs, fixture_class,
-        )  # fmt: skip
-
-
-def _compare(
-    actual: object,
-    expected: object,
-    layout: GdnBackwardLayout,
-    judging: Judging,
-    floors: Floors | None,
-    scales: Tolerance | None,
-    inputs: Sequence[NDArray[Any] | None] | None = None,
-    fixture_class: Precision | None = None,
-) -> Comparison:
-    """Each gradient scanned once into its record; where one fails, :func:`explain` of the
-    records (with the case's ``inputs``, the explanations re-run the op)."""
+    fixture_class, inputs = None, None
+    unchanged: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if isinstance(expected, Expected):
+        if floors is not None or scales is not None:
+            raise TypeError(
+                "compare: floors and scales come with the fixture; pass fixture.packed and "
+                "its layout to give others"
+            )
+        if layout is not None and not isinstance(layout, GdnBackwardLayout):
+            raise not_a_layout(layout, "compare")
+        if layout is not None and layout != expected.layout:
+            raise ValueError(f"compare: layout {layout!r} is not the fixture's {expected.layout!r}")
+        layout, floors, scales = expected.layout, expected.floors, expected.scales
+        inputs, unchanged = expected.inputs, expected.unchanged()
+    elif layout is None:
+        raise TypeError("compare: layout is required when expected is an array")
+    elif floors is not None:
+        floors = checked_floors(floors, "compare: floors")
     if not isinstance(layout, GdnBackwardLayout):
         raise not_a_layout(layout, "compare")
-    device = device_of(actual)
-    mine = _checked_buffer("actual", actual, layout)
-    theirs = _checked_buffer("expected", expected, layout)
-    equal_nan = judging.get("equal_nan", False)
-    if not isinstance(equal_nan, (bool, np.bool_)):
-        raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
-    buffers = default_precision(mine.dtype, theirs.dtype)
-    default_rtol, default_atol = DEFAULT_TOLERANCES[buffers.buffer]
-    given = [
-        per_grad("rtol", judging.get("rtol")),
-        per_grad("atol", judging.get("atol")),
-        per_grad("max_rms_ratio", judging.get("max_rms_ratio")),
-    ]
-    judged = buffers  # a class is judged in, and checked, only where a gradient is calibrated
-    if any(all(name not in d for d in given) for name in layout.names):
-        judged = _judged_class(judging.get("precision"), fixture_class, mine.dtype, theirs.dtype)
-    term = per_grad("scales", scales)
-    records = []
-    for seg in layout.segments():
-        a = mine[seg.offset : seg.offset + seg.length]
-        e = theirs[seg.offset : seg.offset + seg.length]
-        r, t, m = (d.get(seg.name) for d in given)
-        if r is None and t is None and m is None:
-            criterion = Criterion.calibrated(floors, judged, seg.name, e, term.get(seg.name))
-        else:
-            criterion = Criterion.tolerances(
-                default_rtol if r is None else r,
-                default_atol if t is None else t,
-                m,
-                elementwise=m is None or r is not None or t is not None,
+    with unchanged:  # a fixture's buffer may not change while it is judged
+        if isinstance(expected, Expected):
+            expected = expected.packed
+            fixture_class = precision_of(expected.dtype, "compare: the fixture's dtype")
+        device = device_of(actual)
+        mine = _checked_buffer("actual", actual, layout)
+        theirs = _checked_buffer("expected", expected, layout)
+        equal_nan = judging.get("equal_nan", False)
+        if not isinstance(equal_nan, (bool, np.bool_)):
+            raise TypeError(f"compare: equal_nan must be a bool, got {type(equal_nan).__name__}")
+        buffers = default_precision(mine.dtype, theirs.dtype)
+        default_rtol, default_atol = DEFAULT_TOLERANCES[buffers.buffer]
+        given = [
+            per_grad("rtol", judging.get("rtol")),
+            per_grad("atol", judging.get("atol")),
+            per_grad("max_rms_ratio", judging.get("max_rms_ratio")),
+        ]
+        judged = buffers  # a class is judged in, and checked, only where a gradient is calibrated
+        if any(all(name not in d for d in given) for name in layout.names):
+            judged = _judged_class(
+                judging.get("precision"), fixture_class, mine.dtype, theirs.dtype
             )
-        record = scan(seg, a, e, criterion, bool(equal_nan))
-        if not record.passed:
-            # A second pass, over a failing gradient only: the maps of its cause cost a
-            # passing one nothing.
-            signed, ratio = _cause_maps(seg, a, e)
-            record = dataclasses.replace(record, signed_error_map=signed, ratio_map=ratio)
-        records.append(record)
-    if all(r.passed for r in records):
-        return Comparison(layout, tuple(records), device=device)
-    mine_grads, their_grads = unpack(mine, layout), unpack(theirs, layout)
-    evidence = Evidence(
-        layout, tuple(records), mine, theirs, mine_grads, their_grads, inputs, floors, judged
-    )
-    explained, whole = explain(evidence)
-    return Comparison(layout, explained, whole, device)
+        term = per_grad("scales", scales)
+        records = []
+        for seg in layout.segments():
+            a = mine[seg.offset : seg.offset + seg.length]
+            e = theirs[seg.offset : seg.offset + seg.length]
+            r, t, m = (d.get(seg.name) for d in given)
+            if r is None and t is None and m is None:
+                criterion = Criterion.calibrated(floors, judged, seg.name, e, term.get(seg.name))
+            else:
+                criterion = Criterion.tolerances(
+                    default_rtol if r is None else r,
+                    default_atol if t is None else t,
+                    m,
+                    elementwise=m is None or r is not None or t is not None,
+                )
+            record = scan(seg, a, e, criterion, bool(equal_nan))
+            if not record.passed:
+                # A second pass, over a failing gradient only: the maps of its cause cost a
+                # passing one nothing.
+                signed, ratio = _cause_maps(seg, a, e)
+                record = dataclasses.replace(record, signed_error_map=signed, ratio_map=ratio)
+            records.append(record)
+        if all(r.passed for r in records):
+            return Comparison(layout, tuple(records), device=device)
+        mine_grads, their_grads = unpack(mine, layout), unpack(theirs, layout)
+        evidence = Evidence(
+            layout, tuple(records), mine, theirs, mine_grads, their_grads, inputs, floors, judged
+        )
+        explained, whole = explain(evidence)
+        return Comparison(layout, explained, whole, device)
 
 
 def _judged_class(
@@ -224,19 +203,8 @@ def assert_close(
     scales: Tolerance | None = None,
     **judging: Unpack[Judging],
 ) -> Comparison:
-    """:func:`compare`, raising AssertionError naming each failing gradient; for pytest.
-
-    Takes what :func:`compare` takes; returns the :class:`Comparison` when every gradient
-    passes, and raises as :func:`compare` does.
-
-    Raises
-    ------
-    AssertionError
-        A gradient fails; the message names each failing gradient and its worst element.
-
-    See Also
-    --------
-    compare : The same comparison, returned rather than raised.
+    """:func:`compare`, raising AssertionError naming each failing gradient and its worst
+    element; returns the :class:`Comparison` when every gradient passes.
 
     Examples
     --------
@@ -265,23 +233,9 @@ def assert_close(
 def error_map(
     actual: NDArray[Any], expected: NDArray[Any], layout: GdnBackwardLayout, name: str
 ) -> NDArray[np.float64]:
-    """The largest ``|a - e|`` of one gradient over (sequence position, head), for plots.
-
-    ``[S, H]`` (``dstate``: ``[N, H]`` over key row and head), read-only; a non-finite
-    mismatch is ``inf``. Past 2**20 per-batch cells it is binned
-    (:attr:`GradComparison.error_map_bins`).
-
-    Raises
-    ------
-    TypeError, ValueError
-        As :func:`compare`.
-    KeyError
-        The layout has no gradient ``name``.
-
-    See Also
-    --------
-    compare : Every gradient judged.
-    plot.plot_errors : The maps drawn.
+    """The largest ``|a - e|`` of one gradient over ``[S, H]`` (``dstate``: ``[N, H]``),
+    read-only, ``inf`` at a non-finite mismatch, binned past 2**20 cells (docs/memory.md).
+    Raises as :func:`compare`, and KeyError for a gradient the layout lacks.
 
     Examples
     --------
@@ -316,20 +270,8 @@ def compare_tensor(
 ) -> GradComparison:
     """One tensor besides the gradients (``y``, ``h``, ``dh``, ``final_state``) judged by
     the calibrated criterion of ``precision`` against ``floors`` (a fixture's
-    :attr:`~gdn_layout.Fixture.state_floors`), its worst element in its own axes.
-
-    Raises
-    ------
-    TypeError
-        ``actual`` is not an array of a float dtype.
-    ValueError
-        Its shape is not ``expected``'s.
-
-    See Also
-    --------
-    compare : The gradients judged.
-    suites.compare_states : A kernel's states against a fixture's.
-    """
+    :attr:`~gdn_layout.Fixture.state_floors`). Raises TypeError for an array that is not of a
+    float dtype, ValueError for a shape that is not ``expected``'s."""
     array = np.asarray(as_packed(actual, "actual", func))
     if not is_floating(array.dtype):
         raise TypeError(f"{func}: {name} must have a float dtype, got {array.dtype}")
@@ -392,14 +334,9 @@ def _check_plain_values(which: str, buffer: np.ndarray[Any, Any], func: str) -> 
         )
 
 
-# -- the scan: one pass over a gradient, in chunks of at most CHUNK_ELEMENTS elements --------
-#
-# A gradient ``[d0, d1, d2, *rest]`` is visited as *lines*, runs of ``prod(rest)`` elements
-# that share one cell ``(d0, d1, d2)`` of the per-batch error map: a chunk is whole lines, or
-# a piece of one long line (a dstate row of N * N elements is never converted at once).
-# A per-batch map past MAP_CELLS cells is binned: each cell the largest error (and count of
-# elements out) of a block of positions, the second axis binned first, the third past
-# MAP_COLUMNS, the batch only when one row per batch element is too many (docs/memory.md).
+# -- the scan: one pass over a gradient ``[d0, d1, d2, *rest]`` in chunks of whole *lines*
+# (the ``prod(rest)`` elements of one map cell ``(d0, d1, d2)``) or pieces of one long line.
+# Past MAP_CELLS cells a map is binned along d1, d2 past MAP_COLUMNS, then d0 (docs/memory.md).
 
 _Cell = TypeVar("_Cell", bound=np.generic)
 
@@ -452,8 +389,6 @@ class _ErrorMap:
         """The cell of each run of a chunk, and the run's length (a line, or the chunk)."""
         line = self.line if start % self.line == 0 and size % self.line == 0 else size
         index = np.arange(start // self.line, start // self.line + size // line, dtype=np.int64)
-        if self.bins == (1, 1, 1):  # the cells in C order are the lines
-            return index, line
         rest, col = np.divmod(index, self.width)
         batch, row = np.divmod(rest, self.period)
         block = batch // self.bins[0] * self.cells.shape[1] + row // self.bins[1]
@@ -499,12 +434,7 @@ def scan(
             max_abs = max(max_abs, float(diff.max()))
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 rel = np.where(diff == 0, 0.0, diff / abs_e)
-            overflowed = np.isinf(diff)  # both finite, yet |a - e| is past the largest float
-            if overflowed.any():
-                half = np.abs(a[overflowed] * 0.5 - e[overflowed] * 0.5)
-                rel[overflowed] = half / (abs_e[overflowed] * 0.5)
-                norm_diff.add(half, 1)  # |a - e| as 2 * |a/2 - e/2|
-            norm_diff.add(np.where(overflowed, 0.0, diff))
+            norm_diff.add(diff)
             max_rel = max(max_rel, float(rel.max()))
             norm_exp.add(abs_e)
         score = diff - allowed if elementwise else diff.copy()
@@ -557,57 +487,44 @@ def _cause_maps(
     """A failing gradient's signed error (the ``a - e`` of largest magnitude, NaN for a
     non-finite mismatch) and ratio (``<a, e> / <e, e>`` of the finite pairs) per cell of
     its batch error map; ``dstate``'s over ``[H, N, N]``, so that a transpose is mirrored."""
+    chunk = _norms.CHUNK_ELEMENTS
     if seg.name != "dstate":
         geometry = _ErrorMap(seg.shape)
-        maps = _CauseMap(geometry.cells.shape)
-        for start, stop in _element_chunks(seg.shape):
-            cells, line = geometry.lines_of(start, stop - start)
-            maps.update(cells, actual[start:stop], expected[start:stop], line)
-        return maps.signed_and_ratio()
-    heads, n = seg.shape[1], seg.shape[2]
-    fold = max(1, math.ceil(math.sqrt(heads * n * n / MAP_CELLS)))
-    side = _ceil(n, fold)
-    maps = _CauseMap((heads, side, side))
-    # Each element's cell is worked out apart: a dozen arrays of the chunk's length.
-    for start, stop in _element_chunks(seg.shape, _norms.CHUNK_ELEMENTS // 8):
-        head, rest = np.divmod(np.arange(start, stop, dtype=np.int64) % (heads * n * n), n * n)
-        row, col = np.divmod(rest, n)
-        cells = (head * side + row // fold) * side + col // fold
-        maps.update(cells, actual[start:stop], expected[start:stop], 1)
-    return maps.signed_and_ratio()
+        shape, cells_of = geometry.cells.shape, geometry.lines_of
+    else:
+        heads, n = seg.shape[1], seg.shape[2]
+        fold = max(1, math.ceil(math.sqrt(heads * n * n / MAP_CELLS)))
+        side = _ceil(n, fold)
+        shape, chunk = (heads, side, side), max(chunk // 8, 1)  # a dozen arrays of a chunk
 
+        def cells_of(start: int, size: int) -> tuple[NDArray[np.int64], int]:
+            index = np.arange(start, start + size, dtype=np.int64) % (heads * n * n)
+            head, rest = np.divmod(index, n * n)
+            row, col = np.divmod(rest, n)
+            return (head * side + row // fold) * side + col // fold, 1
 
-class _CauseMap:
-    """Signed-error and ratio cells folded from chunks of runs of ``line`` elements."""
-
-    def __init__(self, shape: tuple[int, ...]) -> None:
-        self.peak = np.full(shape, -1.0)
-        self.signed, self.dot, self.norm = np.zeros(shape), np.zeros(shape), np.zeros(shape)
-
-    def update(self, cells: NDArray[np.int64], a: NDArray[Any], e: NDArray[Any], line: int) -> None:
-        a, e = a.astype(np.float64), e.astype(np.float64)
+    peak, signed, dot, norm = np.full(shape, -1.0), *(np.zeros(shape) for _ in range(3))
+    for start, stop in _element_chunks(seg.shape, chunk):
+        cells, line = cells_of(start, stop - start)
+        a, e = actual[start:stop].astype(np.float64), expected[start:stop].astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):
             diff = np.where(a == e, 0.0, a - e)  # equal infinities match
-            finite = np.isfinite(diff)
+            finite, both = np.isfinite(diff), np.isfinite(a) & np.isfinite(e)
             size = np.where(finite, np.abs(diff), np.inf).reshape(-1, line)
             at = size.argmax(axis=1)
             rows = np.arange(at.size)
             peaks = size[rows, at]
-            signed = np.where(finite, diff, np.nan).reshape(-1, line)[rows, at]
-            both = np.isfinite(a) & np.isfinite(e)
+            worst = np.where(finite, diff, np.nan).reshape(-1, line)[rows, at]
             dots = np.where(both, a * e, 0.0).reshape(-1, line).sum(axis=1)
             norms = np.where(both, e * e, 0.0).reshape(-1, line).sum(axis=1)
-        peak = self.peak.reshape(-1)
-        np.maximum.at(peak, cells, peaks)
-        won = peaks >= peak[cells]  # the run that holds its cell's largest error so far
-        self.signed.reshape(-1)[cells[won]] = signed[won]
-        np.add.at(self.dot.reshape(-1), cells, dots)
-        np.add.at(self.norm.reshape(-1), cells, norms)
-
-    def signed_and_ratio(self) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
-        with np.errstate(divide="ignore", invalid="ignore"):
-            ratio = np.where(self.norm > 0, self.dot / self.norm, np.nan)
-        return _read_only(self.signed), _read_only(ratio)
+        np.maximum.at(peak.reshape(-1), cells, peaks)
+        won = peaks >= peak.reshape(-1)[cells]  # the run holding its cell's largest error so far
+        signed.reshape(-1)[cells[won]] = worst[won]
+        np.add.at(dot.reshape(-1), cells, dots)
+        np.add.at(norm.reshape(-1), cells, norms)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(norm > 0, dot / norm, np.nan)
+    return _read_only(signed), _read_only(ratio)
 
 
 def _read_only(cells: NDArray[_Cell]) -> NDArray[_Cell]:

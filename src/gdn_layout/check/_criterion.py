@@ -1,7 +1,5 @@
 """The criteria a gradient is judged by, as one type: :class:`Criterion` (docs/criterion.md).
-
-Changing a criterion changes this module alone: its limits, verdict, words, JSON and score.
-"""
+A criterion's limits, verdict, words, JSON and score live here alone."""
 
 from __future__ import annotations
 
@@ -47,25 +45,11 @@ def _floor_for(floors: Floors | None, precision: Precision, grad: str) -> tuple[
 
 @dataclass(frozen=True)
 class Criterion:
-    """How one gradient is judged: its limits, its verdict, and the words that state them.
-
-    Made by :func:`~gdn_layout.compare` with :meth:`tolerances` or :meth:`calibrated` and
-    kept as :attr:`~gdn_layout.GradComparison.criterion`; docs/criterion.md defines each.
-
-    Attributes
-    ----------
-    mode : {"elementwise", "rms", "both", "calibrated"}
-    rtol, atol, max_rms_ratio : float
-        The limits (calibrated: ``atol`` is the largest error of one element allowed).
-    floor, precision, reach, scale, least, term_scale
-        Calibrated: the ``(rms, max)`` floors over ``rms(expected)``, the class they are for,
-        the case's correct forms' rounding over the step-by-step form's, ``rms(expected)``,
-        the least error a floor stands for, and the terms' scale when it set ``least``.
-
-    See Also
-    --------
-    compare : Judges each gradient by one.
-    Fixture : Its floors (``Fixture.floors``).
+    """How one gradient is judged (``mode`` elementwise, rms, both or calibrated): its
+    limits, its verdict and the words that state them; docs/criterion.md defines each.
+    Calibrated, ``atol`` is the largest error of one element allowed, ``floor`` the
+    ``(rms, max)`` floors over ``scale = rms(expected)``, ``least`` the least error a floor
+    stands for, ``reach`` the correct forms' rounding over the step-by-step form's.
 
     Examples
     --------
@@ -192,12 +176,7 @@ class Criterion:
         return rms if self.mode == "rms" else f"{tolerances} {rms}"
 
     def floor_words(self) -> str:
-        """The calibrated floors as a report's line states them; ``""`` for other criteria.
-
-        >>> import numpy as np
-        >>> Criterion.calibrated(None, "float32", "dq", np.ones(8)).floor_words()
-        'floors for float32: rms ratio 3e-05, max error 0.0005 x rms(expected)'
-        """
+        """The calibrated floors as a report's line states them; ``""`` for other criteria."""
         if self.floor is None or self.precision is None:
             return ""
         words = (
@@ -218,11 +197,7 @@ class Criterion:
 
     @property
     def bound_words(self) -> str:
-        """The error one element may have, as a formula.
-
-        >>> Criterion.tolerances(1e-2, 1e-3).bound_words
-        '|a-e| <= 0.001 + 0.01*|e|'
-        """
+        """The error one element may have, as a formula: ``|a-e| <= 0.001 + 0.01*|e|``."""
         return f"|a-e| <= {self.atol:.3g} + {self.rtol:.3g}*|e|"
 
     def allowed(self, expected: float | None) -> float:
@@ -232,8 +207,7 @@ class Criterion:
         return float(self.allowances(np.array([abs(expected)]))[0])
 
     def allowances(self, magnitude: NDArray[np.float64]) -> NDArray[np.float64]:
-        """``atol + rtol * |expected|`` of each element, from ``magnitude``: the one place the
-        elementwise bound is written."""
+        """``atol + rtol * |expected|`` of each element: the one place the bound is written."""
         allowed: NDArray[np.float64] = self.atol + self.rtol * magnitude
         return allowed
 
@@ -310,8 +284,7 @@ def _over(error: NDArray[np.float64], allowed: Any) -> NDArray[np.float64]:
 
 
 def judged_precision(precision: object, func: str, *dtypes: np.dtype[Any]) -> Precision:
-    """The class ``precision`` names (None: the less precise dtype's); one finer than the
-    buffers is a ValueError: their rounding alone would exceed its floors."""
+    """The class ``precision`` names (None: the less precise dtype's), not finer than those."""
     buffers = default_precision(*dtypes)
     if precision is None:
         return buffers

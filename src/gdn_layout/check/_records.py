@@ -1,4 +1,5 @@
-"""The records a comparison returns, their text, HTML and JSON views, and its failure text."""
+"""The records a comparison returns, their text, HTML and JSON views, and its failure text
+(docs/criterion.md)."""
 
 from __future__ import annotations
 
@@ -25,41 +26,14 @@ _NOT_JSON: Final = {"json": False}
 
 @dataclass(frozen=True)
 class GradComparison:
-    """How one gradient of an actual buffer compares with the expected one: what was
-    measured, and the :class:`~gdn_layout.check.Criterion` it was judged by.
-
-    Attributes
-    ----------
-    name, shape, size, actual_dtype, expected_dtype
-        ``"dq"``, ..., ``"dstate"``; its shape, element count and the two dtypes' names.
-    criterion
-        The :class:`~gdn_layout.check.Criterion` it was judged by.
-    max_abs_error, max_rel_error, rms_ratio
-        Over the pairs both finite; NaN (or Inf) when a non-finite mismatch is there.
-    mismatches, nonfinite_mismatches
-        Elements the criterion counts (non-finite mismatches included); non-finite ones.
-    nan_actual, inf_actual, nan_expected, inf_expected
-        NaN/Inf counts on each side.
-    worst, worst_actual, worst_expected
-        Coordinates (in :attr:`axes` order) of the element furthest out of tolerance, and the
-        two values there; None when empty.
-    passed, error_floor_ratio
-        The verdict, and the calibrated criterion's figure (None under tolerances).
-    error_map, batch_error_map, mismatch_map, error_map_bins, batch_bins
-        Read-only maps of the largest ``|a - e|`` per ``[S, H]`` cell (``[N, H]`` for
-        ``dstate``), per batch element, and the mismatches per cell, binned past 2**20 cells
-        (docs/memory.md), with the positions and batch elements a cell covers. For plots.
-    findings
-        What explains a failing gradient, most specific first (docs/findings.md).
-    signed_error_map, ratio_map
-        A failing gradient's signed ``a - e`` of largest magnitude and ``<a, e> / <e, e>``
-        per cell (``dstate``'s ``[H, N, N]``); else None. For plots.
-
-    See Also
-    --------
-    Comparison : The records of every gradient.
-    error_map : One gradient's errors over the sequence and heads.
-    plot.plot_errors : The maps drawn.
+    """How one gradient of an actual buffer compares with the expected one: the figures
+    measured, the :class:`~gdn_layout.check.Criterion` it was judged by, the verdict, the
+    ``findings`` that explain a failure, and read-only maps for plots. Error figures are over
+    the pairs both finite (NaN or Inf at a non-finite mismatch); ``worst`` indexes the
+    element furthest out, in :attr:`axes` order. The maps: the largest ``|a - e|`` per
+    ``[S, H]`` cell (``[N, H]`` for ``dstate``), per batch element, the mismatches per cell,
+    binned past 2**20 cells (docs/memory.md); a failing gradient's signed error and
+    ``<a, e> / <e, e>`` per cell (``dstate``'s ``[H, N, N]``); docs/criterion.md lists each.
 
     Examples
     --------
@@ -211,17 +185,9 @@ class GradComparison:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The result of :func:`compare`: one :class:`GradComparison` per gradient, in order.
-
-    ``str(comparison)`` is a fixed-width table, ``comparison._repr_html_()`` an HTML one and
-    ``comparison.to_dict()`` a JSON-safe dict. Index by name: ``comparison["dk"]``.
-
-    See Also
-    --------
-    compare : What returns one.
-    GradComparison : One gradient's record.
-    check.Finding : What explains a failure.
-    """
+    """The result of :func:`compare`: one :class:`GradComparison` per gradient, in order,
+    indexed by name (``comparison["dk"]``); ``str`` is a fixed-width table, ``_repr_html_`` an
+    HTML one and ``to_dict()`` a JSON-safe dict."""
 
     layout: GdnBackwardLayout
     grads: tuple[GradComparison, ...]
@@ -300,15 +266,10 @@ class Comparison:
         ]
 
     def table(self, *, wide: bool = False, width: int = 100, causes: bool = True) -> str:
-        """The report as text: a title, the table and, where every gradient shares them, the
-        dtypes and the criterion on a line of their own; then, with ``causes``, the likely
-        causes.
-
-        Unless ``wide``, columns that say nothing here are left out (NaN/Inf counts that are
-        all zero, an error/floor column without a calibrated criterion), then the least useful
-        (``shape``, ``max rel``, ...) until every line fits ``width`` characters; a last line
-        names what was left out. ``wide=True`` shows every column.
-        """
+        """The report as text: a title, the dtypes and criterion every gradient shares, the
+        table and, with ``causes``, the likely causes. Unless ``wide``, columns that say
+        nothing are left out, then the least useful until lines fit ``width``; a last line
+        names those left out."""
         columns = self._columns()
         lines = [self._title()]
         if wide:
@@ -361,10 +322,7 @@ class Comparison:
         return f"{table}\n<ul>{items}</ul>"
 
     def plot(self, **options: Any) -> Picture:
-        """:func:`gdn_layout.plot.plot_errors` of this comparison, with the same options.
-
-        Needs ``gdn-layout[plot]``; a notebook displays the returned picture.
-        """
+        """:func:`gdn_layout.plot.plot_errors` of this comparison (needs ``gdn-layout[plot]``)."""
         from ..plot import plot_errors  # deferred: plot builds on this module
 
         return plot_errors(self, **options)
@@ -378,26 +336,10 @@ def failure_message(
     located: bool = False,
     notes: Iterable[str] = (),
 ) -> str:
-    """The text of the AssertionError a failed comparison raises, wherever it is raised
-    (:func:`~gdn_layout.assert_close`, :meth:`~gdn_layout.suites.Case.check`, so the pytest
-    plugin, and :meth:`~gdn_layout.suites.Case.check_states`).
-
-    ``heading``, then each likely cause (once), then with ``table`` the report between blank
-    lines, then the :meth:`~GradComparison.summary` of each record that failed (with
-    ``located``, its worst element's axes named below it), then ``notes``.
-
-    >>> import numpy as np
-    >>> from gdn_layout import GdnBackwardLayout, compare, unpack
-    >>> layout = GdnBackwardLayout(batch=1, seq=4, heads=2, state_size=3)
-    >>> expected = np.linspace(-1, 1, layout.total_elems)
-    >>> actual = expected.copy()
-    >>> unpack(actual, layout).dv[0, 1, 0, 2] += 0.5
-    >>> result = compare(actual, expected, layout, rtol=1e-3)
-    >>> print(failure_message("dv is off", result, located=True))  # doctest: +ELLIPSIS
-    dv is off
-      dv[0, 1, 0, 2]: actual 0.787356 expected 0.287356; 1 of 24 out of tolerance ...
-        worst at b=0, s=1, h=0, n=2
-    """
+    """The text of every AssertionError a failed comparison raises (assert_close, Case.check,
+    so the pytest plugin, Case.check_states): ``heading``, each likely cause, with ``table``
+    the report, each failing record's summary (with ``located``, its worst element's axes
+    named), then ``notes``."""
     lines = [heading, *(f"  {line}" for line in comparison.causes())]
     if table:
         lines.extend(["", comparison.table(causes=False), ""])
