@@ -425,16 +425,10 @@ def _boundaries(ax: Axes, grad: GradComparison) -> dict[str, Artist]:
     marks: dict[str, Artist] = {}
     bottom = ax.get_ylim()[0]  # below the last head
     for finding in grad.findings:
-        step, period = finding.details.get("step"), finding.details.get("period")
-        if finding.kind != "boundary":
+        step = finding.details.get("step")
+        if finding.kind != "boundary" or not isinstance(step, int):
             continue
-        if isinstance(step, int):
-            steps = [step]
-        elif isinstance(period, int):
-            steps = list(range(period, grad.shape[1], period))
-        else:
-            continue
-        edges = np.asarray(steps) / grad.error_map_bins[0] - 0.5
+        edges = np.asarray([step]) / grad.error_map_bins[0] - 0.5
         marks[_FINDING] = ax.vlines(
             edges,
             -0.5,
