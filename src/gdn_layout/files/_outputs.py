@@ -126,6 +126,19 @@ def _sniff(name: str, head: bytes, size: int) -> str:
     return "fixture" if name.endswith(".safetensors") else "raw"
 
 
+def _claimed(path: str) -> str | None:
+    """What a .npy header claims, for an error; None where the header itself is unreadable."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as file:
+            major, _ = fmt.read_magic(file)
+            read = fmt.read_array_header_1_0 if major == 1 else fmt.read_array_header_2_0
+            shape, _, dtype = read(file)
+    except (ValueError, OSError, EOFError):
+        return None
+    return f"its header claims shape {shape} of {dtype}, which no array can have"
+
+
 def _npy(path: str, head: bytes, status: os.stat_result) -> PackedFile:
     if not head.startswith(b"\x93NUMPY"):
         raise ValueError(f"{path}: not a .npy file: it has no NumPy header")
@@ -134,7 +147,8 @@ def _npy(path: str, head: bytes, status: os.stat_result) -> PackedFile:
             packed = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OverflowError, MemoryError) as error:
         # Python objects, a damaged header, or a shape no array can have
-        raise ValueError(f"{path}: cannot be read as a packed buffer: {error}") from None
+        why = _claimed(path) or error
+        raise ValueError(f"{path}: cannot be read as a packed buffer: {why}") from None
     stamp = FileStamp.of(Path(path), status) if isinstance(packed, np.memmap) else None
     return PackedFile(path, ".npy", packed, None, stamp=stamp)
 
