@@ -47,8 +47,9 @@ def test_inputs_as_torch_round_trip_every_dtype(dtype: DTypeLike) -> None:
     assert np.array_equal(make_case(LAYOUT, dtype=dtype, seed=2).inputs.q, case.inputs.q)
     x = case.inputs_as("torch", dtype="float64", requires_grad=True)
     assert (x.q.dtype, x.q.requires_grad, x.q.is_leaf) == (torch.float64, True, True)
-    with pytest.raises(ValueError, match="torch has no dtype named 'float99'"):
-        case.inputs_as("torch", dtype="float99")
+    for name in ("float99", "tensor"):  # "tensor" names a function of torch, not a dtype
+        with pytest.raises(ValueError, match=f"inputs_as: torch has no dtype named '{name}'"):
+            case.inputs_as("torch", dtype=name)
 
 
 @pytest.mark.slow
@@ -77,6 +78,10 @@ def test_inputs_as_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) ->
         case.inputs_as("tf")
     with pytest.raises(ValueError, match="requires_grad is torch's"):
         case.inputs_as("jax", requires_grad=True)
+    with pytest.raises(ValueError, match="inputs_as: numpy has no dtype named 'float8'"):
+        case.inputs_as("numpy", dtype="float8")
+    with pytest.raises(ValueError, match="inputs_as: jax.numpy has no dtype named 'array'"):
+        case.inputs_as("jax", dtype="array")
     monkeypatch.setitem(sys.modules, "torch", None)  # as where torch is not installed
     with pytest.raises(ImportError, match="PyTorch is not installed: pip install torch"):
         case.inputs_as("torch")

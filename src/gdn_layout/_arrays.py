@@ -167,10 +167,15 @@ def as_framework(
         if device is not None and device != "cpu":
             raise ValueError(f"{func}: device must be None or 'cpu' for NumPy, got {device!r}")
         copy = np.array(array)  # writable, C-ordered
+        if isinstance(dtype, str):
+            try:
+                return copy.astype(resolve(dtype, f"{func}: dtype"))
+            except TypeError:
+                raise ValueError(f"{func}: numpy has no dtype named {dtype!r}") from None
         return copy if dtype is None else copy.astype(resolve(dtype, f"{func}: dtype"))
     if framework == "jax":
         jax = _imported("jax", "JAX", func)
-        wanted = array.dtype if dtype is None else np.dtype(_named(jax.numpy, dtype, func))
+        wanted = array.dtype if dtype is None else _named(jax.numpy, dtype, func)
         out = jax.device_put(array, _jax_device(jax, device, func))
         if array.size and out.unsafe_buffer_pointer() == array.ctypes.data:
             out = out.copy()  # JAX's CPU keeps an aligned array's memory: the fixture's here
@@ -242,10 +247,18 @@ def _imported(module: str, name: str, func: str) -> Any:
 
 
 def _named(library: Any, dtype: object, func: str) -> Any:
-    """A dtype of ``library`` given as one or by its name."""
-    if not isinstance(dtype, str):
-        return dtype
-    found = getattr(library, dtype, None)
-    if found is None:
+    """A dtype of ``library`` given as one or by its name: torch's ``torch.dtype``, JAX's as a
+    NumPy dtype. A name of something else (``"tensor"``) is no dtype."""
+    found = getattr(library, dtype, None) if isinstance(dtype, str) else dtype
+    if library.__name__ == "torch":
+        ok = isinstance(found, library.dtype)
+    else:
+        try:
+            found, ok = np.dtype(found), found is not None
+        except TypeError:
+            ok = False
+    if not ok and isinstance(dtype, str):
         raise ValueError(f"{func}: {library.__name__} has no dtype named {dtype!r}")
+    if not ok:
+        raise TypeError(f"{func}: dtype must be a {library.__name__} dtype, got {dtype!r}")
     return found
