@@ -80,7 +80,7 @@ def test_inputs_as_refuses_what_it_cannot_do(monkeypatch: pytest.MonkeyPatch) ->
         case.inputs_as("jax", requires_grad=True)
     with pytest.raises(ValueError, match="inputs_as: numpy has no dtype named 'float8'"):
         case.inputs_as("numpy", dtype="float8")
-    with pytest.raises(ValueError, match="inputs_as: jax.numpy has no dtype named 'array'"):
+    with pytest.raises(ValueError, match=r"inputs_as: jax\.numpy has no dtype named 'array'"):
         case.inputs_as("jax", dtype="array")
     monkeypatch.setitem(sys.modules, "torch", None)  # as where torch is not installed
     with pytest.raises(ImportError, match="PyTorch is not installed: pip install torch"):

@@ -249,7 +249,7 @@ def _imported(module: str, name: str, func: str) -> Any:
 def _named(library: Any, dtype: object, func: str) -> Any:
     """A dtype of ``library`` given as one or by its name: torch's ``torch.dtype``, JAX's as a
     NumPy dtype. A name of something else (``"tensor"``) is no dtype."""
-    found = getattr(library, dtype, None) if isinstance(dtype, str) else dtype
+    found: Any = getattr(library, dtype, None) if isinstance(dtype, str) else dtype
     if library.__name__ == "torch":
         ok = isinstance(found, library.dtype)
     else:
