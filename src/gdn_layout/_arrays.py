@@ -167,12 +167,14 @@ def as_framework(
         if device is not None and device != "cpu":
             raise ValueError(f"{func}: device must be None or 'cpu' for NumPy, got {device!r}")
         copy = np.array(array)  # writable, C-ordered
-        if isinstance(dtype, str):
-            try:
-                return copy.astype(resolve(dtype, f"{func}: dtype"))
-            except TypeError:
-                raise ValueError(f"{func}: numpy has no dtype named {dtype!r}") from None
-        return copy if dtype is None else copy.astype(resolve(dtype, f"{func}: dtype"))
+        if dtype is None:
+            return copy
+        try:
+            return copy.astype(resolve(dtype, f"{func}: dtype"))
+        except TypeError:
+            if not isinstance(dtype, str):
+                raise
+            raise ValueError(f"{func}: numpy has no dtype named {dtype!r}") from None
     if framework == "jax":
         jax = _imported("jax", "JAX", func)
         wanted = array.dtype if dtype is None else _named(jax.numpy, dtype, func)
